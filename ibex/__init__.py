@@ -1,0 +1,3 @@
+"""Ibex context-assembly daemon."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,3 @@
+from ibex.cli import main
+
+raise SystemExit(main())

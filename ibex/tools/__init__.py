@@ -1,0 +1,1 @@
+"""Developer tools (code generation) run through `just`."""

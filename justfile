@@ -1,0 +1,55 @@
+# Recipes assume the venv made by deploy/bootstrap.sh (it puts .venv/bin first on PATH).
+set shell := ["bash", "-euo", "pipefail", "-c"]
+
+py := ".venv/bin/python"
+
+default:
+    @just --list
+
+# Create the venv and install the project with its dev extras.
+setup:
+    test -x {{py}} || python3 -m venv .venv
+    {{py}} -m pip install --quiet --upgrade pip
+    {{py}} -m pip install --quiet -e '.[dev]'
+    touch .venv/.ibex-installed
+
+# Install redis-server from Debian packages when it is missing (tests start their own).
+redis:
+    #!/usr/bin/env bash
+    set -euo pipefail
+    if ! command -v redis-server >/dev/null 2>&1; then
+        if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+        export DEBIAN_FRONTEND=noninteractive
+        $SUDO apt-get update -qq
+        $SUDO apt-get install -y -qq redis-server >/dev/null
+    fi
+    redis-server --version
+
+# Run the daemon (embedded sample data unless Redis / memory service are configured).
+run *ARGS:
+    {{py}} -m ibex serve {{ARGS}}
+
+# Run the test suite (installs redis-server when missing; tests start their own servers).
+test *ARGS: redis
+    {{py}} -m pytest -q {{ARGS}}
+
+# ruff + mypy
+lint:
+    {{py}} -m ruff check ibex tests benchmarks
+    {{py}} -m ruff format --check ibex tests benchmarks
+    {{py}} -m mypy
+
+# Regenerate protobuf code from protos/ (committed; `proto-check` fails on drift).
+proto:
+    {{py}} -m ibex.tools.protogen
+
+# Fail when the committed generated code differs from what protos/ produce.
+proto-check:
+    {{py}} -m ibex.tools.protogen --check
+
+# Benchmarks: print tables and write JSON under benchmarks/results/.
+bench *ARGS:
+    {{py}} -m benchmarks {{ARGS}}
+
+# What CI runs.
+ci: lint proto-check test
