@@ -1,0 +1,97 @@
+"""Packer scores for memory hits.
+
+`interim_v1` (0.85 x similarity + 0.15 x confidence) is the default; it is *not*
+the memory service's composite, which is not on the wire yet. When a request
+carries weights, `weighted_v1` is a normalised weighted sum over relevance
+(similarity), confidence, recency and usefulness, over the components a hit
+actually has. A hit whose inputs are non-finite or out of [0, 1] is never scored.
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import datetime
+
+from ibex.structs import AssemblyOptions, MemoryHit, ScoredMemory
+
+INTERIM = "interim_v1"
+WEIGHTED = "weighted_v1"
+
+#: Recency half-lives in days: how fast each kind of memory goes stale.
+HALF_LIFE_DAYS = {
+    "procedural": 90.0,
+    "factual": 180.0,
+    "preference": 60.0,
+    "behavioral": 30.0,
+    "episodic": 7.0,
+}
+DEFAULT_HALF_LIFE_DAYS = 30.0
+
+
+def _unit(x: float | None) -> bool:
+    return x is not None and math.isfinite(x) and 0.0 <= x <= 1.0
+
+
+def uses_weights(options: AssemblyOptions) -> bool:
+    return any(
+        w > 0
+        for w in (
+            options.relevance_weight,
+            options.confidence_weight,
+            options.recency_weight,
+            options.usefulness_weight,
+        )
+    )
+
+
+def score_schema(options: AssemblyOptions) -> str:
+    return WEIGHTED if uses_weights(options) else INTERIM
+
+
+def recency(created_at: str | None, category: str, now: float) -> float | None:
+    """Exponential decay by category half-life; None when the age is unknown."""
+    if not created_at:
+        return None
+    try:
+        ts = datetime.fromisoformat(created_at).timestamp()
+    except (ValueError, OverflowError, OSError):
+        return None
+    age_days = max(0.0, now - ts) / 86400.0
+    half_life = HALF_LIFE_DAYS.get(category, DEFAULT_HALF_LIFE_DAYS)
+    return float(0.5 ** (age_days / half_life))
+
+
+def score_hit(hit: MemoryHit, options: AssemblyOptions, now: float) -> ScoredMemory | None:
+    """The scored candidate, or None when the hit's inputs are unusable (exclusion `failed`)."""
+    if not (_unit(hit.similarity) and _unit(hit.confidence)):
+        return None
+    if hit.usefulness is not None and not _unit(hit.usefulness):
+        return None
+    rec = recency(hit.created_at, hit.category, now)
+    useful = hit.usefulness
+    if uses_weights(options):
+        parts = [
+            (options.relevance_weight, hit.similarity),
+            (options.confidence_weight, hit.confidence),
+            (options.recency_weight, rec),
+            (options.usefulness_weight, useful),
+        ]
+        present = [(w, v) for w, v in parts if w > 0 and v is not None]
+        total = sum(w for w, _ in present)
+        score = sum(w * v for w, v in present) / total if total > 0 else 0.0
+    else:
+        score = 0.85 * hit.similarity + 0.15 * hit.confidence
+    score = min(1.0, max(0.0, score))
+    return ScoredMemory(
+        memory_id=hit.memory_id,
+        category=hit.category,
+        content=hit.content,
+        composite_score=score,
+        similarity=hit.similarity,
+        confidence=hit.confidence,
+        rank=hit.rank,
+        relevance_score=hit.similarity,
+        recency_score=rec if rec is not None else 0.0,
+        usefulness_score=useful if useful is not None else 0.0,
+        branch=hit.branch,
+    )

@@ -1,0 +1,73 @@
+"""Request validation shared by the gRPC server and in-process callers.
+
+Runs before any I/O, so a malformed request costs nothing downstream and the
+caller learns which field is wrong.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+
+import msgspec
+
+from ibex.config import Settings
+from ibex.errors import InputError, TooLargeError
+from ibex.structs import AssemblyRequest
+
+MAX_MEMORIES_HARD_CAP = 100
+MAX_ID_LENGTH = 256
+
+
+def canonical_uuid(field: str, value: str, *, required: bool = True) -> str:
+    """Lower-case canonical form; the Redis key and the tenant filter compare these."""
+    if not value:
+        if required:
+            raise InputError(field, "is required (a UUID)")
+        return ""
+    if len(value) > 64:
+        raise InputError(field, "is not a valid UUID")
+    try:
+        return str(uuid.UUID(value))
+    except ValueError:
+        raise InputError(field, "is not a valid UUID") from None
+
+
+def _text(field: str, value: str, limit: int) -> None:
+    if len(value) > limit or len(value.encode("utf-8", "surrogatepass")) > limit:
+        raise TooLargeError(field, f"exceeds {limit} bytes")
+
+
+def validate_request(request: AssemblyRequest, settings: Settings) -> AssemblyRequest:
+    """A copy with canonical ids, or InputError / TooLargeError naming the field."""
+    org_id = canonical_uuid("org_id", request.org_id)
+    agent_id = canonical_uuid("agent_id", request.agent_id)
+    version = canonical_uuid("directive_version_id", request.directive_version_id, required=False)
+    if request.available_tokens < 0:
+        raise InputError("available_tokens", "must be >= 0")
+    for name in ("session_id", "request_id", "trace_id", "span_id", "model"):
+        if len(getattr(request, name)) > MAX_ID_LENGTH:
+            raise InputError(name, f"longer than {MAX_ID_LENGTH} characters")
+    opts = request.options
+    for name in ("recency_weight", "relevance_weight", "usefulness_weight", "confidence_weight"):
+        w = getattr(opts, name)
+        if not math.isfinite(w) or w < 0:
+            raise InputError(f"options.{name}", "must be a finite number >= 0")
+    if opts.max_memories < 0:
+        raise InputError("options.max_memories", "must be >= 0 (0 = no cap)")
+    if len(request.recent_messages) > settings.max_history_messages:
+        raise TooLargeError(
+            "recent_messages", f"more than {settings.max_history_messages} messages"
+        )
+    if len(request.tool_schemas) > settings.max_tool_schemas:
+        raise TooLargeError("tool_schemas", f"more than {settings.max_tool_schemas} entries")
+    _text("query", request.query, settings.max_text_bytes)
+    for i, msg in enumerate(request.recent_messages):
+        _text(f"recent_messages[{i}].content", msg.content, settings.max_text_bytes)
+        if len(msg.role) > 64:
+            raise InputError(f"recent_messages[{i}].role", "longer than 64 characters")
+    for i, schema in enumerate(request.tool_schemas):
+        _text(f"tool_schemas[{i}]", schema, settings.max_text_bytes)
+    return msgspec.structs.replace(
+        request, org_id=org_id, agent_id=agent_id, directive_version_id=version
+    )
