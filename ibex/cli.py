@@ -1,0 +1,246 @@
+"""`ibex` command line: serve, assemble, config, check."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from ibex.config import ConfigError, Settings, load_settings
+
+SAMPLE_ORG = "00000000-0000-4000-8000-000000000001"
+SAMPLE_AGENT = "00000000-0000-4000-8000-0000000000a1"
+
+log = logging.getLogger("ibex.cli")
+
+
+def _settings() -> Settings:
+    try:
+        return load_settings()
+    except ConfigError as exc:
+        print(f"ibex: configuration error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import trio
+
+    from ibex.logs import configure_logging
+
+    settings = _settings()
+    if args.workers is not None:
+        if args.workers < 1:
+            print("ibex serve: --workers must be >= 1", file=sys.stderr)
+            return 2
+        settings = _replace(settings, workers=args.workers)
+    configure_logging(settings.log_level)
+    if settings.workers > 1:
+        from ibex.workers import supervise
+
+        return supervise(settings)
+    from ibex.metrics import Metrics, serve_metrics
+    from ibex.server import Daemon
+
+    metrics = Metrics()
+    daemon = Daemon(settings, metrics=metrics)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            if settings.metrics_addr:
+                host, _, port = settings.metrics_addr.rpartition(":")
+                await nursery.start(serve_metrics, metrics, host, int(port))
+            await daemon.serve()
+            nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(main)
+    except ConfigError as exc:
+        print(f"ibex: configuration error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _replace(settings: Settings, **changes: Any) -> Settings:
+    import msgspec
+
+    return msgspec.structs.replace(settings, **changes)
+
+
+def _message(raw: str) -> tuple[str, str]:
+    role, sep, content = raw.partition(":")
+    if not sep:
+        raise argparse.ArgumentTypeError("expected ROLE:CONTENT")
+    return role, content
+
+
+def cmd_assemble(args: argparse.Namespace) -> int:
+    from ibex.client import ContextClient
+
+    host, _, port = args.addr.rpartition(":")
+    fields: dict[str, Any] = dict(
+        org_id=args.org,
+        agent_id=args.agent,
+        query=args.query,
+        model=args.model,
+        available_tokens=args.available_tokens,
+        recent_messages=[{"role": r, "content": c} for r, c in args.message],
+        tool_schemas=list(args.tool),
+        request_id=args.request_id,
+    )
+    if args.max_memories:
+        fields["options"] = {"max_memories": args.max_memories}
+    token = args.token or os.environ.get("IBEX_CONTEXT_CLIENT_TOKEN")
+    ssl_ctx = ContextClient.tls_context(args.ca, args.cert, args.key) if args.ca else None
+
+    async def run() -> Any:
+        client = ContextClient(
+            host or "127.0.0.1", int(port), token=token, ssl_context=ssl_ctx, deadline=args.timeout
+        )
+        try:
+            return await client.assemble(**fields)
+        finally:
+            client.close()
+
+    from grpclib.exceptions import GRPCError
+
+    try:
+        result = asyncio.run(run())
+    except GRPCError as exc:
+        print(f"ibex assemble: {exc.status.name}: {exc.message}", file=sys.stderr)
+        return 1
+    if args.json:
+        from google.protobuf.json_format import MessageToDict
+
+        body = MessageToDict(result.response) if result.response is not None else {}
+        print(json.dumps({"status": result.status, "degraded": result.degraded, **body}, indent=2))
+        return 0
+    print(render_report(result))
+    return 0 if result.status == "OK" else 3
+
+
+def render_report(result: Any) -> str:
+    """The context, then the budget table and every excluded candidate."""
+    out = [result.context.rstrip("\n"), ""]
+    r = result.response
+    if r is None:
+        out.append(f"daemon unavailable ({result.status}): history-only fallback, degraded")
+        return "\n".join(out)
+    b = r.budget
+    used_markup = r.tokens_used - r.directive_tokens - r.history_tokens - r.memory_tokens
+    rows = [
+        ("window", b.context_window),
+        ("response reserve", b.response_reserve),
+        ("safety buffer", b.safety_buffer),
+        ("directive", r.directive_tokens),
+        ("history", r.history_tokens),
+        ("tools + markup", used_markup),
+        ("memories", r.memory_tokens),
+        ("free", b.context_window - b.response_reserve - b.safety_buffer - r.tokens_used),
+    ]
+    out.append(f"budget ({b.tokenizer_family}, {b.estimate_kind})")
+    out += [f"  {name:<18}{value:>10,}" for name, value in rows]
+    out.append(f"  {'tokens used':<18}{r.tokens_used:>10,}")
+    out.append(
+        f"degradation {r.degradation_level}; score {r.score_schema}; pack {r.pack.path}; "
+        f"{r.memories_included} memories included"
+    )
+    out.append(
+        "branches: "
+        + ", ".join(f"{x.source}={x.status} ({x.latency_ms:.1f}ms)" for x in r.branches)
+    )
+    if r.excluded:
+        out.append("excluded:")
+        out += [
+            f"  {m.memory_id:<40} {m.exclusion:<10} score={m.composite_score:.3f}"
+            for m in r.excluded
+        ]
+    return "\n".join(out)
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    settings = _settings()
+    print(json.dumps(settings.redacted(), indent=2, sort_keys=True))
+    return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    """Validate settings, catalog and tokenizer files offline; exit non-zero on any error."""
+    from ibex.auth import check_bind_policy, server_ssl_context
+    from ibex.catalog import CatalogError, load_catalog
+    from ibex.sources.local_file import LocalFileError, LocalFileSource
+    from ibex.tokens import TokenizerError, verify_files
+
+    settings = _settings()
+    ok = True
+    print("settings: ok")
+    try:
+        warning = check_bind_policy(settings)
+        server_ssl_context(settings)
+        print(f"bind {settings.grpc_addr}: ok" + (f" (warning: {warning})" if warning else ""))
+    except ConfigError as exc:
+        ok = False
+        print(f"bind: ERROR {exc}")
+    try:
+        catalog = load_catalog(settings.catalog_path)
+        print(f"catalog: ok ({len(catalog.models)} models, {len(catalog.families)} families)")
+    except CatalogError as exc:
+        ok = False
+        print(f"catalog: ERROR {exc}")
+    try:
+        for line in verify_files(settings.tiktoken_dir):
+            print(f"tokenizer: {line}")
+    except TokenizerError as exc:
+        ok = False
+        print(f"tokenizer: ERROR {exc}")
+    if settings.redis_url is None and settings.memory_base_url is None:
+        try:
+            src = LocalFileSource.load(settings.local_source_path)
+            print(f"local source: ok ({src.origin})")
+        except LocalFileError as exc:
+            ok = False
+            print(f"local source: ERROR {exc}")
+    return 0 if ok else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ibex", description="Ibex context-assembly daemon")
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="run the daemon (settings from IBEX_CONTEXT_*)")
+    s.add_argument("--workers", type=int, default=None, help="worker processes (default 1)")
+    s.set_defaults(func=cmd_serve)
+
+    a = sub.add_parser("assemble", help="ask a running daemon for a context block")
+    a.add_argument("--addr", default=os.environ.get("IBEX_CONTEXT_GRPC_ADDR", "127.0.0.1:9092"))
+    a.add_argument("--org", default=SAMPLE_ORG)
+    a.add_argument("--agent", default=SAMPLE_AGENT)
+    a.add_argument("--query", default="How should I deploy the service on Friday?")
+    a.add_argument("--model", default="gpt-4o")
+    a.add_argument("--available-tokens", type=int, default=0)
+    a.add_argument("--max-memories", type=int, default=0)
+    a.add_argument("--message", type=_message, action="append", default=[],
+                   metavar="ROLE:CONTENT", help="history message (repeatable)")
+    a.add_argument("--tool", action="append", default=[], help="tool schema JSON (repeatable)")
+    a.add_argument("--request-id", default="cli")
+    a.add_argument("--timeout", type=float, default=2.0, help="deadline in seconds")
+    a.add_argument("--token", help="bearer token (or IBEX_CONTEXT_CLIENT_TOKEN)")
+    a.add_argument("--ca", help="CA file: use TLS")
+    a.add_argument("--cert", help="client certificate for mutual TLS")
+    a.add_argument("--key", help="client key for mutual TLS")
+    a.add_argument("--json", action="store_true", help="print the whole response as JSON")
+    a.set_defaults(func=cmd_assemble)
+
+    c = sub.add_parser("config", help="print effective settings (secrets redacted)")
+    c.set_defaults(func=cmd_config)
+    k = sub.add_parser("check", help="validate settings, catalog and tokenizer files offline")
+    k.set_defaults(func=cmd_check)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))

@@ -1,0 +1,149 @@
+"""Client library for Python proxies: one reused HTTP/2 connection, fail-open.
+
+`ContextClient` is asyncio (grpclib); from Trio, call the `*_trio` methods inside
+`trio_asyncio.open_loop()`. The default deadline is 45 ms. When the daemon is
+slow, down or shedding (DEADLINE_EXCEEDED, UNAVAILABLE, RESOURCE_EXHAUSTED) the
+client does not raise: it returns an `Assembled` marked degraded whose context
+is the history alone, so the proxy can go on with the call. Input and auth
+errors still raise: they are bugs to fix, not load to ride out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+import trio_asyncio
+from grpclib.client import Channel
+from grpclib.const import Cardinality, Status
+from grpclib.exceptions import GRPCError, StreamTerminatedError
+
+from ibex import formatter, wire
+from ibex.structs import Message
+
+DEFAULT_DEADLINE = 0.045
+FAIL_OPEN = frozenset({Status.DEADLINE_EXCEEDED, Status.UNAVAILABLE, Status.RESOURCE_EXHAUSTED})
+_PATH = "/ibex.context.v1.ContextAssemblyService/"
+
+
+class Assembled(msgspec.Struct, frozen=True):
+    """The daemon's answer, or the history-only fallback when it could not answer."""
+
+    context: str
+    degraded: bool
+    degradation_level: str
+    status: str
+    response: Any = None
+    branches: str = ""
+
+
+def history_only(messages: Sequence[Message]) -> str:
+    """The fallback context: the history, formatted exactly as the daemon would."""
+    return "".join(formatter.history_section(messages))
+
+
+class ContextClient:
+    """A reusable client; open it once per process and share it."""
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 9092,
+        *,
+        token: str | None = None,
+        ssl_context: ssl.SSLContext | None = None,
+        deadline: float = DEFAULT_DEADLINE,
+    ) -> None:
+        self._channel = Channel(host, port, ssl=ssl_context)
+        self._metadata = {"authorization": f"Bearer {token}"} if token else None
+        self.deadline = deadline
+
+    @staticmethod
+    def tls_context(
+        ca_file: str, cert_file: str | None = None, key_file: str | None = None
+    ) -> ssl.SSLContext:
+        """TLS (and mutual TLS when a client cert is given) for HTTP/2."""
+        ctx = ssl.create_default_context(cafile=ca_file)
+        if cert_file:
+            ctx.load_cert_chain(cert_file, key_file)
+        ctx.set_alpn_protocols(["h2"])
+        return ctx
+
+    def close(self) -> None:
+        self._channel.close()
+
+    async def __aenter__(self) -> ContextClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+    async def _unary(self, method: str, request: Any, reply: Any, timeout: float | None) -> Any:
+        async with self._channel.request(
+            _PATH + method,
+            Cardinality.UNARY_UNARY,
+            type(request),
+            reply,
+            timeout=self.deadline if timeout is None else timeout,
+            metadata=self._metadata,
+        ) as stream:
+            await stream.send_message(request, end=True)
+            message = await stream.recv_message()
+            await stream.recv_trailing_metadata()
+            return message, dict(stream.initial_metadata or {})
+
+    async def assemble(
+        self, request: Any | None = None, *, timeout: float | None = None, **fields: Any
+    ) -> Assembled:
+        """AssembleContext; `request` is a wire.AssembleContextRequest or its fields."""
+        if request is None:
+            request = wire.AssembleContextRequest(**fields)
+        try:
+            msg, meta = await self._unary(
+                "AssembleContext", request, wire.AssembleContextResponse, timeout
+            )
+        except GRPCError as exc:
+            if exc.status in FAIL_OPEN:
+                return self._fallback(request, exc.status.name)
+            raise
+        except (asyncio.TimeoutError, StreamTerminatedError, ConnectionError, OSError):
+            return self._fallback(request, "UNAVAILABLE")
+        return Assembled(
+            context=msg.assembled_context,
+            degraded=msg.degradation_level not in ("", "L0"),
+            degradation_level=msg.degradation_level,
+            status="OK",
+            response=msg,
+            branches=str(meta.get("x-ibex-branches", "")),
+        )
+
+    async def search(self, *, timeout: float | None = None, **fields: Any) -> Any:
+        msg, _ = await self._unary(
+            "SearchMemories",
+            wire.SearchMemoriesRequest(**fields),
+            wire.SearchMemoriesResponse,
+            timeout,
+        )
+        return msg
+
+    def _fallback(self, request: Any, status: str) -> Assembled:
+        messages = [Message(m.role, m.content) for m in request.recent_messages]
+        return Assembled(
+            context=history_only(messages),
+            degraded=True,
+            degradation_level="L2",
+            status=status,
+        )
+
+    # Trio entry points (inside trio_asyncio.open_loop()).
+
+    async def assemble_trio(self, request: Any | None = None, **kw: Any) -> Assembled:
+        result: Assembled = await trio_asyncio.aio_as_trio(self.assemble)(request, **kw)
+        return result
+
+    async def search_trio(self, **kw: Any) -> Any:
+        return await trio_asyncio.aio_as_trio(self.search)(**kw)
+

@@ -1,0 +1,322 @@
+"""The pure assembly: retrieval results in, a verified context block out.
+
+No I/O and no clock other than stage timings: everything the pipeline needs
+(directive, hits, branch outcomes, nonce, "now") comes in an `AssemblyInputs`.
+Every candidate ends either included or excluded with a reason, and the final
+text is re-counted so `tokens_used` is the truth, not an estimate of it.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+import msgspec
+
+from ibex import formatter as fmt
+from ibex.budget import compute_budget
+from ibex.catalog import Catalog, FamilyPolicy, ModelCapability
+from ibex.errors import InputError, TooLargeError
+from ibex.packer import pack
+from ibex.scoring import score_hit, score_schema
+from ibex.structs import (
+    AssemblyMetrics,
+    AssemblyRequest,
+    AssemblyResult,
+    BranchOutcome,
+    DegradationLevel,
+    Directive,
+    Exclusion,
+    MemoryHit,
+    MemoryUsed,
+    PackResult,
+    PackSummary,
+    ScoredMemory,
+)
+from ibex.validation import MAX_MEMORIES_HARD_CAP
+
+UNKNOWN_MODEL_MAX_OUTPUT = 4096
+_NONCE = re.compile(r"[0-9a-f]{2,128}")
+
+
+class Counter(Protocol):
+    """What the pipeline needs from a token counter (see ibex.tokens)."""
+
+    estimate_kind: str
+
+    def count(self, text: str) -> int: ...
+
+
+class CounterSource(Protocol):
+    def counter(self, family: str, encoding: str | None) -> Counter: ...
+
+
+class PipelineConfig(msgspec.Struct, frozen=True):
+    dp_cell_ceiling: int = 70 * 6251
+    max_consecutive_skips: int = 5
+
+
+class AssemblyInputs(msgspec.Struct, frozen=True):
+    """Everything one assembly depends on; identical inputs give identical output."""
+
+    request: AssemblyRequest
+    directive: Directive | None
+    hot: tuple[MemoryHit, ...]
+    cold: tuple[MemoryHit, ...]
+    branches: tuple[BranchOutcome, ...]
+    nonce: str
+    now: float
+    retrieval_ms: float = 0.0
+
+
+def resolve_model(catalog: Catalog, model: str, available_tokens: int) -> ModelCapability:
+    """Catalog entry, or an `unknown`-family stand-in sized by available_tokens."""
+    cap = catalog.resolve(model)
+    if cap is not None:
+        return cap
+    if available_tokens > 0:
+        return ModelCapability(
+            provider="unknown",
+            context_window=available_tokens,
+            max_output_tokens=UNKNOWN_MODEL_MAX_OUTPUT,
+            tokenizer_family="unknown",
+            model_id=model,
+        )
+    raise InputError("model", f"unknown model {model[:64]!r} and available_tokens not set")
+
+
+def degradation_level(branches: Iterable[BranchOutcome]) -> DegradationLevel:
+    """L0 full, L1 one memory source missing, L2 none; skipped by request is not missing."""
+    missing = sum(
+        1 for b in branches if b.source in ("hot", "cold") and b.status in ("timeout", "error")
+    )
+    return "L0" if missing == 0 else "L1" if missing == 1 else "L2"
+
+
+def _used(m: ScoredMemory, exclusion: Exclusion) -> MemoryUsed:
+    return MemoryUsed(
+        memory_id=m.memory_id,
+        composite_score=m.composite_score,
+        relevance_score=m.relevance_score,
+        recency_score=m.recency_score,
+        usefulness_score=m.usefulness_score,
+        rank=m.rank,
+        category=m.category,
+        exclusion=exclusion,
+        similarity=m.similarity,
+        confidence=m.confidence,
+        token_estimate=m.token_estimate,
+    )
+
+
+def _hit_used(hit: MemoryHit, exclusion: Exclusion) -> MemoryUsed:
+    finite = [v if v == v and abs(v) != float("inf") else 0.0 for v in (hit.similarity, hit.confidence)]
+    return MemoryUsed(
+        memory_id=hit.memory_id,
+        rank=hit.rank,
+        category=hit.category,
+        exclusion=exclusion,
+        similarity=finite[0],
+        confidence=finite[1],
+    )
+
+
+def _sort_key(m: ScoredMemory) -> tuple[float, str]:
+    return (-m.composite_score, m.memory_id)
+
+
+def select_candidates(
+    request: AssemblyRequest, hot: Sequence[MemoryHit], cold: Sequence[MemoryHit], now: float
+) -> tuple[list[ScoredMemory], list[MemoryUsed]]:
+    """Tenant filter, skip options, scoring, dedupe and caps.
+
+    Returns the scored candidates (best first) and the exclusions so far.
+    Another tenant's hit is dropped before scoring: it must never be able to
+    displace a legitimate duplicate or leak through degradation.
+    """
+    opts = request.options
+    excluded: list[MemoryUsed] = []
+    best: dict[str, ScoredMemory] = {}
+    streams: list[Sequence[MemoryHit]] = []
+    for skip, hits in ((opts.skip_hot_memories, hot), (opts.skip_cold_memories, cold)):
+        if skip:
+            excluded += (_hit_used(h, "filter") for h in hits)
+        else:
+            streams.append(hits)
+    for hits in streams:
+        for hit in hits:
+            if hit.org_id.lower() != request.org_id or hit.agent_id.lower() != request.agent_id:
+                excluded.append(_hit_used(hit, "filter"))
+                continue
+            scored = score_hit(hit, opts, now)
+            if scored is None:
+                excluded.append(_hit_used(hit, "failed"))
+                continue
+            prev = best.get(scored.memory_id)
+            if prev is None:
+                best[scored.memory_id] = scored
+            elif _sort_key(scored) < _sort_key(prev):
+                best[scored.memory_id] = scored
+    ranked = sorted(best.values(), key=_sort_key)
+    cap = MAX_MEMORIES_HARD_CAP
+    if opts.max_memories > 0:
+        cap = min(cap, opts.max_memories)
+    excluded += (_used(m, "truncated") for m in ranked[cap:])
+    return ranked[:cap], excluded
+
+
+def _count_pieces(counter: Counter, pieces: Iterable[str]) -> int:
+    return sum(counter.count(p) for p in pieces if p)
+
+
+def _ms(seconds: float) -> int:
+    return int(round(seconds * 1000.0))
+
+
+def assemble_pure(
+    inputs: AssemblyInputs,
+    *,
+    catalog: Catalog,
+    tokenizers: CounterSource,
+    config: PipelineConfig = PipelineConfig(),
+) -> AssemblyResult:
+    """Budget, score, pack, format and verify one assembly."""
+    t0 = time.perf_counter()
+    request = inputs.request
+    nonce = inputs.nonce
+    if not _NONCE.fullmatch(nonce):
+        raise ValueError("nonce must be lower-case hex")
+    cap = resolve_model(catalog, request.model, request.available_tokens)
+    family: FamilyPolicy = catalog.family(cap.tokenizer_family)
+    counter = tokenizers.counter(family.name, family.encoding)
+
+    directive = inputs.directive
+    directive_pieces = fmt.directive_section(directive)
+    safety = fmt.safety_piece(nonce)
+    directive_tokens = _count_pieces(counter, directive_pieces) + counter.count(safety)
+    history_tokens = _count_pieces(counter, fmt.history_section(request.recent_messages))
+    tool_tokens = _count_pieces(counter, fmt.tools_section(request.tool_schemas))
+    overhead = counter.count(fmt.memories_open(nonce)) + counter.count(fmt.MEMORIES_CLOSE)
+    budget = compute_budget(
+        cap,
+        family,
+        estimate_kind=counter.estimate_kind,
+        available_tokens=request.available_tokens,
+        directive_tokens=directive_tokens,
+        messages_tokens=history_tokens,
+        tool_schema_tokens=tool_tokens,
+        formatter_overhead_tokens=overhead,
+    )
+    t1 = time.perf_counter()
+
+    candidates, excluded = select_candidates(request, inputs.hot, inputs.cold, inputs.now)
+    close_tokens = counter.count(fmt.MEMORY_CLOSE)
+    candidates = [
+        msgspec.structs.replace(
+            m,
+            token_estimate=counter.count(fmt.memory_open(nonce, m))
+            + counter.count(fmt.body_piece(m.content))
+            + close_tokens,
+        )
+        for m in candidates
+    ]
+    t2 = time.perf_counter()
+
+    result = pack(
+        candidates,
+        budget.usable_budget,
+        dp_cell_ceiling=config.dp_cell_ceiling,
+        max_consecutive_skips=config.max_consecutive_skips,
+    )
+    t3 = time.perf_counter()
+
+    packed = list(result.packed)
+    dropped: list[ScoredMemory] = []
+    while True:
+        ordered = fmt.memory_order(packed)
+        text = fmt.render(
+            directive=directive,
+            messages=request.recent_messages,
+            memories=ordered,
+            tool_schemas=request.tool_schemas,
+            nonce=nonce,
+        )
+        tokens_used = _exact_len(counter, text)
+        if tokens_used <= budget.ceiling:
+            break
+        if not packed:
+            raise TooLargeError(
+                "recent_messages",
+                f"directive, history and tools take {tokens_used} tokens, more than the "
+                f"{budget.ceiling} the model {cap.model_id or request.model!r} leaves for context",
+            )
+        # A merge at a join made the text longer than its pieces: drop the
+        # lowest-value memory (last in score order) and format again.
+        dropped.append(packed.pop())
+    t4 = time.perf_counter()
+
+    memory_tokens = sum(m.token_estimate for m in ordered)
+    included = tuple(_used(m, "included") for m in ordered)
+    excluded += (_used(m, "budget") for m in result.excluded)
+    excluded += (_used(m, "budget") for m in dropped)
+    pack_summary = _summary(result, dropped, ordered)
+    metrics = AssemblyMetrics(
+        budget_calculation_ms=_ms(t1 - t0),
+        directive_load_ms=_branch_ms(inputs.branches, "directive"),
+        hot_memory_retrieval_ms=_branch_ms(inputs.branches, "hot"),
+        cold_memory_retrieval_ms=_branch_ms(inputs.branches, "cold"),
+        ranking_ms=_ms(t2 - t1),
+        packing_ms=_ms(t3 - t2),
+        formatting_ms=_ms(t4 - t3),
+        total_ms=_ms(t4 - t0 + inputs.retrieval_ms / 1000.0),
+        candidates_evaluated=result.candidates_evaluated,
+    )
+    emitted_directive = _count_pieces(counter, directive_pieces) + (
+        counter.count(safety) if ordered else 0
+    )
+    return AssemblyResult(
+        assembled_context=text,
+        tokens_used=tokens_used,
+        memories_used=included,
+        excluded=tuple(excluded),
+        directive_tokens=emitted_directive,
+        history_tokens=history_tokens,
+        memory_tokens=memory_tokens,
+        tool_tokens=tool_tokens,
+        formatter_tokens=overhead if ordered else 0,
+        score_schema=score_schema(request.options),
+        degradation_level=degradation_level(inputs.branches),
+        branches=inputs.branches,
+        budget=budget,
+        pack=pack_summary,
+        metrics=metrics,
+        request_id=request.request_id,
+        trace_id=request.trace_id,
+        span_id=request.span_id,
+        directive_version_id=(directive.version_id or "") if directive else "",
+    )
+
+
+def _exact_len(counter: Counter, text: str) -> int:
+    """The final text is unique per request (nonce): count it without polluting the cache."""
+    uncached = getattr(counter, "count_uncached", None)
+    return int(uncached(text)) if uncached is not None else counter.count(text)
+
+
+def _branch_ms(branches: Sequence[BranchOutcome], source: str) -> int:
+    for b in branches:
+        if b.source == source:
+            return int(round(b.latency_ms))
+    return 0
+
+
+def _summary(result: PackResult, dropped: list[ScoredMemory], kept: list[ScoredMemory]) -> PackSummary:
+    return PackSummary(
+        path=result.path,
+        candidates_evaluated=result.candidates_evaluated,
+        excluded_for_budget=result.excluded_for_budget + len(dropped),
+        budget_reached=result.budget_reached or bool(dropped),
+        total_score=float(sum(m.composite_score for m in kept)),
+    )

@@ -1,0 +1,393 @@
+"""The gRPC daemon: grpclib on the trio-asyncio loop, handlers crossing into Trio once.
+
+Handlers are written against grpclib's `Stream` directly (not the generated
+service base) because they need metadata, the peer certificate and the
+caller's deadline. Each AssembleContext call crosses into Trio exactly once
+with `trio_as_aio`; retrieval runs there under a wall derived from the
+caller's remaining time, so the answer leaves before grpclib's own deadline.
+
+Shutdown drains: stop listening, mark health NOT_SERVING, refuse new RPCs on
+open connections with UNAVAILABLE, let in-flight calls finish within the grace
+period, then close. `Server.close()` alone would cancel in-flight calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpclib.const
+import grpclib.server
+import trio
+import trio_asyncio
+from grpclib.const import Status
+from grpclib.exceptions import GRPCError
+from grpclib.health.check import ServiceStatus
+from grpclib.health.service import Health
+from grpclib.reflection.service import ServerReflection
+
+from ibex import convert
+from ibex._proto.google_proto_descriptor_pool import default_google_proto_descriptor_pool
+from ibex import wire as pb
+from ibex.assemble import Assembler, load_static, open_assembler
+from ibex.auth import (
+    AuthError,
+    Authenticator,
+    PermissionError_,
+    check_bind_policy,
+    check_principal,
+    server_ssl_context,
+    split_addr,
+)
+from ibex.config import Settings
+from ibex.errors import InputError, TooLargeError
+from ibex.metrics import Metrics
+from ibex.scoring import score_hit
+from ibex.sdnotify import Notifier, run_watchdog
+from ibex.sources.base import SourceError
+from ibex.structs import AssemblyOptions
+from ibex.validation import canonical_uuid
+
+log = logging.getLogger("ibex.server")
+
+SERVICE = "ibex.context.v1.ContextAssemblyService"
+_PREFIX = f"/{SERVICE}/"
+SEARCH_LIMIT_CAP = 100
+
+
+class ServerState:
+    """Counters shared by the handlers of one process."""
+
+    def __init__(self, max_in_flight: int) -> None:
+        self.max_in_flight = max_in_flight
+        self.in_flight = 0
+        self.draining = False
+        self.idle = asyncio.Event()
+        self.idle.set()
+
+    def enter(self) -> None:
+        self.in_flight += 1
+        self.idle.clear()
+
+    def leave(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self.idle.set()
+
+
+class ContextService:
+    """ContextAssemblyService over grpclib streams."""
+
+    def __init__(
+        self,
+        assembler: Assembler,
+        *,
+        state: ServerState,
+        metrics: Metrics | None = None,
+        authenticator: Authenticator | None = None,
+    ) -> None:
+        self.assembler = assembler
+        self.settings = assembler.settings
+        self.state = state
+        self.metrics = metrics
+        self.auth = authenticator or Authenticator(assembler.settings)
+
+    def __mapping__(self) -> dict[str, grpclib.const.Handler]:
+        unary = grpclib.const.Cardinality.UNARY_UNARY
+        return {
+            _PREFIX + "AssembleContext": grpclib.const.Handler(
+                self._wrap("AssembleContext", self.assemble_context),
+                unary,
+                pb.AssembleContextRequest,
+                pb.AssembleContextResponse,
+            ),
+            _PREFIX + "SearchMemories": grpclib.const.Handler(
+                self._wrap("SearchMemories", self.search_memories),
+                unary,
+                pb.SearchMemoriesRequest,
+                pb.SearchMemoriesResponse,
+            ),
+            _PREFIX + "RecordMemoryFeedback": grpclib.const.Handler(
+                self._wrap("RecordMemoryFeedback", self.record_memory_feedback),
+                unary,
+                pb.RecordMemoryFeedbackRequest,
+                pb.RecordMemoryFeedbackResponse,
+            ),
+        }
+
+    def _wrap(
+        self, method: str, handler: Callable[[grpclib.server.Stream[Any, Any]], Awaitable[None]]
+    ) -> Callable[[grpclib.server.Stream[Any, Any]], Awaitable[None]]:
+        """Drain refusal, load shedding, authentication and status accounting."""
+
+        async def run(stream: grpclib.server.Stream[Any, Any]) -> None:
+            t0 = time.perf_counter()
+            code = "OK"
+            try:
+                if self.state.draining:
+                    raise GRPCError(Status.UNAVAILABLE, "server is draining; retry elsewhere")
+                if self.state.in_flight >= self.state.max_in_flight:
+                    if self.metrics is not None:
+                        self.metrics.shed()
+                    raise GRPCError(
+                        Status.RESOURCE_EXHAUSTED,
+                        f"overloaded: {self.state.in_flight} requests in flight",
+                    )
+                try:
+                    peer_cert = stream.peer.cert() if self.auth.mtls else None
+                    stream.user_identity = self.auth.authenticate(stream.metadata or {}, peer_cert)
+                except AuthError as exc:
+                    raise GRPCError(Status.UNAUTHENTICATED, str(exc)) from None
+                self.state.enter()
+                try:
+                    await handler(stream)
+                finally:
+                    self.state.leave()
+            except GRPCError as exc:
+                code = exc.status.name
+                raise
+            except asyncio.CancelledError:
+                code = "CANCELLED"
+                raise
+            except Exception:
+                code = "INTERNAL"
+                log.exception("handler_failed", extra={"method": method})
+                raise GRPCError(Status.INTERNAL, "internal error") from None
+            finally:
+                if self.metrics is not None:
+                    self.metrics.observe_request(method, code, time.perf_counter() - t0)
+
+        return run
+
+    # --- AssembleContext -----------------------------------------------------
+
+    async def assemble_context(self, stream: grpclib.server.Stream[Any, Any]) -> None:
+        msg = await stream.recv_message()
+        assert msg is not None
+        try:
+            request = self.assembler.check_request(convert.request_from_proto(msg))
+            principal = msg.principal_context if msg.HasField("principal_context") else None
+            check_principal(principal, request.org_id, request.agent_id)
+        except TooLargeError as exc:
+            raise GRPCError(Status.RESOURCE_EXHAUSTED, str(exc)) from None
+        except InputError as exc:
+            raise GRPCError(Status.INVALID_ARGUMENT, str(exc)) from None
+        except PermissionError_ as exc:
+            raise GRPCError(Status.PERMISSION_DENIED, str(exc)) from None
+        remaining = stream.deadline.time_remaining() if stream.deadline else None
+        if remaining is not None and remaining <= 0:
+            raise GRPCError(Status.DEADLINE_EXCEEDED, "deadline already passed")
+        try:
+            result = await trio_asyncio.trio_as_aio(self._assemble_in_trio)(request, remaining)
+        except TooLargeError as exc:
+            raise GRPCError(Status.RESOURCE_EXHAUSTED, str(exc)) from None
+        except InputError as exc:
+            raise GRPCError(Status.INVALID_ARGUMENT, str(exc)) from None
+        if self.metrics is not None:
+            self.metrics.observe_assembly(result)
+        await stream.send_initial_metadata(
+            metadata={
+                "x-ibex-degradation": result.degradation_level,
+                "x-ibex-branches": convert.branches_header(result),
+            }
+        )
+        await stream.send_message(convert.response_to_proto(result))
+
+    async def _assemble_in_trio(self, request: Any, remaining: float | None) -> Any:
+        deadline = None if remaining is None else trio.current_time() + remaining
+        return await self.assembler.assemble(request, deadline=deadline, validated=True)
+
+    # --- SearchMemories ------------------------------------------------------
+
+    async def search_memories(self, stream: grpclib.server.Stream[Any, Any]) -> None:
+        msg = await stream.recv_message()
+        assert msg is not None
+        try:
+            org_id = canonical_uuid("org_id", msg.org_id)
+            agent_id = canonical_uuid("agent_id", msg.agent_id)
+        except InputError as exc:
+            raise GRPCError(Status.INVALID_ARGUMENT, str(exc)) from None
+        if not msg.query.strip():
+            raise GRPCError(Status.INVALID_ARGUMENT, "query: is required")
+        if len(msg.query.encode()) > self.settings.max_text_bytes:
+            raise GRPCError(Status.RESOURCE_EXHAUSTED, "query: too large")
+        if msg.limit < 0 or not math.isfinite(msg.min_similarity) or not (
+            0.0 <= msg.min_similarity <= 1.0
+        ):
+            raise GRPCError(
+                Status.INVALID_ARGUMENT, "limit must be >= 0 and min_similarity in [0, 1]"
+            )
+        limit = min(msg.limit or 10, SEARCH_LIMIT_CAP)
+        remaining = stream.deadline.time_remaining() if stream.deadline else None
+        t0 = time.perf_counter()
+        try:
+            hits = await trio_asyncio.trio_as_aio(self._search_in_trio)(
+                org_id, agent_id, msg.query, limit, remaining
+            )
+        except SourceError as exc:
+            raise GRPCError(Status.UNAVAILABLE, f"memory search failed: {exc}") from None
+        categories = set(msg.categories)
+        tags = set(msg.tags)
+        now = time.time()
+        memories = []
+        for hit in hits:
+            if hit.org_id.lower() != org_id or hit.agent_id.lower() != agent_id:
+                log.warning("tenant_filter_dropped", extra={"count": 1, "org_id": org_id})
+                continue
+            if hit.similarity < msg.min_similarity:
+                continue
+            if categories and hit.category not in categories:
+                continue
+            if tags and not tags.intersection(hit.tags):
+                continue
+            scored = score_hit(hit, AssemblyOptions(), now)
+            if scored is None:
+                continue
+            memories.append(
+                pb.Memory(
+                    id=hit.memory_id,
+                    content=hit.content,
+                    category=hit.category,
+                    confidence=hit.confidence,
+                    composite_score=scored.composite_score,
+                    retrieval_count=hit.access_count or 0,
+                    created_at=hit.created_at or "",
+                )
+            )
+        memories.sort(key=lambda m: (-m.composite_score, m.id))
+        await stream.send_message(
+            pb.SearchMemoriesResponse(
+                memories=memories[:limit],
+                total_candidates=len(hits),
+                search_time_ms=int((time.perf_counter() - t0) * 1000),
+            )
+        )
+
+    async def _search_in_trio(
+        self, org_id: str, agent_id: str, query: str, limit: int, remaining: float | None
+    ) -> list[Any]:
+        source = self.assembler.memory_source
+        if source is None:
+            raise SourceError("no memory source configured")
+        timeout = self.settings.cold_timeout
+        if remaining is not None:
+            timeout = min(timeout, max(0.0, remaining - self.settings.pipeline_headroom))
+        with trio.move_on_after(timeout):
+            return await source.cold(
+                org_id, agent_id, query, limit=limit, min_confidence=self.settings.min_confidence
+            )
+        raise SourceError(f"no answer within {timeout * 1000:.0f}ms")
+
+    # --- RecordMemoryFeedback ------------------------------------------------
+
+    async def record_memory_feedback(self, stream: grpclib.server.Stream[Any, Any]) -> None:
+        await stream.recv_message()
+        raise GRPCError(
+            Status.UNIMPLEMENTED,
+            "RecordMemoryFeedback: the memory service offers no feedback endpoint yet",
+        )
+
+
+class Daemon:
+    """One serving process: the gRPC server, health, reflection, drain."""
+
+    def __init__(self, settings: Settings, *, metrics: Metrics | None = None) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.state = ServerState(settings.max_in_flight)
+        self.health_status = ServiceStatus()
+        self.server: grpclib.server.Server | None = None
+        self.port: int | None = None
+
+    def build_server(self, assembler: Assembler) -> grpclib.server.Server:
+        service = ContextService(assembler, state=self.state, metrics=self.metrics)
+        health = Health({service: [self.health_status]})
+        services: list[Any] = [service, health]
+        services = ServerReflection.extend(services, pool=default_google_proto_descriptor_pool)
+        return grpclib.server.Server(services)
+
+    async def serve(
+        self,
+        *,
+        task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
+        notifier: Notifier | None = None,
+        shutdown: trio.Event | None = None,
+        sock: Any = None,
+    ) -> None:
+        """Run until SIGTERM/SIGINT (or `shutdown` is set), then drain. Call from Trio."""
+        settings = self.settings
+        warning = check_bind_policy(settings)
+        if warning:
+            log.warning("insecure_bind", extra={"detail": warning})
+        ssl_ctx = server_ssl_context(settings)
+        catalog, tokenizers = load_static(settings)
+        notifier = notifier or Notifier.from_env()
+        shutdown = shutdown or trio.Event()
+        async with trio_asyncio.open_loop(), open_assembler(
+            settings, catalog=catalog, tokenizers=tokenizers
+        ) as assembler:
+            if self.metrics is not None:
+                self.metrics.set_token_cache_source(lambda: _cache_totals(tokenizers))
+            server = self.build_server(assembler)
+            self.server = server
+            host, port = split_addr(settings.grpc_addr)
+            if sock is not None:
+                await trio_asyncio.aio_as_trio(server.start)(sock=sock, ssl=ssl_ctx)
+            else:
+                await trio_asyncio.aio_as_trio(server.start)(
+                    host, port, ssl=ssl_ctx, reuse_port=settings.workers > 1 or None
+                )
+            assert server._server is not None
+            self.port = server._server.sockets[0].getsockname()[1]
+            self.health_status.set(True)
+            log.info(
+                "serving",
+                extra={
+                    "addr": f"{host}:{self.port}",
+                    "backend": assembler.backend,
+                    "tls": ssl_ctx is not None,
+                    "auth": Authenticator(settings).enabled,
+                },
+            )
+            notifier.ready(f"serving on {host}:{self.port} ({assembler.backend})")
+            task_status.started(self.port)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(run_watchdog, notifier)
+                nursery.start_soon(_wait_signal, shutdown)
+                await shutdown.wait()
+                notifier.stopping()
+                notifier.status("draining")
+                await self.drain(server)
+                nursery.cancel_scope.cancel()
+            log.info("stopped", extra={"in_flight": self.state.in_flight})
+
+    async def drain(self, server: grpclib.server.Server) -> None:
+        """Stop listening, refuse new RPCs, wait for in-flight ones, then close."""
+        self.state.draining = True
+        self.health_status.set(False)
+        log.info("draining", extra={"in_flight": self.state.in_flight})
+        if server._server is not None:
+            server._server.close()  # stop accepting connections; existing ones stay
+        with trio.move_on_after(self.settings.drain_grace) as scope:
+            await trio_asyncio.aio_as_trio(self.state.idle.wait)()
+        if scope.cancelled_caught:
+            log.warning("drain_grace_expired", extra={"in_flight": self.state.in_flight})
+        server.close()
+        await trio_asyncio.aio_as_trio(server.wait_closed)()
+
+
+def _cache_totals(tokenizers: Any) -> tuple[int, int]:
+    info = tokenizers.cache_info()
+    return sum(i.hits for i in info.values()), sum(i.misses for i in info.values())
+
+
+async def _wait_signal(shutdown: trio.Event) -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for _ in signals:
+            shutdown.set()
+            return

@@ -1,0 +1,3 @@
+"""Shared fixtures: a real redis-server per test that asks for one."""
+
+pytest_plugins = ["tests.redis_server"]

@@ -1,0 +1,34 @@
+"""The independent grpcio-tools client (pb2 messages and grpc stub) for interop tests.
+
+The modules live in `tests/_grpcio_client/`, generated and drift-checked by
+`python -m ibex.tools.protogen`. grpcio-tools emits absolute imports
+(`from ibex.auth.v1 import ...`) that would shadow or collide with the real `ibex`
+package if that directory were put on sys.path, so protogen rewrites them to
+relative imports and no sys.path handling is needed: import this module as
+`tests.grpcio_stubs` (pytest's default rootdir handling makes `tests` importable).
+
+The pb2 classes register into protobuf's default descriptor pool under the proto
+file names (`ibex/context/v1/context.proto`); the betterproto2 code uses its own
+pool, so both can be loaded in one process.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import NamedTuple
+
+from ._grpcio_client.ibex.auth.v1 import principal_context_pb2
+from ._grpcio_client.ibex.context.v1 import context_pb2, context_pb2_grpc
+
+__all__ = ["GrpcioStubs", "context_pb2", "context_pb2_grpc", "load", "principal_context_pb2"]
+
+
+class GrpcioStubs(NamedTuple):
+    context_pb2: ModuleType
+    context_pb2_grpc: ModuleType
+    principal_context_pb2: ModuleType
+
+
+def load() -> GrpcioStubs:
+    """The pb2 modules; `context_pb2_grpc.ContextAssemblyServiceStub(channel)` is the client."""
+    return GrpcioStubs(context_pb2, context_pb2_grpc, principal_context_pb2)
