@@ -29,8 +29,11 @@ redis:
 run *ARGS:
     {{py}} -m ibex serve {{ARGS}}
 
-# Run the test suite (installs redis-server when missing; tests start their own servers).
-test *ARGS: redis
+# Everything CI checks: lint, generated-code drift, the whole suite.
+test: lint proto-check pytest
+
+# The test suite alone (installs redis-server when missing; tests start their own servers).
+pytest *ARGS: redis
     {{py}} -m pytest -q {{ARGS}}
 
 # ruff + mypy
@@ -50,6 +53,3 @@ proto-check:
 # Benchmarks: print tables and write JSON under benchmarks/results/.
 bench *ARGS:
     {{py}} -m benchmarks {{ARGS}}
-
-# What CI runs.
-ci: lint proto-check test

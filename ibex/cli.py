@@ -39,19 +39,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
             return 2
         settings = _replace(settings, workers=args.workers)
     configure_logging(settings.log_level)
-    if settings.workers > 1:
+    if settings.workers > 1 and not args.worker:
+        from ibex.auth import check_bind_policy
         from ibex.workers import supervise
 
+        try:
+            check_bind_policy(settings)
+        except ConfigError as exc:
+            print(f"ibex: configuration error: {exc}", file=sys.stderr)
+            return 2
         return supervise(settings)
     from ibex.metrics import Metrics, serve_metrics
     from ibex.server import Daemon
 
     metrics = Metrics()
-    daemon = Daemon(settings, metrics=metrics)
+    daemon = Daemon(settings, metrics=metrics, reuse_port=args.worker)
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            if settings.metrics_addr:
+            if settings.metrics_addr and not args.worker:
                 host, _, port = settings.metrics_addr.rpartition(":")
                 await nursery.start(serve_metrics, metrics, host, int(port))
             await daemon.serve()
@@ -212,6 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="run the daemon (settings from IBEX_CONTEXT_*)")
     s.add_argument("--workers", type=int, default=None, help="worker processes (default 1)")
+    s.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     s.set_defaults(func=cmd_serve)
 
     a = sub.add_parser("assemble", help="ask a running daemon for a context block")

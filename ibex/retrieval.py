@@ -134,6 +134,7 @@ async def retrieve(
 
     now = trio.current_time()
     elapsed = (now - started) * 1000.0
+    source: BranchSource
     for source in BRANCH_ORDER:
         if source not in outcomes:
             # Cancelled by the request wall rather than by its own timeout.
@@ -141,9 +142,9 @@ async def retrieve(
                 source, "timeout", elapsed, f"request wall of {wall * 1000:.0f}ms reached"
             )
             values.pop(source, None)
-    for source in ("hot", "cold"):
-        if outcomes[source].status != "success":  # type: ignore[index]
-            values.pop(source, None)  # type: ignore[call-overload]
+    for mem_source in ("hot", "cold"):
+        if outcomes[mem_source].status != "success":
+            values.pop(mem_source, None)
     directive = values.get("directive") if outcomes["directive"].status == "success" else None
     return Retrieved(
         directive=directive,

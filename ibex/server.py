@@ -140,7 +140,7 @@ class ContextService:
                     )
                 try:
                     peer_cert = stream.peer.cert() if self.auth.mtls else None
-                    stream.user_identity = self.auth.authenticate(stream.metadata or {}, peer_cert)
+                    self.auth.authenticate(stream.metadata or {}, peer_cert)
                 except AuthError as exc:
                     raise GRPCError(Status.UNAUTHENTICATED, str(exc)) from None
                 self.state.enter()
@@ -222,17 +222,24 @@ class ContextService:
             raise GRPCError(
                 Status.INVALID_ARGUMENT, "limit must be >= 0 and min_similarity in [0, 1]"
             )
+        if msg.tags:
+            # The memory service's read surface carries no tags, so no hit could match.
+            raise GRPCError(
+                Status.UNIMPLEMENTED,
+                "tags: filtering by tag is not supported until the memory service returns tags",
+            )
         limit = min(msg.limit or 10, SEARCH_LIMIT_CAP)
+        categories = set(msg.categories)
+        # Filters applied here would leave fewer than `limit` results: fetch the cap instead.
+        fetch = SEARCH_LIMIT_CAP if categories or msg.min_similarity > 0 else limit
         remaining = stream.deadline.time_remaining() if stream.deadline else None
         t0 = time.perf_counter()
         try:
             hits = await trio_asyncio.trio_as_aio(self._search_in_trio)(
-                org_id, agent_id, msg.query, limit, remaining
+                org_id, agent_id, msg.query, fetch, remaining
             )
         except SourceError as exc:
             raise GRPCError(Status.UNAVAILABLE, f"memory search failed: {exc}") from None
-        categories = set(msg.categories)
-        tags = set(msg.tags)
         now = time.time()
         memories = []
         for hit in hits:
@@ -242,8 +249,6 @@ class ContextService:
             if hit.similarity < msg.min_similarity:
                 continue
             if categories and hit.category not in categories:
-                continue
-            if tags and not tags.intersection(hit.tags):
                 continue
             scored = score_hit(hit, AssemblyOptions(), now)
             if scored is None:
@@ -296,9 +301,12 @@ class ContextService:
 class Daemon:
     """One serving process: the gRPC server, health, reflection, drain."""
 
-    def __init__(self, settings: Settings, *, metrics: Metrics | None = None) -> None:
+    def __init__(
+        self, settings: Settings, *, metrics: Metrics | None = None, reuse_port: bool = False
+    ) -> None:
         self.settings = settings
         self.metrics = metrics
+        self.reuse_port = reuse_port
         self.state = ServerState(settings.max_in_flight)
         self.health_status = ServiceStatus()
         self.server: grpclib.server.Server | None = None
@@ -327,7 +335,7 @@ class Daemon:
         ssl_ctx = server_ssl_context(settings)
         catalog, tokenizers = load_static(settings)
         notifier = notifier or Notifier.from_env()
-        shutdown = shutdown or trio.Event()
+        shutdown = shutdown if shutdown is not None else trio.Event()
         async with trio_asyncio.open_loop(), open_assembler(
             settings, catalog=catalog, tokenizers=tokenizers
         ) as assembler:
@@ -340,10 +348,10 @@ class Daemon:
                 await trio_asyncio.aio_as_trio(server.start)(sock=sock, ssl=ssl_ctx)
             else:
                 await trio_asyncio.aio_as_trio(server.start)(
-                    host, port, ssl=ssl_ctx, reuse_port=settings.workers > 1 or None
+                    host, port, ssl=ssl_ctx, reuse_port=self.reuse_port or None
                 )
             assert server._server is not None
-            self.port = server._server.sockets[0].getsockname()[1]
+            self.port = server._server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
             self.health_status.set(True)
             log.info(
                 "serving",

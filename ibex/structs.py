@@ -79,6 +79,7 @@ class MemoryHit(msgspec.Struct, frozen=True):
     created_at: str | None = None
     usefulness: float | None = None
     access_count: int | None = None
+    tags: tuple[str, ...] = ()
 
 
 class BranchOutcome(msgspec.Struct, frozen=True):

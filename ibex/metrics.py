@@ -1,0 +1,477 @@
+"""Prometheus metrics for the daemon, and a tiny Trio HTTP server that exposes them.
+
+Metrics (all names carry the ``ibex_`` prefix; durations are in seconds):
+
+=====================================  =====  ==============  ====================================
+name                                   type   labels          meaning
+=====================================  =====  ==============  ====================================
+ibex_grpc_requests_total               C      method, code    finished RPCs by gRPC status name
+ibex_grpc_request_duration_seconds     H      method          RPC handling time
+ibex_in_flight_requests                G                      RPCs being handled (sum of workers)
+ibex_shed_requests_total               C                      RPCs refused at the in-flight cap
+ibex_branch_outcomes_total             C      source, status  retrieval branches by outcome
+ibex_branch_latency_seconds            H      source          branch latency, any outcome
+ibex_stage_duration_seconds            H      stage           budget, ranking, packing, ... total
+ibex_degradation_total                 C      level           assemblies by level (L0/L1/L2)
+ibex_pack_path_total                   C      path            assemblies by packer path (dp/greedy)
+ibex_context_tokens_used               H                      tokens in the assembled context
+ibex_context_budget_utilization_ratio  H                      tokens_used / budget ceiling, 0..1
+ibex_context_memories_included         H                      memories packed into one context
+ibex_tenant_filtered_hits_total        C                      hits dropped for another org/agent
+ibex_token_cache_hits_total            C                      token-count cache hits
+ibex_token_cache_misses_total          C                      token-count cache misses
+=====================================  =====  ==============  ====================================
+
+C counter, G gauge, H histogram. ``code`` is the gRPC status name (``OK``,
+``INVALID_ARGUMENT``, ...); ``method`` the short RPC name (``AssembleContext``).
+
+Token-cache hit rate: ``rate(ibex_token_cache_hits_total[5m]) /
+(rate(ibex_token_cache_hits_total[5m]) + rate(ibex_token_cache_misses_total[5m]))``.
+Budget pressure: ``histogram_quantile(0.9,
+rate(ibex_context_budget_utilization_ratio_bucket[5m]))``.
+
+Known label values are created at start-up so ``rate()`` sees a zero before the
+first event rather than a missing series.
+
+Multiple worker processes
+-------------------------
+Each worker has its own registry; a scrape of one worker would see a fraction
+of the traffic. prometheus_client's multiprocess mode solves this with one
+mmap file per process and metric type in a shared directory:
+
+1. The supervisor sets ``PROMETHEUS_MULTIPROC_DIR`` (systemd: ``/run/ibex``
+   from ``RuntimeDirectory=ibex``) **before anything imports prometheus_client**
+   and passes it to the workers' environment; prometheus_client chooses its
+   value storage at import time. It calls `clear_multiprocess_dir` once before
+   starting workers (stale files from a previous run would be summed in).
+2. Workers create `Metrics()` and record as usual; they do not serve /metrics.
+3. The supervisor runs ``serve_metrics(exposition_registry(), host, port)``;
+   `exposition_registry` aggregates every worker's files at scrape time.
+4. When a worker exits, the supervisor calls ``mark_process_dead(pid)`` so
+   its in-flight gauge stops counting; its counters are kept (they are totals).
+
+With a single process and no ``PROMETHEUS_MULTIPROC_DIR`` the process serves
+its own ``Metrics().registry``. The token-cache counters read the tokenizer's
+own counters at scrape time in that mode; in multiprocess mode a collector
+cannot run in the worker at scrape time, so `observe_assembly` copies the
+tokenizer's deltas into ordinary counters instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Final
+
+import trio
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    multiprocess,
+    values,
+)
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from ibex.structs import AssemblyResult
+
+log = logging.getLogger("ibex.metrics")
+
+MULTIPROC_ENV: Final = "PROMETHEUS_MULTIPROC_DIR"
+
+SOURCES: Final = ("directive", "hot", "cold")
+STATUSES: Final = ("success", "timeout", "error", "skipped")
+STAGES: Final = ("budget", "ranking", "packing", "formatting", "total")
+LEVELS: Final = ("L0", "L1", "L2")
+PACK_PATHS: Final = ("dp", "greedy")
+
+# Stage work is sub-millisecond to tens of ms; branch latency is bounded by the
+# retrieval wall (~45 ms) but a misconfigured wall should still land in a bucket.
+STAGE_BUCKETS: Final = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+)
+BRANCH_BUCKETS: Final = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.025, 0.045, 0.075, 0.1, 0.25)
+REQUEST_BUCKETS: Final = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0)
+TOKEN_BUCKETS: Final = tuple(float(2**i) for i in range(6, 18))  # 64 .. 131072
+RATIO_BUCKETS: Final = (0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0)
+MEMORY_BUCKETS: Final = (0.0, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0)
+
+_STAGE_FIELDS: Final = {
+    "budget": "budget_calculation_ms",
+    "ranking": "ranking_ms",
+    "packing": "packing_ms",
+    "formatting": "formatting_ms",
+    "total": "total_ms",
+}
+
+TokenCacheSource = Callable[[], tuple[int, int]]
+
+
+def multiprocess_dir() -> str | None:
+    """The multiprocess directory when multiprocess mode is active in this process.
+
+    Raises RuntimeError when the variable is set but prometheus_client was
+    imported before it was, because every value would then silently stay
+    in-process and the aggregate would read zeros.
+    """
+    path = os.environ.get(MULTIPROC_ENV)
+    if not path:
+        return None
+    if values.ValueClass is values.MutexValue:
+        raise RuntimeError(
+            f"{MULTIPROC_ENV} was set after prometheus_client was imported; "
+            "set it in the environment before the process starts"
+        )
+    return path
+
+
+def clear_multiprocess_dir(path: str | None = None) -> None:
+    """Remove the previous run's value files; the supervisor calls it before spawning workers."""
+    target = path or os.environ.get(MULTIPROC_ENV)
+    if not target:
+        return
+    for file in Path(target).glob("*.db"):
+        file.unlink(missing_ok=True)
+
+
+def mark_process_dead(pid: int, path: str | None = None) -> None:
+    """Forget a dead worker's live gauges (in-flight); its counters stay in the totals."""
+    target = path or os.environ.get(MULTIPROC_ENV)
+    if target:
+        multiprocess.mark_process_dead(pid, target)
+
+
+def exposition_registry(path: str | None = None) -> CollectorRegistry:
+    """A registry aggregating every worker's values, for the supervisor's /metrics."""
+    target = path or os.environ.get(MULTIPROC_ENV)
+    if not target:
+        raise RuntimeError(f"{MULTIPROC_ENV} is not set; serve Metrics().registry instead")
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry, path=target)
+    return registry
+
+
+class _TokenCacheCollector(Collector):
+    """Reads the tokenizer's own hit/miss counters at scrape time (single-process mode)."""
+
+    def __init__(self) -> None:
+        self.source: TokenCacheSource | None = None
+
+    def describe(self) -> Iterable[Metric]:
+        return ()
+
+    def collect(self) -> Iterable[Metric]:
+        if self.source is None:
+            return
+        hits, misses = self.source()
+        yield CounterMetricFamily("ibex_token_cache_hits", "Token-count cache hits.", value=hits)
+        yield CounterMetricFamily(
+            "ibex_token_cache_misses", "Token-count cache misses.", value=misses
+        )
+
+
+class Metrics:
+    """Every metric the daemon records, on a registry of its own (so tests can make fresh ones).
+
+    Recording never raises into a request for a well-formed result; call it
+    after the response is built.
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = CollectorRegistry() if registry is None else registry
+        self.multiprocess = multiprocess_dir() is not None
+        r = self.registry
+        self.requests = Counter(
+            "ibex_grpc_requests",
+            "Finished RPCs by gRPC status code.",
+            ["method", "code"],
+            registry=r,
+        )
+        self.request_duration = Histogram(
+            "ibex_grpc_request_duration_seconds",
+            "RPC handling time.",
+            ["method"],
+            buckets=REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.in_flight_requests = Gauge(
+            "ibex_in_flight_requests",
+            "RPCs being handled now.",
+            multiprocess_mode="livesum",
+            registry=r,
+        )
+        self.shed_requests = Counter(
+            "ibex_shed_requests", "RPCs refused at the in-flight cap.", registry=r
+        )
+        self.branch_outcomes = Counter(
+            "ibex_branch_outcomes",
+            "Retrieval branches by source and outcome.",
+            ["source", "status"],
+            registry=r,
+        )
+        self.branch_latency = Histogram(
+            "ibex_branch_latency_seconds",
+            "Retrieval branch latency, any outcome.",
+            ["source"],
+            buckets=BRANCH_BUCKETS,
+            registry=r,
+        )
+        self.stage_duration = Histogram(
+            "ibex_stage_duration_seconds",
+            "Pipeline stage duration.",
+            ["stage"],
+            buckets=STAGE_BUCKETS,
+            registry=r,
+        )
+        self.degradation = Counter(
+            "ibex_degradation", "Assemblies by degradation level.", ["level"], registry=r
+        )
+        self.pack_path = Counter(
+            "ibex_pack_path", "Assemblies by packer path.", ["path"], registry=r
+        )
+        self.tokens_used = Histogram(
+            "ibex_context_tokens_used",
+            "Tokens in the assembled context.",
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.budget_utilization = Histogram(
+            "ibex_context_budget_utilization_ratio",
+            "tokens_used / budget ceiling.",
+            buckets=RATIO_BUCKETS,
+            registry=r,
+        )
+        self.memories_included = Histogram(
+            "ibex_context_memories_included",
+            "Memories packed into one context.",
+            buckets=MEMORY_BUCKETS,
+            registry=r,
+        )
+        self.tenant_filtered = Counter(
+            "ibex_tenant_filtered_hits", "Memory hits dropped for another org/agent.", registry=r
+        )
+
+        self._token_source: TokenCacheSource | None = None
+        self._token_seen = (0, 0)
+        self._token_collector: _TokenCacheCollector | None = None
+        self._token_hits: Counter | None = None
+        self._token_misses: Counter | None = None
+        if self.multiprocess:
+            self._token_hits = Counter(
+                "ibex_token_cache_hits", "Token-count cache hits.", registry=r
+            )
+            self._token_misses = Counter(
+                "ibex_token_cache_misses", "Token-count cache misses.", registry=r
+            )
+        else:
+            self._token_collector = _TokenCacheCollector()
+            r.register(self._token_collector)
+
+        # Children for the known label values, created now (so series exist at
+        # zero) and kept: a `.labels()` lookup per observation is most of the cost.
+        self._outcome = {
+            (src, st): self.branch_outcomes.labels(src, st) for src in SOURCES for st in STATUSES
+        }
+        self._latency = {src: self.branch_latency.labels(src) for src in SOURCES}
+        self._stage = {stage: self.stage_duration.labels(stage) for stage in STAGES}
+        self._level = {level: self.degradation.labels(level) for level in LEVELS}
+        self._path = {path: self.pack_path.labels(path) for path in PACK_PATHS}
+
+    # ------------------------------------------------------------------ recording
+
+    def observe_request(self, method: str, code: str, seconds: float) -> None:
+        """One finished RPC: short method name, gRPC status name, handling time."""
+        self.requests.labels(method, code).inc()
+        self.request_duration.labels(method).observe(max(0.0, seconds))
+
+    def in_flight(self) -> AbstractContextManager[None]:
+        """Count the enclosed block as an in-flight request, however it ends."""
+        return self.in_flight_requests.track_inprogress()
+
+    def shed(self) -> None:
+        """One request refused because the in-flight cap was reached."""
+        self.shed_requests.inc()
+
+    def observe_assembly(
+        self, result: AssemblyResult, *, stage_seconds: Mapping[str, float] | None = None
+    ) -> None:
+        """Record everything one assembly reports about itself.
+
+        `result.metrics` carries whole milliseconds (the wire format), so
+        sub-millisecond stages land in the first bucket; pass precise
+        `stage_seconds` (keys from `STAGES`) to override any of them.
+        """
+        for branch in result.branches:
+            outcome = self._outcome.get((branch.source, branch.status))
+            if outcome is None:
+                outcome = self.branch_outcomes.labels(branch.source, branch.status)
+            outcome.inc()
+            latency = self._latency.get(branch.source)
+            if latency is None:
+                latency = self.branch_latency.labels(branch.source)
+            latency.observe(max(0.0, branch.latency_ms) / 1000)
+        precise = stage_seconds or {}
+        if precise and not precise.keys() <= self._stage.keys():
+            unknown = sorted(set(precise) - set(STAGES))
+            raise ValueError(f"unknown stages {unknown}; expected some of {STAGES}")
+        timings = result.metrics
+        for stage, field in _STAGE_FIELDS.items():
+            seconds = precise.get(stage)
+            if seconds is None:
+                seconds = getattr(timings, field) / 1000
+            self._stage[stage].observe(max(0.0, seconds))
+        (
+            self._level.get(result.degradation_level)
+            or self.degradation.labels(result.degradation_level)
+        ).inc()
+        (self._path.get(result.pack.path) or self.pack_path.labels(result.pack.path)).inc()
+        self.tokens_used.observe(result.tokens_used)
+        ceiling = result.budget.ceiling
+        if ceiling > 0:
+            self.budget_utilization.observe(result.tokens_used / ceiling)
+        self.memories_included.observe(len(result.memories_used))
+        filtered = sum(1 for m in result.excluded if m.exclusion == "filter")
+        if filtered:
+            self.tenant_filtered.inc(filtered)
+        self.sync_token_cache()
+
+    # ------------------------------------------------------------------ token cache
+
+    def set_token_cache_source(self, source: TokenCacheSource) -> None:
+        """Where cumulative (hits, misses) of the token-count cache come from.
+
+        For `ibex.tokens.Tokenizers`: ``lambda: (sum(i.hits for i in
+        t.cache_info().values()), sum(i.misses for i in t.cache_info().values()))``.
+        The callable must be cheap and must not raise.
+        """
+        self._token_source = source
+        if self._token_collector is not None:
+            self._token_collector.source = source
+        else:
+            self._token_seen = (0, 0)
+            self.sync_token_cache()
+
+    def sync_token_cache(self) -> None:
+        """Multiprocess mode: copy the tokenizer's new hits/misses into this process's counters."""
+        if self._token_source is None or self._token_hits is None or self._token_misses is None:
+            return
+        hits, misses = self._token_source()
+        seen_hits, seen_misses = self._token_seen
+        # A counter that went backwards (a new tokenizer) restarts from its value.
+        self._token_hits.inc(hits - seen_hits if hits >= seen_hits else hits)
+        self._token_misses.inc(misses - seen_misses if misses >= seen_misses else misses)
+        self._token_seen = (hits, misses)
+
+
+# ---------------------------------------------------------------------- exposition
+
+_MAX_HEADER_BYTES: Final = 8192
+
+
+def _response(status: str, body: bytes, content_type: str, *, head: bool = False) -> bytes:
+    header = (
+        f"HTTP/1.1 {status}\r\n"
+        f"Content-Type: {content_type}\r\n"
+        f"Content-Length: {len(body)}\r\n"
+        "Connection: close\r\n\r\n"
+    ).encode("ascii")
+    return header if head else header + body
+
+
+async def _read_head(stream: trio.abc.ReceiveStream) -> bytes | None:
+    """Bytes up to the blank line ending the request head; None if the peer stops first."""
+    buf = bytearray()
+    while b"\r\n\r\n" not in buf:
+        if len(buf) > _MAX_HEADER_BYTES:
+            return None
+        chunk = await stream.receive_some(4096)
+        if not chunk:
+            return None
+        buf += chunk
+    return bytes(buf)
+
+
+def _answer(head: bytes, registry: CollectorRegistry) -> bytes:
+    request_line = head.split(b"\r\n", 1)[0].decode("latin-1")
+    parts = request_line.split(" ")
+    text = "text/plain; charset=utf-8"
+    if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
+        return _response("400 Bad Request", b"bad request\n", text)
+    method, target = parts[0], parts[1].split("?", 1)[0]
+    if method not in ("GET", "HEAD"):
+        return _response("405 Method Not Allowed", b"method not allowed\n", text)
+    if target != "/metrics":
+        return _response("404 Not Found", b"not found\n", text, head=method == "HEAD")
+    return _response(
+        "200 OK", generate_latest(registry), CONTENT_TYPE_LATEST, head=method == "HEAD"
+    )
+
+
+def _connection_handler(
+    registry: CollectorRegistry, timeout: float
+) -> Callable[[trio.SocketStream], Awaitable[None]]:
+    async def handle(stream: trio.SocketStream) -> None:
+        try:
+            with trio.move_on_after(timeout):
+                head = await _read_head(stream)
+                if head is not None:
+                    try:
+                        reply = _answer(head, registry)
+                    except Exception:
+                        log.exception("metrics_scrape_failed")
+                        reply = _response(
+                            "500 Internal Server Error", b"error\n", "text/plain; charset=utf-8"
+                        )
+                    await stream.send_all(reply)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass  # the scraper went away; nothing to tell it
+        finally:
+            await trio.aclose_forcefully(stream)
+
+    return handle
+
+
+async def serve_metrics(
+    metrics: Metrics | CollectorRegistry,
+    host: str,
+    port: int,
+    *,
+    connection_timeout: float = 10.0,
+    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve ``GET /metrics`` over HTTP/1.1 until cancelled; `task_status` gets the bound port.
+
+    One request per connection, answered from the Trio loop (no threads);
+    `connection_timeout` bounds each connection from accept to the last byte sent, so a
+    stalled client cannot pin a task. Port 0 binds a free port.
+    """
+    registry = metrics.registry if isinstance(metrics, Metrics) else metrics
+    listeners = await trio.open_tcp_listeners(port, host=host.strip("[]"))
+    if port == 0:
+        # A name resolving to several addresses would get a different free port
+        # on each; one listener keeps "the bound port" meaningful.
+        for extra in listeners[1:]:
+            await extra.aclose()
+        listeners = listeners[:1]
+    bound: int = listeners[0].socket.getsockname()[1]
+    log.info("metrics_listening", extra={"host": host, "port": bound})
+    handler = _connection_handler(registry, connection_timeout)
+    task_status.started(bound)
+    await trio.serve_listeners(handler, listeners)

@@ -1,0 +1,293 @@
+"""Embedded development backend: directives and memories from one local file.
+
+Lets the daemon run end to end with no Redis and no memory service. The file
+is validated completely at load (a bad item stops start-up with the file and
+item named) and then served from memory; hits go through the same wire
+validation as the HTTP source, so the pipeline cannot tell them apart.
+
+Format, JSON (`*.json`):
+
+    {"version": 1, "agents": [AGENT, ...]}
+
+or JSONL (`*.jsonl`): one AGENT object per line (blank lines and lines
+starting with `#` are skipped). An AGENT is
+
+    {"org_id": "<uuid>", "agent_id": "<uuid>",
+     "directive": {"content": "...", "injection_mode": "system_first",
+                   "version_id": "<uuid>" | null} | null,
+     "memories": [MEMORY, ...]}
+
+and a MEMORY is the contract's memory object (`id`, `content`, `category`,
+`confidence`, optional `created_at`, `usefulness`, `access_count`). Its
+`org_id`/`agent_id` default to the AGENT's; giving other ones serves another
+tenant's memory to this agent, which is how the sample demonstrates the
+pipeline's tenant filter.
+
+Hot: memories with confidence >= min_confidence, most confident first (ties by
+id), similarity 0 (there is no query). Cold: TF-IDF cosine between the query
+and each memory, in [0, 1], positive scores only, best first (ties by
+confidence, then id). Ranks count from 1.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+from collections.abc import Iterable
+from importlib import resources
+from pathlib import Path
+from typing import Annotated, Literal
+
+import msgspec
+import trio
+
+from ibex.sources.wire import (
+    Count,
+    NonEmptyStr,
+    UnitFloat,
+    WireMemory,
+    WireResult,
+    check_rfc3339,
+    check_unit,
+    to_hit,
+)
+from ibex.structs import Directive, InjectionMode, MemoryHit
+
+SAMPLE_ORG_ID = "00000000-0000-4000-8000-000000000001"
+SAMPLE_AGENT_ID = "00000000-0000-4000-8000-0000000000a1"
+SOURCE_LABEL = "local"
+
+# Latin-ish words, or single CJK / kana / hangul characters (no spaces to split on).
+_TOKEN = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af]|[^\W_]+", re.UNICODE)
+_STOPWORD_TEXT = """
+a an and are as at be by can could did do does for from has have how i in is it its me my of
+on or should that the their this to was what when where which who why will with would you your
+"""
+_STOPWORDS = frozenset(_STOPWORD_TEXT.split())
+
+
+class LocalFileError(ValueError):
+    """The local source file is missing or invalid; the message names file and item."""
+
+
+class LocalMemory(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    id: NonEmptyStr
+    content: str
+    category: NonEmptyStr
+    confidence: UnitFloat
+    org_id: NonEmptyStr | None = None
+    agent_id: NonEmptyStr | None = None
+    created_at: str | None = None
+    usefulness: UnitFloat | None = None
+    access_count: Count | None = None
+    tags: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        check_unit("confidence", self.confidence)
+        check_unit("usefulness", self.usefulness)
+        check_rfc3339(self.created_at)
+
+
+class LocalDirective(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    content: Annotated[str, msgspec.Meta(min_length=1)]
+    injection_mode: InjectionMode = "system_first"
+    version_id: NonEmptyStr | None = None
+
+
+class LocalAgent(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    org_id: NonEmptyStr
+    agent_id: NonEmptyStr
+    directive: LocalDirective | None = None
+    memories: list[LocalMemory] = []
+
+
+class LocalFile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    version: Literal[1]
+    agents: list[LocalAgent]
+
+
+class _Indexed(msgspec.Struct, frozen=True):
+    """One agent's memories with the precomputed TF-IDF vectors for cold search."""
+
+    memories: tuple[WireMemory, ...]
+    vectors: tuple[dict[str, float], ...]
+    idf: dict[str, float]
+
+
+def tokenize(text: str) -> list[str]:
+    """Lower-cased word tokens, plural -s folded; CJK characters count one each."""
+    out: list[str] = []
+    for t in _TOKEN.findall(text.lower()):
+        if t in _STOPWORDS:
+            continue
+        if len(t) > 3 and t.endswith("s") and not t.endswith("ss"):
+            t = t[:-1]
+        out.append(t)
+    return out
+
+
+def _unit_vector(counts: Counter[str], idf: dict[str, float]) -> dict[str, float]:
+    weights = {t: (1.0 + math.log(c)) * idf.get(t, 0.0) for t, c in counts.items()}
+    norm = math.sqrt(sum(w * w for w in weights.values()))
+    return {t: w / norm for t, w in weights.items() if w > 0} if norm > 0 else {}
+
+
+def _index(memories: Iterable[WireMemory]) -> _Indexed:
+    mems = tuple(memories)
+    counts = [Counter(tokenize(m.content)) for m in mems]
+    df: Counter[str] = Counter()
+    for c in counts:
+        df.update(c.keys())
+    n = len(mems)
+    idf = {t: math.log((1 + n) / (1 + d)) + 1.0 for t, d in df.items()}
+    return _Indexed(mems, tuple(_unit_vector(c, idf) for c in counts), idf)
+
+
+class LocalFileSource:
+    """`DirectiveSource` and `MemorySource` over a validated local file."""
+
+    def __init__(
+        self,
+        directives: dict[tuple[str, str], Directive],
+        memories: dict[tuple[str, str], list[WireMemory]],
+        *,
+        origin: str = "<memory>",
+    ) -> None:
+        self.origin = origin
+        self._directives = dict(directives)
+        self._index = {key: _index(ms) for key, ms in memories.items()}
+
+    @classmethod
+    def load(cls, path: str | Path | None = None) -> LocalFileSource:
+        """Load and validate `path` (None: the bundled sample). Raises LocalFileError."""
+        if path is None:
+            ref = resources.files("ibex") / "data" / "sample_memories.json"
+            name, data = "ibex/data/sample_memories.json", ref.read_bytes()
+            return cls._from_agents(_parse_json(name, data), origin=name)
+        p = Path(path)
+        try:
+            data = p.read_bytes()
+        except OSError as exc:
+            raise LocalFileError(
+                f"{p}: cannot read ({exc.strerror or type(exc).__name__})"
+            ) from None
+        agents = _parse_jsonl(str(p), data) if p.suffix == ".jsonl" else _parse_json(str(p), data)
+        return cls._from_agents(agents, origin=str(p))
+
+    @classmethod
+    def _from_agents(cls, agents: list[LocalAgent], *, origin: str) -> LocalFileSource:
+        directives: dict[tuple[str, str], Directive] = {}
+        memories: dict[tuple[str, str], list[WireMemory]] = {}
+        for n, agent in enumerate(agents):
+            key = (agent.org_id.lower(), agent.agent_id.lower())
+            where = f"{origin}: agents[{n}]"
+            if key in memories:
+                raise LocalFileError(f"{where}: duplicate org_id/agent_id pair")
+            seen: set[str] = set()
+            items: list[WireMemory] = []
+            for i, m in enumerate(agent.memories):
+                if m.id in seen:
+                    raise LocalFileError(f"{where}.memories[{i}]: duplicate id {m.id!r}")
+                seen.add(m.id)
+                items.append(
+                    WireMemory(
+                        id=m.id,
+                        org_id=m.org_id or agent.org_id,
+                        agent_id=m.agent_id or agent.agent_id,
+                        content=m.content,
+                        category=m.category,
+                        confidence=m.confidence,
+                        created_at=m.created_at,
+                        usefulness=m.usefulness,
+                        access_count=m.access_count,
+                        tags=m.tags,
+                    )
+                )
+            memories[key] = items
+            if agent.directive is not None:
+                d = agent.directive
+                directives[key] = Directive(d.content, d.injection_mode, d.version_id)
+        return cls(directives, memories, origin=origin)
+
+    def __repr__(self) -> str:
+        return f"<LocalFileSource {self.origin} agents={len(self._index)}>"
+
+    async def get_directive(self, org_id: str, agent_id: str) -> Directive | None:
+        await trio.lowlevel.checkpoint()
+        return self._directives.get((org_id.lower(), agent_id.lower()))
+
+    async def hot(
+        self, org_id: str, agent_id: str, *, limit: int, min_confidence: float
+    ) -> list[MemoryHit]:
+        await trio.lowlevel.checkpoint()
+        idx = self._index.get((org_id.lower(), agent_id.lower()))
+        if idx is None or limit <= 0:
+            return []
+        chosen = sorted(
+            (m for m in idx.memories if m.confidence >= min_confidence),
+            key=lambda m: (-m.confidence, m.id),
+        )[:limit]
+        return [_hit(m, 0.0, rank, "hot") for rank, m in enumerate(chosen, start=1)]
+
+    async def cold(
+        self, org_id: str, agent_id: str, query: str, *, limit: int, min_confidence: float
+    ) -> list[MemoryHit]:
+        await trio.lowlevel.checkpoint()
+        idx = self._index.get((org_id.lower(), agent_id.lower()))
+        if idx is None or limit <= 0:
+            return []
+        qvec = _unit_vector(Counter(tokenize(query)), idx.idf)
+        if not qvec:
+            return []
+        scored: list[tuple[float, WireMemory]] = []
+        for m, vec in zip(idx.memories, idx.vectors, strict=True):
+            if m.confidence < min_confidence:
+                continue
+            sim = sum(w * vec.get(t, 0.0) for t, w in qvec.items())
+            if sim > 0.0:
+                scored.append((min(1.0, round(sim, 6)), m))
+        scored.sort(key=lambda sm: (-sm[0], -sm[1].confidence, sm[1].id))
+        return [_hit(m, s, rank, "cold") for rank, (s, m) in enumerate(scored[:limit], start=1)]
+
+    async def aclose(self) -> None:
+        await trio.lowlevel.checkpoint()
+
+
+def _hit(m: WireMemory, similarity: float, rank: int, branch: Literal["hot", "cold"]) -> MemoryHit:
+    # Built through WireResult so the local path runs the same validation as HTTP.
+    return to_hit(
+        WireResult(memory=m, similarity=similarity, rank=rank, source=SOURCE_LABEL), branch
+    )
+
+
+def _parse_json(name: str, data: bytes) -> list[LocalAgent]:
+    try:
+        return msgspec.json.decode(data, type=LocalFile).agents
+    except msgspec.ValidationError as exc:
+        raise LocalFileError(f"{name}: {_where(exc)}") from None
+    except msgspec.DecodeError as exc:
+        raise LocalFileError(f"{name}: not valid JSON: {exc}") from None
+
+
+def _parse_jsonl(name: str, data: bytes) -> list[LocalAgent]:
+    decoder = msgspec.json.Decoder(LocalAgent)
+    agents: list[LocalAgent] = []
+    for lineno, line in enumerate(data.splitlines(), start=1):
+        stripped = line.strip()
+        if not stripped or stripped.startswith(b"#"):
+            continue
+        try:
+            agents.append(decoder.decode(stripped))
+        except msgspec.ValidationError as exc:
+            raise LocalFileError(f"{name}:{lineno}: {_where(exc)}") from None
+        except msgspec.DecodeError as exc:
+            raise LocalFileError(f"{name}:{lineno}: not valid JSON: {exc}") from None
+    return agents
+
+
+def _where(exc: msgspec.ValidationError) -> str:
+    """msgspec says `msg - at `$.agents[0]...``; put the item first, as editors expect."""
+    text = str(exc)
+    msg, sep, path = text.rpartition(" - at ")
+    return f"{path.strip('`')}: {msg}" if sep else text

@@ -1,0 +1,202 @@
+"""`ibex serve --workers N`: N serving processes on one port, supervised.
+
+One Python process uses one core, so a host scales up with one worker per
+core. Each worker binds the gRPC port itself with SO_REUSEPORT and the kernel
+spreads connections across them. The supervisor:
+
+- gives each worker its own notify socket (the systemd protocol, reused), so
+  it knows when every worker is ready and whether each one's Trio loop is
+  still alive (WATCHDOG=1 pings); it tells systemd READY=1 once all are up;
+- restarts a worker that exits or stops pinging, with a short backoff;
+- forwards SIGTERM/SIGINT to every worker (each drains) and exits when all
+  have, escalating to SIGKILL after the drain grace;
+- serves /metrics aggregated over all workers (prometheus multiprocess mode).
+
+Everything is structured: one nursery holds a task per worker plus the
+metrics server and the watchdog; nothing outlives `supervise`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import trio
+
+from ibex.config import Settings
+from ibex.sdnotify import Notifier, run_watchdog
+
+log = logging.getLogger("ibex.workers")
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+WORKER_WATCHDOG_USEC = 4_000_000  # workers ping every 2 s
+WATCHDOG_MISSES = 3  # a worker silent for 3 intervals is restarted
+RESTART_BACKOFF = (0.1, 0.5, 1.0, 2.0, 5.0)
+
+
+class Worker:
+    def __init__(self, index: int, notify_path: Path) -> None:
+        self.index = index
+        self.notify_path = notify_path
+        self.process: trio.Process | None = None
+        self.ready = trio.Event()
+        self.last_ping = 0.0
+        self.restarts = 0
+
+
+class Supervisor:
+    def __init__(self, settings: Settings, *, argv: list[str] | None = None) -> None:
+        self.settings = settings
+        self.argv = argv or [sys.executable, "-m", "ibex", "serve", "--worker"]
+        self.notifier = Notifier.from_env(unset_environment=True)
+        self.stopping = False
+        self.workers: list[Worker] = []
+        self.all_ready = trio.Event()
+
+    def _env(self, worker: Worker) -> dict[str, str]:
+        env = dict(os.environ)
+        env["IBEX_CONTEXT_WORKERS"] = "1"
+        env["IBEX_CONTEXT_WORKER_INDEX"] = str(worker.index)
+        env["NOTIFY_SOCKET"] = str(worker.notify_path)
+        env["WATCHDOG_USEC"] = str(WORKER_WATCHDOG_USEC)
+        env.pop("WATCHDOG_PID", None)
+        env.pop("IBEX_CONTEXT_METRICS_ADDR", None)  # the supervisor serves the aggregate
+        return env
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        runtime = Path(tempfile.mkdtemp(prefix="ibex-workers-"))
+        try:
+            self.workers = [
+                Worker(i, runtime / f"notify-{i}.sock") for i in range(self.settings.workers)
+            ]
+            async with trio.open_nursery() as nursery:
+                for worker in self.workers:
+                    nursery.start_soon(self._keep_running, worker)
+                nursery.start_soon(self._announce_ready)
+                nursery.start_soon(run_watchdog, self.notifier)
+                if self.settings.metrics_addr and os.environ.get(MULTIPROC_ENV):
+                    from ibex.metrics import exposition_registry, serve_metrics
+
+                    host, _, port = self.settings.metrics_addr.rpartition(":")
+                    await nursery.start(serve_metrics, exposition_registry(), host, int(port))
+                task_status.started()
+                with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                    async for signum in signals:
+                        log.info("supervisor_stopping", extra={"signal": signum})
+                        break
+                await self.stop()
+                nursery.cancel_scope.cancel()
+        finally:
+            shutil.rmtree(runtime, ignore_errors=True)
+
+    async def stop(self) -> None:
+        """Forward SIGTERM; each worker drains. SIGKILL whoever outlives the grace."""
+        self.stopping = True
+        self.notifier.stopping("draining workers")
+        for w in self.workers:
+            if w.process is not None and w.process.returncode is None:
+                w.process.send_signal(signal.SIGTERM)
+        with trio.move_on_after(self.settings.drain_grace + 5.0):
+            for w in self.workers:
+                if w.process is not None:
+                    await w.process.wait()
+        for w in self.workers:
+            if w.process is not None and w.process.returncode is None:
+                log.warning("worker_killed_after_grace", extra={"worker": w.index})
+                w.process.kill()
+                await w.process.wait()
+
+    async def _announce_ready(self) -> None:
+        for w in self.workers:
+            await w.ready.wait()
+        self.all_ready.set()
+        addr = self.settings.grpc_addr
+        self.notifier.ready(f"{len(self.workers)} workers serving on {addr}")
+        log.info("workers_ready", extra={"workers": len(self.workers), "addr": addr})
+
+    async def _keep_running(self, worker: Worker) -> None:
+        """Run one worker slot for the supervisor's life, restarting it when it dies."""
+        while not self.stopping:
+            code = await self._run_once(worker)
+            if self.stopping:
+                break
+            delay = RESTART_BACKOFF[min(worker.restarts, len(RESTART_BACKOFF) - 1)]
+            worker.restarts += 1
+            log.error(
+                "worker_exited",
+                extra={"worker": worker.index, "returncode": code, "restart_in_s": delay},
+            )
+            self.notifier.status(f"worker {worker.index} restarting (exit {code})")
+            await trio.sleep(delay)
+
+    async def _run_once(self, worker: Worker) -> int:
+        sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_DGRAM)
+        worker.notify_path.unlink(missing_ok=True)
+        await sock.bind(str(worker.notify_path))
+        try:
+            process = await trio.lowlevel.open_process(
+                self.argv, env=self._env(worker), stdin=subprocess.DEVNULL
+            )
+            worker.process = process
+            worker.last_ping = trio.current_time()
+            log.info("worker_started", extra={"worker": worker.index, "pid": process.pid})
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._listen, worker, sock)
+                nursery.start_soon(self._watch, worker)
+                await process.wait()
+                nursery.cancel_scope.cancel()
+            _forget(process.pid)
+            return int(process.returncode or 0)
+        finally:
+            sock.close()
+
+    async def _listen(self, worker: Worker, sock: trio.socket.SocketType) -> None:
+        while True:
+            data = await sock.recv(4096)
+            lines = data.decode("utf-8", "replace").splitlines()
+            worker.last_ping = trio.current_time()
+            if "READY=1" in lines:
+                worker.ready.set()
+                worker.restarts = 0
+
+    async def _watch(self, worker: Worker) -> None:
+        """Kill a worker whose Trio loop stopped pinging; `_keep_running` restarts it."""
+        interval = WORKER_WATCHDOG_USEC / 2_000_000
+        while True:
+            await trio.sleep(interval)
+            silent = trio.current_time() - worker.last_ping
+            if silent > interval * WATCHDOG_MISSES and worker.process is not None:
+                log.error("worker_unresponsive", extra={"worker": worker.index, "silent_s": silent})
+                worker.process.kill()
+                return
+
+
+def _forget(pid: int) -> None:
+    if os.environ.get(MULTIPROC_ENV):
+        from ibex.metrics import mark_process_dead
+
+        mark_process_dead(pid)
+
+
+def supervise(settings: Settings) -> int:
+    """Entry point for `ibex serve --workers N` (N > 1)."""
+    own_dir = None
+    if settings.metrics_addr and not os.environ.get(MULTIPROC_ENV):
+        own_dir = tempfile.mkdtemp(prefix="ibex-metrics-")
+        os.environ[MULTIPROC_ENV] = own_dir  # before prometheus_client is imported anywhere
+    if os.environ.get(MULTIPROC_ENV):
+        from ibex.metrics import clear_multiprocess_dir
+
+        clear_multiprocess_dir()
+    try:
+        trio.run(Supervisor(settings).run)
+    finally:
+        if own_dir:
+            shutil.rmtree(own_dir, ignore_errors=True)
+    return 0

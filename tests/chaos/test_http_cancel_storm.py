@@ -1,0 +1,124 @@
+"""Cancellation storm: the memory HTTP client must survive being cancelled anywhere.
+
+The daemon cancels in-flight memory calls by design (branch timeouts, the
+wall), so over a day one process cancels millions of requests at every point:
+queued for a pool slot, connecting, sending, waiting for the answer, reading
+the body. Stock httpx/httpcore could leak a pool slot when a request was
+cancelled at the wrong moment (encode/httpcore#1093); each leak permanently
+shrinks the pool until every call waits for a slot that never frees, which
+looks like a memory service outage. That is why the source uses httpx2, whose
+httpcore2 pool removes a cancelled request and its half-built connection
+under a shield. This test holds it to that: >= 10,000 real cancellations on
+a 4-connection pool with many more callers than slots and a server adding
+latency, then plain calls must work and neither side may hold an orphan.
+
+The server runs as a child process (tests/server.py's
+`memory_server_process`): the storm keeps this process's CPU busy, and a
+server thread here would get the GIL only every switch interval (5 ms), which
+would turn a 1 ms server into a 5-10 ms one and starve every call.
+
+Figures (calls, cancellations, duration) are printed; run with `-s` to see.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import Counter
+
+import trio
+
+from ibex.sources.base import SourceError
+from tests.memory_server import DEMO_AGENT, DEMO_ORG, MemoryServerProcess, memory_server_process
+
+TARGET_CANCELLATIONS = 10_000
+MAX_CALLS = 40_000  # bound on the loop whatever the timing
+POOL_SIZE = 4
+CALLERS = 12  # 3x the pool: most calls queue for a slot
+# Short deadlines cancel calls queued or connecting; long ones cancel them in
+# flight (server latency is 1-2 ms +- 1 ms) or while reading the body.
+SHORT_DEADLINE_S = 0.002
+LONG_DEADLINE_S = 0.015
+
+
+def _deadline(rng: random.Random) -> float:
+    return rng.uniform(0.0, SHORT_DEADLINE_S if rng.random() < 0.5 else LONG_DEADLINE_S)
+
+
+async def test_cancel_storm_leaves_a_clean_working_pool() -> None:
+    with memory_server_process(hot_latency_ms=1.0, cold_latency_ms=2.0, jitter_ms=1.0) as server:
+        await _storm(server)
+
+
+async def _storm(server: MemoryServerProcess) -> None:
+    rng = random.Random(20251021)
+    stats: Counter[str] = Counter()
+
+    async with server.source(pool_size=POOL_SIZE) as source:
+        pool = source.client._transport._pool  # type: ignore[attr-defined]
+
+        async def caller() -> None:
+            while stats["cancelled"] < TARGET_CANCELLATIONS and stats["calls"] < MAX_CALLS:
+                stats["calls"] += 1
+                hot = rng.random() < 0.5
+                with trio.move_on_after(_deadline(rng)) as scope:
+                    try:
+                        if hot:
+                            await source.hot(DEMO_ORG, DEMO_AGENT, limit=20, min_confidence=0.0)
+                        else:
+                            await source.cold(
+                                DEMO_ORG, DEMO_AGENT, "deploy", limit=20, min_confidence=0.0
+                            )
+                    except SourceError:
+                        stats["errors"] += 1
+                stats["cancelled" if scope.cancelled_caught else "completed"] += 1
+                stats["max_connections"] = max(stats["max_connections"], len(pool.connections))
+
+        started = time.monotonic()
+        with trio.fail_after(120):
+            async with trio.open_nursery() as nursery:
+                for _ in range(CALLERS):
+                    nursery.start_soon(caller)
+        storm_s = time.monotonic() - started
+        server_stats = await server.astats()
+        sent = sum(server_stats["requests"].values())
+        print(
+            f"\nstorm: {stats['calls']} calls, {stats['cancelled']} cancelled, "
+            f"{stats['completed']} completed, {stats['errors']} errors, "
+            f"{sent} reached the server, {server_stats['accepted_connections']} connections "
+            f"opened, {storm_s:.1f} s"
+        )
+
+        assert stats["cancelled"] >= TARGET_CANCELLATIONS
+        assert stats["errors"] == 0
+        # cancellations landed both before the request left (queued / connecting)
+        # and after the server had it (waiting / reading)
+        assert sent < stats["calls"]
+        assert sent > stats["completed"]
+
+        # nothing orphaned in the pool: no request left queued or holding a slot
+        assert pool._requests == []
+        assert stats["max_connections"] <= POOL_SIZE
+        assert len(pool.connections) <= POOL_SIZE
+        assert all(c.is_idle() or c.is_closed() for c in pool.connections)
+
+        # and the pool still works at full width
+        results: list[int] = []
+
+        async def plain_call() -> None:
+            hits = await source.cold(DEMO_ORG, DEMO_AGENT, "q", limit=20, min_confidence=0.0)
+            results.append(len(hits))
+
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                for _ in range(64):
+                    nursery.start_soon(plain_call)
+        assert results == [20] * 64
+        assert pool._requests == []
+        # a leaked slot would leave fewer than POOL_SIZE usable connections here
+        live = sum(not c.is_closed() for c in pool.connections)
+        assert live == POOL_SIZE
+        # the server agrees: exactly the pool's live connections remain open
+        assert await server.settle_open_connections(live) == live
+
+    assert await server.settle_open_connections(0) == 0

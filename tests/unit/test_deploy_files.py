@@ -1,0 +1,315 @@
+"""The deployment files: systemd unit, example environment file, Kubernetes manifests."""
+
+from __future__ import annotations
+
+import inspect
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ibex import config
+from ibex.config import PREFIX, Settings, load_settings
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+UNIT = DEPLOY / "systemd" / "ibex-context.service"
+ENV_EXAMPLE = DEPLOY / "ibex-context.env.example"
+KUBE = DEPLOY / "kubernetes"
+MANIFESTS = sorted(p for p in KUBE.glob("*.yaml") if p.name != "kustomization.yaml")
+KINDS = {
+    "ConfigMap",
+    "Secret",
+    "Deployment",
+    "Service",
+    "HorizontalPodAutoscaler",
+    "PodDisruptionBudget",
+    "NetworkPolicy",
+}
+
+
+# --------------------------------------------------------------------------- systemd
+
+
+def parse_unit(text: str) -> dict[str, dict[str, list[str]]]:
+    """Sections to key to values; systemd keys may repeat, so values are lists."""
+    sections: dict[str, dict[str, list[str]]] = {}
+    current: dict[str, list[str]] | None = None
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line.startswith(("#", ";")):
+            continue
+        if line.startswith("[") and line.endswith("]"):
+            current = sections.setdefault(line[1:-1], {})
+            continue
+        assert current is not None, f"assignment outside a section: {line!r}"
+        key, sep, value = line.partition("=")
+        assert sep, f"not an assignment: {line!r}"
+        current.setdefault(key.strip(), []).append(value.strip())
+    return sections
+
+
+REQUIRED_SERVICE = {
+    "Type": "notify",
+    "NotifyAccess": "main",
+    "ExecStart": "/opt/ibex/.venv/bin/ibex serve",
+    "EnvironmentFile": "-/etc/ibex/context.env",
+    "WatchdogSec": "10",
+    "Restart": "on-failure",
+    "RestartSec": "1",
+    "TimeoutStopSec": "30",
+    "KillSignal": "SIGTERM",
+    "KillMode": "mixed",
+    "DynamicUser": "yes",
+    "ProtectSystem": "strict",
+    "ProtectHome": "yes",
+    "PrivateTmp": "yes",
+    "PrivateDevices": "yes",
+    "NoNewPrivileges": "yes",
+    "RestrictAddressFamilies": "AF_UNIX AF_INET AF_INET6",
+    "SystemCallArchitectures": "native",
+    "ProtectKernelTunables": "yes",
+    "ProtectKernelModules": "yes",
+    "ProtectKernelLogs": "yes",
+    "ProtectControlGroups": "yes",
+    "ProtectClock": "yes",
+    "ProtectHostname": "yes",
+    "RestrictNamespaces": "yes",
+    "RestrictRealtime": "yes",
+    "RestrictSUIDSGID": "yes",
+    "LockPersonality": "yes",
+    "MemoryDenyWriteExecute": "yes",
+    "CapabilityBoundingSet": "",
+    "UMask": "0077",
+    "RuntimeDirectory": "ibex",
+    "LimitNOFILE": "65536",
+}
+
+
+def test_unit_has_the_required_settings() -> None:
+    unit = parse_unit(UNIT.read_text())
+    service = unit["Service"]
+    for key, value in REQUIRED_SERVICE.items():
+        assert service.get(key) == [value], key
+    assert "@system-service" in service["SystemCallFilter"]
+    # Metrics of all workers meet in the runtime directory systemd creates.
+    assert "PROMETHEUS_MULTIPROC_DIR=%t/ibex" in service["Environment"]
+    assert unit["Install"]["WantedBy"] == ["multi-user.target"]
+
+
+def test_unit_drain_fits_in_the_stop_timeout() -> None:
+    service = parse_unit(UNIT.read_text())["Service"]
+    assert Settings().drain_grace < float(service["TimeoutStopSec"][0])
+
+
+def _unit_with_existing_binary(tmp_path: Path) -> Path:
+    # `verify` checks that ExecStart's binary exists and is executable; the
+    # install path does not exist here, so point a copy at this interpreter.
+    text = re.sub(
+        r"(?m)^ExecStart=.*$", f"ExecStart={sys.executable} -m ibex serve", UNIT.read_text()
+    )
+    copy = tmp_path / UNIT.name
+    copy.write_text(text)
+    return copy
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
+def test_unit_verifies(tmp_path: Path) -> None:
+    unit = _unit_with_existing_binary(tmp_path)
+    # --man=no: do not require man pages for Documentation= on this machine.
+    proc = subprocess.run(
+        ["systemd-analyze", "verify", "--man=no", str(unit)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    # Unknown keys and unparsable values are only warnings (exit 0): fail on any
+    # diagnostic about this unit, ignore noise about the host's own units.
+    ours = [line for line in (proc.stdout + proc.stderr).splitlines() if UNIT.name in line]
+    assert proc.returncode == 0, proc.stderr
+    assert ours == []
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
+def test_unit_sandbox_exposure_stays_low(tmp_path: Path) -> None:
+    unit = _unit_with_existing_binary(tmp_path)
+    proc = subprocess.run(
+        ["systemd-analyze", "security", "--offline=yes", "--threshold=20", str(unit)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    if "unrecognized option" in proc.stderr:
+        pytest.skip("systemd-analyze security --offline needs systemd >= 250")
+    # --threshold is on a 0..100 scale: 20 means an exposure level of 2.0 of 10
+    # at most (1.2 with systemd 252 when written).
+    assert proc.returncode == 0, proc.stdout[-2000:]
+
+
+# --------------------------------------------------------------------------- env example
+
+
+def settings_variables() -> set[str]:
+    """Every IBEX_CONTEXT_* name load_settings reads, taken from its source."""
+    source = inspect.getsource(config.load_settings)
+    return {PREFIX + name for name in re.findall(r'"([A-Z][A-Z0-9_]+)"', source)}
+
+
+def env_example_assignments() -> tuple[dict[str, str], dict[str, str]]:
+    """(active, commented) KEY=value lines of the example file."""
+    active: dict[str, str] = {}
+    commented: dict[str, str] = {}
+    for line in ENV_EXAMPLE.read_text().splitlines():
+        if m := re.fullmatch(r"(IBEX_CONTEXT_[A-Z0-9_]+)=(.*)", line):
+            active[m[1]] = m[2]
+        elif m := re.fullmatch(r"# (IBEX_CONTEXT_[A-Z0-9_]+)=(.*)", line):
+            commented[m[1]] = m[2]
+    return active, commented
+
+
+def test_env_example_documents_every_setting() -> None:
+    active, commented = env_example_assignments()
+    assert set(active).isdisjoint(commented)
+    assert set(active) | set(commented) == settings_variables()
+
+
+def test_env_example_commented_defaults_are_the_real_defaults() -> None:
+    _, commented = env_example_assignments()
+    assert load_settings(commented) == Settings()
+
+
+def test_env_example_active_lines_load() -> None:
+    active, _ = env_example_assignments()
+    settings = load_settings(active)
+    assert settings.metrics_addr == "127.0.0.1:9464"
+
+
+# --------------------------------------------------------------------------- kubernetes
+
+
+def test_manifests_declare_the_expected_kinds() -> None:
+    # A text check that needs no YAML parser; the parsed checks follow.
+    kinds = {m for p in MANIFESTS for m in re.findall(r"(?m)^kind: (\w+)$", p.read_text())}
+    assert kinds == KINDS
+    listed = re.findall(r"(?m)^  - (\S+\.yaml)$", (KUBE / "kustomization.yaml").read_text())
+    assert sorted(listed) == sorted(p.name for p in MANIFESTS)
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed")
+def test_kustomization_renders() -> None:
+    proc = subprocess.run(
+        ["kubectl", "kustomize", str(KUBE)], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert set(re.findall(r"(?m)^kind: (\w+)$", proc.stdout)) == KINDS
+    assert len(re.findall(r"(?m)^  namespace: ibex$", proc.stdout)) == len(KINDS)
+
+
+def manifests() -> dict[str, dict[str, Any]]:
+    yaml = pytest.importorskip("yaml", reason="PyYAML not installed (needed to parse manifests)")
+    docs = [d for p in MANIFESTS for d in yaml.safe_load_all(p.read_text()) if d]
+    by_kind = {d["kind"]: d for d in docs}
+    assert len(by_kind) == len(docs), "one object per kind expected"
+    return by_kind
+
+
+def test_manifests_parse_with_api_versions() -> None:
+    docs = manifests()
+    assert set(docs) == KINDS
+    versions = {kind: doc["apiVersion"] for kind, doc in docs.items()}
+    assert versions == {
+        "ConfigMap": "v1",
+        "Secret": "v1",
+        "Deployment": "apps/v1",
+        "Service": "v1",
+        "HorizontalPodAutoscaler": "autoscaling/v2",
+        "PodDisruptionBudget": "policy/v1",
+        "NetworkPolicy": "networking.k8s.io/v1",
+    }
+
+
+def test_deployment_probes_resources_and_security() -> None:
+    docs = manifests()
+    pod = docs["Deployment"]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+        assert container[probe]["grpc"]["port"] == 9092, probe
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"grpc": 9092, "metrics": 9464}
+    assert container["resources"]["requests"] == {"cpu": "1", "memory": "512Mi"}
+    assert container["resources"]["limits"] == {"cpu": "1", "memory": "512Mi"}
+    sec = container["securityContext"]
+    assert sec["readOnlyRootFilesystem"] is True
+    assert sec["allowPrivilegeEscalation"] is False
+    assert sec["capabilities"]["drop"] == ["ALL"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    env_from = {next(iter(e)): next(iter(e.values()))["name"] for e in container["envFrom"]}
+    assert env_from == {"configMapRef": "ibex-context", "secretRef": "ibex-context"}
+    assert "replicas" not in docs["Deployment"]["spec"]  # owned by the HPA
+
+
+def test_termination_grace_covers_pre_stop_and_drain() -> None:
+    docs = manifests()
+    pod = docs["Deployment"]["spec"]["template"]["spec"]
+    pre_stop = pod["containers"][0]["lifecycle"]["preStop"]["sleep"]["seconds"]
+    env = {**docs["ConfigMap"]["data"], **docs["Secret"]["stringData"]}
+    drain = load_settings(env).drain_grace
+    assert pod["terminationGracePeriodSeconds"] > pre_stop + drain
+
+
+def test_config_and_secret_make_a_startable_configuration() -> None:
+    docs = manifests()
+    env = {**docs["ConfigMap"]["data"], **docs["Secret"]["stringData"]}
+    settings = load_settings(env)
+    assert settings.grpc_addr == "0.0.0.0:9092"
+    assert settings.metrics_addr == "0.0.0.0:9464"
+    # A non-loopback bind needs caller auth; the Secret provides it.
+    assert settings.auth_tokens_sha256
+    assert "IBEX_CONTEXT_MEMORY_API_TOKEN" not in docs["ConfigMap"]["data"]
+    assert "IBEX_CONTEXT_AUTH_TOKENS_SHA256" not in docs["ConfigMap"]["data"]
+
+
+def test_service_is_headless_and_selects_the_pods() -> None:
+    docs = manifests()
+    service = docs["Service"]["spec"]
+    pod_labels = docs["Deployment"]["spec"]["template"]["metadata"]["labels"]
+    assert service["clusterIP"] == "None"
+    assert service["selector"].items() <= pod_labels.items()
+    assert {p["name"]: p["port"] for p in service["ports"]} == {"grpc": 9092, "metrics": 9464}
+    pdb = docs["PodDisruptionBudget"]["spec"]
+    assert pdb["selector"]["matchLabels"].items() <= pod_labels.items()
+    assert docs["Deployment"]["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+
+
+def test_hpa_scales_the_deployment_on_cpu() -> None:
+    docs = manifests()
+    hpa = docs["HorizontalPodAutoscaler"]["spec"]
+    assert hpa["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "name": docs["Deployment"]["metadata"]["name"],
+    }
+    (metric,) = hpa["metrics"]
+    assert metric["resource"]["name"] == "cpu"
+    assert 1 <= hpa["minReplicas"] < hpa["maxReplicas"]
+
+
+def test_network_policy_ports() -> None:
+    docs = manifests()
+    policy = docs["NetworkPolicy"]["spec"]
+    assert sorted(policy["policyTypes"]) == ["Egress", "Ingress"]
+    ingress_ports = sorted(p["port"] for rule in policy["ingress"] for p in rule["ports"])
+    assert ingress_ports == [9092, 9464]
+    egress_ports = {(p["protocol"], p["port"]) for rule in policy["egress"] for p in rule["ports"]}
+    assert egress_ports == {
+        ("TCP", 6379),
+        ("TCP", 26379),
+        ("TCP", 8080),
+        ("UDP", 53),
+        ("TCP", 53),
+    }
