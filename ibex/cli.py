@@ -65,10 +65,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     try:
         trio.run(main)
-    except ConfigError as exc:
-        print(f"ibex: configuration error: {exc}", file=sys.stderr)
+    except Exception as exc:
+        error = _startup_error(exc)
+        if error is None:
+            raise
+        print(f"ibex: configuration error: {error}", file=sys.stderr)
         return 2
     return 0
+
+
+def _startup_error(exc: BaseException) -> BaseException | None:
+    """The bad setting or file behind a failed start, unwrapped from Trio's exception groups."""
+    from ibex.catalog import CatalogError
+    from ibex.sources.local_file import LocalFileError
+    from ibex.tokens import TokenizerError
+
+    if isinstance(exc, ConfigError | CatalogError | LocalFileError | TokenizerError):
+        return exc
+    if isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        return _startup_error(exc.exceptions[0])
+    return None
 
 
 def _replace(settings: Settings, **changes: Any) -> Settings:
@@ -229,8 +245,14 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--model", default="gpt-4o")
     a.add_argument("--available-tokens", type=int, default=0)
     a.add_argument("--max-memories", type=int, default=0)
-    a.add_argument("--message", type=_message, action="append", default=[],
-                   metavar="ROLE:CONTENT", help="history message (repeatable)")
+    a.add_argument(
+        "--message",
+        type=_message,
+        action="append",
+        default=[],
+        metavar="ROLE:CONTENT",
+        help="history message (repeatable)",
+    )
     a.add_argument("--tool", action="append", default=[], help="tool schema JSON (repeatable)")
     a.add_argument("--request-id", default="cli")
     a.add_argument("--timeout", type=float, default=2.0, help="deadline in seconds")

@@ -10,7 +10,6 @@ errors still raise: they are bugs to fix, not load to ride out.
 
 from __future__ import annotations
 
-import asyncio
 import ssl
 from collections.abc import Sequence
 from typing import Any
@@ -81,7 +80,13 @@ class ContextClient:
     async def __aexit__(self, *exc: object) -> None:
         self.close()
 
-    async def _unary(self, method: str, request: Any, reply: Any, timeout: float | None) -> Any:
+    async def _unary(
+        self,
+        method: str,
+        request: Any,
+        reply: Any,
+        timeout: float | None,  # noqa: ASYNC109  (a gRPC deadline, sent as grpc-timeout)
+    ) -> Any:
         async with self._channel.request(
             _PATH + method,
             Cardinality.UNARY_UNARY,
@@ -96,7 +101,11 @@ class ContextClient:
             return message, dict(stream.initial_metadata or {})
 
     async def assemble(
-        self, request: Any | None = None, *, timeout: float | None = None, **fields: Any
+        self,
+        request: Any | None = None,
+        *,
+        timeout: float | None = None,  # noqa: ASYNC109  (gRPC deadline)
+        **fields: Any,
     ) -> Assembled:
         """AssembleContext; `request` is a wire.AssembleContextRequest or its fields."""
         if request is None:
@@ -109,7 +118,9 @@ class ContextClient:
             if exc.status in FAIL_OPEN:
                 return self._fallback(request, exc.status.name)
             raise
-        except (asyncio.TimeoutError, StreamTerminatedError, ConnectionError, OSError):
+        except TimeoutError:  # grpclib's own deadline; caught before OSError, its base class
+            return self._fallback(request, "DEADLINE_EXCEEDED")
+        except (StreamTerminatedError, ConnectionError, OSError):
             return self._fallback(request, "UNAVAILABLE")
         return Assembled(
             context=msg.assembled_context,
@@ -120,7 +131,12 @@ class ContextClient:
             branches=str(meta.get("x-ibex-branches", "")),
         )
 
-    async def search(self, *, timeout: float | None = None, **fields: Any) -> Any:
+    async def search(
+        self,
+        *,
+        timeout: float | None = None,  # noqa: ASYNC109  (gRPC deadline)
+        **fields: Any,
+    ) -> Any:
         msg, _ = await self._unary(
             "SearchMemories",
             wire.SearchMemoriesRequest(**fields),
@@ -146,4 +162,3 @@ class ContextClient:
 
     async def search_trio(self, **kw: Any) -> Any:
         return await trio_asyncio.aio_as_trio(self.search)(**kw)
-

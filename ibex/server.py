@@ -17,6 +17,7 @@ import asyncio
 import logging
 import math
 import signal
+import struct
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -32,12 +33,12 @@ from grpclib.health.service import Health
 from grpclib.reflection.service import ServerReflection
 
 from ibex import convert
-from ibex._proto.google_proto_descriptor_pool import default_google_proto_descriptor_pool
 from ibex import wire as pb
+from ibex._proto.google_proto_descriptor_pool import default_google_proto_descriptor_pool
 from ibex.assemble import Assembler, load_static, open_assembler
 from ibex.auth import (
-    AuthError,
     Authenticator,
+    AuthError,
     PermissionError_,
     check_bind_policy,
     check_principal,
@@ -46,6 +47,7 @@ from ibex.auth import (
 )
 from ibex.config import Settings
 from ibex.errors import InputError, TooLargeError
+from ibex.logs import bind_request
 from ibex.metrics import Metrics
 from ibex.scoring import score_hit
 from ibex.sdnotify import Notifier, run_watchdog
@@ -58,6 +60,40 @@ log = logging.getLogger("ibex.server")
 SERVICE = "ibex.context.v1.ContextAssemblyService"
 _PREFIX = f"/{SERVICE}/"
 SEARCH_LIMIT_CAP = 100
+
+
+async def recv_bounded(stream: grpclib.server.Stream[Any, Any], limit: int) -> Any:
+    """The unary request message, refused before it is buffered when over `limit` bytes.
+
+    grpclib reads a whole message before decoding it and has no size cap, so
+    this reads the 5-byte gRPC prefix itself and checks the declared length
+    first; HTTP/2 flow control keeps the unread body bounded by the window.
+    It then does what `Stream.recv_message` does (decode, dispatch event).
+    """
+    inner = stream._stream
+    meta = await inner.recv_data(5)
+    if len(meta) < 5:
+        raise GRPCError(Status.INVALID_ARGUMENT, "request: no message")
+    compressed, length = struct.unpack(">?I", meta)
+    if compressed:
+        raise GRPCError(Status.UNIMPLEMENTED, "request: compressed messages are not supported")
+    if length > limit:
+        raise GRPCError(
+            Status.RESOURCE_EXHAUSTED,
+            f"request: message of {length} bytes exceeds the {limit}-byte limit",
+        )
+    data = await inner.recv_data(length)
+    if len(data) != length:
+        raise GRPCError(Status.INVALID_ARGUMENT, "request: truncated message")
+    try:
+        message = stream._codec.decode(data, stream._recv_type)
+    except Exception:
+        raise GRPCError(Status.INVALID_ARGUMENT, "request: not a valid protobuf message") from None
+    (message,) = await stream._dispatch.recv_message(message)
+    stream._messages_received += 1
+    inner.connection.messages_received += 1
+    inner.connection.last_message_received = time.monotonic()
+    return message
 
 
 class ServerState:
@@ -167,8 +203,7 @@ class ContextService:
     # --- AssembleContext -----------------------------------------------------
 
     async def assemble_context(self, stream: grpclib.server.Stream[Any, Any]) -> None:
-        msg = await stream.recv_message()
-        assert msg is not None
+        msg = await recv_bounded(stream, self.settings.max_message_bytes)
         try:
             request = self.assembler.check_request(convert.request_from_proto(msg))
             principal = msg.principal_context if msg.HasField("principal_context") else None
@@ -200,13 +235,13 @@ class ContextService:
 
     async def _assemble_in_trio(self, request: Any, remaining: float | None) -> Any:
         deadline = None if remaining is None else trio.current_time() + remaining
-        return await self.assembler.assemble(request, deadline=deadline, validated=True)
+        with bind_request(request.request_id, request.trace_id):
+            return await self.assembler.assemble(request, deadline=deadline, validated=True)
 
     # --- SearchMemories ------------------------------------------------------
 
     async def search_memories(self, stream: grpclib.server.Stream[Any, Any]) -> None:
-        msg = await stream.recv_message()
-        assert msg is not None
+        msg = await recv_bounded(stream, self.settings.max_message_bytes)
         try:
             org_id = canonical_uuid("org_id", msg.org_id)
             agent_id = canonical_uuid("agent_id", msg.agent_id)
@@ -216,22 +251,20 @@ class ContextService:
             raise GRPCError(Status.INVALID_ARGUMENT, "query: is required")
         if len(msg.query.encode()) > self.settings.max_text_bytes:
             raise GRPCError(Status.RESOURCE_EXHAUSTED, "query: too large")
-        if msg.limit < 0 or not math.isfinite(msg.min_similarity) or not (
-            0.0 <= msg.min_similarity <= 1.0
+        if (
+            msg.limit < 0
+            or not math.isfinite(msg.min_similarity)
+            or not (0.0 <= msg.min_similarity <= 1.0)
         ):
             raise GRPCError(
                 Status.INVALID_ARGUMENT, "limit must be >= 0 and min_similarity in [0, 1]"
             )
-        if msg.tags:
-            # The memory service's read surface carries no tags, so no hit could match.
-            raise GRPCError(
-                Status.UNIMPLEMENTED,
-                "tags: filtering by tag is not supported until the memory service returns tags",
-            )
         limit = min(msg.limit or 10, SEARCH_LIMIT_CAP)
         categories = set(msg.categories)
+        # Tags come from the memory's optional `tags` key; a hit without tags never matches.
+        tags = set(msg.tags)
         # Filters applied here would leave fewer than `limit` results: fetch the cap instead.
-        fetch = SEARCH_LIMIT_CAP if categories or msg.min_similarity > 0 else limit
+        fetch = SEARCH_LIMIT_CAP if categories or tags or msg.min_similarity > 0 else limit
         remaining = stream.deadline.time_remaining() if stream.deadline else None
         t0 = time.perf_counter()
         try:
@@ -249,6 +282,8 @@ class ContextService:
             if hit.similarity < msg.min_similarity:
                 continue
             if categories and hit.category not in categories:
+                continue
+            if tags and tags.isdisjoint(hit.tags):
                 continue
             scored = score_hit(hit, AssemblyOptions(), now)
             if scored is None:
@@ -291,7 +326,7 @@ class ContextService:
     # --- RecordMemoryFeedback ------------------------------------------------
 
     async def record_memory_feedback(self, stream: grpclib.server.Stream[Any, Any]) -> None:
-        await stream.recv_message()
+        await recv_bounded(stream, self.settings.max_message_bytes)
         raise GRPCError(
             Status.UNIMPLEMENTED,
             "RecordMemoryFeedback: the memory service offers no feedback endpoint yet",
@@ -336,9 +371,10 @@ class Daemon:
         catalog, tokenizers = load_static(settings)
         notifier = notifier or Notifier.from_env()
         shutdown = shutdown if shutdown is not None else trio.Event()
-        async with trio_asyncio.open_loop(), open_assembler(
-            settings, catalog=catalog, tokenizers=tokenizers
-        ) as assembler:
+        async with (
+            trio_asyncio.open_loop(),
+            open_assembler(settings, catalog=catalog, tokenizers=tokenizers) as assembler,
+        ):
             if self.metrics is not None:
                 self.metrics.set_token_cache_source(lambda: _cache_totals(tokenizers))
             server = self.build_server(assembler)
