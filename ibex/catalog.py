@@ -63,7 +63,9 @@ class Catalog:
             raise CatalogError(f"catalog: family {UNKNOWN_FAMILY!r} is required")
         for name, fam in self.families.items():
             if not 0.0 <= fam.safety_buffer_fraction < 0.5:
-                raise CatalogError(f"catalog: family {name!r}: safety_buffer_fraction not in [0, 0.5)")
+                raise CatalogError(
+                    f"catalog: family {name!r}: safety_buffer_fraction not in [0, 0.5)"
+                )
             if fam.encoding is not None and fam.encoding not in EXACT_ENCODINGS:
                 raise CatalogError(
                     f"catalog: family {name!r}: encoding {fam.encoding!r} is not one of "
@@ -85,7 +87,11 @@ class Catalog:
         found = self.models.get(model)
         if found is None:
             for known in self._by_length:
-                if model.startswith(known) and model[len(known) : len(known) + 1] in ("-", "@", ":"):
+                if model.startswith(known) and model[len(known) : len(known) + 1] in (
+                    "-",
+                    "@",
+                    ":",
+                ):
                     found = self.models[known]
                     break
         if len(self._resolved) < 4096:
@@ -118,7 +124,9 @@ def load_catalog(path: str | None = None) -> Catalog:
         try:
             data = Path(path).read_bytes()
         except OSError as exc:
-            raise CatalogError(f"IBEX_CONTEXT_CATALOG_PATH: cannot read {path!r}: {exc.strerror}") from None
+            raise CatalogError(
+                f"IBEX_CONTEXT_CATALOG_PATH: cannot read {path!r}: {exc.strerror}"
+            ) from None
         extra = _decode(data, f"IBEX_CONTEXT_CATALOG_PATH {path!r}")
         families.update(extra.families)
         models.update(extra.models)

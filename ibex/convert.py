@@ -15,8 +15,8 @@ from ibex.structs import (
     AssemblyOptions,
     AssemblyRequest,
     AssemblyResult,
-    Message,
     MemoryUsed,
+    Message,
 )
 
 
@@ -99,9 +99,7 @@ def response_to_proto(r: AssemblyResult) -> Any:
         score_schema=r.score_schema,
         degradation_level=r.degradation_level,
         branches=[
-            dict(
-                source=x.source, status=x.status, latency_ms=x.latency_ms, detail=x.detail
-            )
+            dict(source=x.source, status=x.status, latency_ms=x.latency_ms, detail=x.detail)
             for x in r.branches
         ],
         budget=dict(

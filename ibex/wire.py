@@ -14,7 +14,7 @@ from typing import Any
 
 from google.protobuf.message_factory import GetMessageClass
 
-import ibex._proto.ibex.auth.v1  # noqa: F401  (registers the descriptors)
+import ibex._proto.ibex.auth.v1
 import ibex._proto.ibex.context.v1  # noqa: F401
 from ibex._proto.google_proto_descriptor_pool import default_google_proto_descriptor_pool as POOL
 

@@ -1,4 +1,4 @@
-"""`ibex serve --workers 2`: shared port, READY once all are up, crash survived, drain on SIGTERM."""
+"""`ibex serve --workers 2`: one port, READY when all are up, a crash survived, drain on SIGTERM."""
 
 from __future__ import annotations
 

@@ -7,7 +7,9 @@ import pytest
 from ibex.config import ConfigError, load_settings, parse_duration
 
 
-@pytest.mark.parametrize("raw,seconds", [("45", 0.045), ("45ms", 0.045), ("0.2s", 0.2), (" 5 ms ", 0.005)])
+@pytest.mark.parametrize(
+    "raw,seconds", [("45", 0.045), ("45ms", 0.045), ("0.2s", 0.2), (" 5 ms ", 0.005)]
+)
 def test_durations(raw: str, seconds: float) -> None:
     assert parse_duration("X", raw) == pytest.approx(seconds)
 
@@ -51,7 +53,10 @@ def test_errors_name_the_variable(env: dict[str, str], needle: str) -> None:
 def test_secret_is_never_in_errors_or_redacted_output() -> None:
     secret = "s3cr3t-token-value"
     s = load_settings(
-        {"IBEX_CONTEXT_MEMORY_BASE_URL": "http://mem:8080/", "IBEX_CONTEXT_MEMORY_API_TOKEN": secret}
+        {
+            "IBEX_CONTEXT_MEMORY_BASE_URL": "http://mem:8080/",
+            "IBEX_CONTEXT_MEMORY_API_TOKEN": secret,
+        }
     )
     assert s.memory_base_url == "http://mem:8080"
     assert secret not in repr(s.redacted())

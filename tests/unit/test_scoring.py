@@ -15,8 +15,14 @@ NOW = datetime(2026, 11, 30, tzinfo=UTC).timestamp()
 
 def hit(**kw: object) -> MemoryHit:
     base: dict[str, object] = dict(
-        memory_id="m", org_id="o", agent_id="a", content="c", category="factual",
-        confidence=0.5, similarity=0.8, rank=1,
+        memory_id="m",
+        org_id="o",
+        agent_id="a",
+        content="c",
+        category="factual",
+        confidence=0.5,
+        similarity=0.8,
+        rank=1,
     )
     base.update(kw)
     return MemoryHit(**base)  # type: ignore[arg-type]
@@ -29,8 +35,15 @@ def test_interim_formula() -> None:
 
 
 @pytest.mark.parametrize(
-    "kw", [dict(similarity=math.nan), dict(similarity=1.2), dict(similarity=-0.1),
-           dict(confidence=math.inf), dict(confidence=-1.0), dict(usefulness=2.0)]
+    "kw",
+    [
+        dict(similarity=math.nan),
+        dict(similarity=1.2),
+        dict(similarity=-0.1),
+        dict(confidence=math.inf),
+        dict(confidence=-1.0),
+        dict(usefulness=2.0),
+    ],
 )
 def test_unusable_inputs_are_not_scored(kw: dict[str, float]) -> None:
     assert score_hit(hit(**kw), AssemblyOptions(), NOW) is None
@@ -43,8 +56,9 @@ def test_weighted_over_present_components() -> None:
     s = score_hit(hit(similarity=0.6), opts, NOW)
     assert s is not None and s.composite_score == pytest.approx(0.6)
     created = (datetime.fromtimestamp(NOW, UTC) - timedelta(days=7)).isoformat()
-    s = score_hit(hit(similarity=0.6, usefulness=0.9, created_at=created, category="episodic"),
-                  opts, NOW)
+    s = score_hit(
+        hit(similarity=0.6, usefulness=0.9, created_at=created, category="episodic"), opts, NOW
+    )
     assert s is not None
     assert s.recency_score == pytest.approx(0.5)
     assert s.composite_score == pytest.approx((0.6 + 0.5 + 2 * 0.9) / 4)
