@@ -10,7 +10,6 @@ asyncio and is crossed into Trio with trio-asyncio.
 from __future__ import annotations
 
 import logging
-import secrets
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -19,6 +18,7 @@ import trio
 
 from ibex.catalog import Catalog, load_catalog
 from ibex.config import Settings
+from ibex.formatter import new_nonce
 from ibex.pipeline import AssemblyInputs, PipelineConfig, assemble_pure, resolve_model
 from ibex.retrieval import retrieve
 from ibex.sources.base import DirectiveSource, MemorySource
@@ -81,7 +81,7 @@ class Assembler:
             hot=got.hot,
             cold=got.cold,
             branches=got.branches,
-            nonce=secrets.token_hex(self.settings.formatter_nonce_bytes),
+            nonce=new_nonce(self.settings.formatter_nonce_bytes),
             now=time.time(),
             retrieval_ms=got.elapsed_ms,
         )

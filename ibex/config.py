@@ -195,9 +195,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     if (raw := get("MIN_CONFIDENCE")) is not None:
         kw["min_confidence"] = _float(PREFIX + "MIN_CONFIDENCE", raw, 0.0, 1.0)
     if (raw := get("MEMORY_BASE_URL")) is not None:
-        kw["memory_base_url"] = _url(PREFIX + "MEMORY_BASE_URL", raw, ("http", "https")).rstrip(
-            "/"
-        )
+        kw["memory_base_url"] = _url(PREFIX + "MEMORY_BASE_URL", raw, ("http", "https")).rstrip("/")
     if (raw := get("MEMORY_API_TOKEN")) is not None:
         kw["memory_api_token"] = raw.strip()
     if (raw := get("REDIS_URL")) is not None:
@@ -240,7 +238,5 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     if kw.get("tls_client_ca") and not kw.get("tls_cert"):
         raise ConfigError(f"{PREFIX}TLS_CLIENT_CA requires {PREFIX}TLS_CERT and {PREFIX}TLS_KEY")
     if kw.get("memory_base_url") and not kw.get("memory_api_token"):
-        raise ConfigError(
-            f"{PREFIX}MEMORY_API_TOKEN: required when {PREFIX}MEMORY_BASE_URL is set"
-        )
+        raise ConfigError(f"{PREFIX}MEMORY_API_TOKEN: required when {PREFIX}MEMORY_BASE_URL is set")
     return Settings(**kw)

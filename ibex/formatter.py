@@ -14,7 +14,8 @@ to the preceding ``>\\n`` (whitespace, ``/``). A ``\\n`` followed by ``<`` is
 always a pre-tokeniser split point for cl100k_base and o200k_base, so the
 token count of the whole block is the sum of its pieces' counts. That lets the
 pipeline count pieces once (cached) instead of re-tokenising every request;
-the pipeline still verifies the final text.
+the pipeline checks that rule on the final pieces (`joins_split_cleanly`) and
+re-counts the whole text only if it fails.
 
 Bodies and attribute values are escaped, so a memory can neither close its
 element, forge a nonce nor add an attribute: bodies contain no ``<`` at all.
@@ -24,6 +25,7 @@ The formatter only serialises; it never parses memory markup.
 from __future__ import annotations
 
 import re
+import secrets
 from collections.abc import Iterable, Sequence
 
 from ibex.structs import Directive, Message, ScoredMemory
@@ -65,6 +67,18 @@ def body_piece(text: str) -> str:
     """The escaped body plus its line end; empty text gives an empty piece."""
     escaped = escape_body(text)
     return escaped + "\n" if escaped else ""
+
+
+def new_nonce(nbytes: int) -> str:
+    """A fresh nonce of `nbytes` random bytes from `secrets`, written in decimal.
+
+    Fixed-width decimal, not hex: digits pre-tokenise in runs of three and every
+    three-digit run is one token in cl100k_base and o200k_base, so every nonce
+    of a given size costs the same number of tokens and the nonce can never
+    change which memories fit the budget.
+    """
+    width = len(str(2 ** (8 * nbytes) - 1))
+    return f"{secrets.randbits(8 * nbytes):0{width}d}"
 
 
 # --- directive ---------------------------------------------------------------
@@ -112,17 +126,33 @@ MEMORIES_CLOSE = "</memories>\n"
 MEMORY_CLOSE = "</memory>\n"
 
 
+MEMORY_OPEN_PREFIX = '<memory nonce="'
+
+
+def memory_open_suffix(memory: ScoredMemory) -> str:
+    """The nonce-free rest of a memory's opening tag, so its count can be cached.
+
+    `memory_open` is ``MEMORY_OPEN_PREFIX + nonce + suffix``. For a hex nonce
+    both joins are pre-tokeniser splits (``="`` and the ``"`` after the nonce
+    are punctuation runs that take neither a letter nor a digit), so the tag's
+    count is the sum of the three parts' counts.
+    """
+    return f'" id="{escape_attr(memory.memory_id)}" category="{escape_attr(memory.category)}">\n'
+
+
 def memory_open(nonce: str, memory: ScoredMemory) -> str:
-    return (
-        f'<memory nonce="{nonce}" id="{escape_attr(memory.memory_id)}" '
-        f'category="{escape_attr(memory.category)}">\n'
-    )
+    return MEMORY_OPEN_PREFIX + nonce + memory_open_suffix(memory)
 
 
 def category_key(memory: ScoredMemory) -> tuple[int, str, float, str]:
     """Known categories in their fixed order, others by name; then score desc, id."""
     cat = memory.category
-    return (_CATEGORY_RANK.get(cat, len(CATEGORY_ORDER)), cat, -memory.composite_score, memory.memory_id)
+    return (
+        _CATEGORY_RANK.get(cat, len(CATEGORY_ORDER)),
+        cat,
+        -memory.composite_score,
+        memory.memory_id,
+    )
 
 
 def memory_order(memories: Iterable[ScoredMemory]) -> list[ScoredMemory]:
@@ -180,6 +210,25 @@ def tools_section(schemas: Sequence[str]) -> list[str]:
     return out
 
 
+def render_pieces(
+    *,
+    directive: Directive | None,
+    messages: Sequence[Message],
+    memories: Sequence[ScoredMemory],
+    tool_schemas: Sequence[str],
+    nonce: str,
+) -> list[str]:
+    """The block's pieces in order; `render` joins them."""
+    ordered = memory_order(memories)
+    pieces = directive_section(directive)
+    if ordered:
+        pieces.append(safety_piece(nonce))
+    pieces += history_section(messages)
+    pieces += memories_section(nonce, ordered)
+    pieces += tools_section(tool_schemas)
+    return pieces
+
+
 def render(
     *,
     directive: Directive | None,
@@ -193,11 +242,29 @@ def render(
     Byte-identical for identical inputs and nonce. The safety sentence appears
     whenever memories do, so the model is always told what the nonce means.
     """
-    ordered = memory_order(memories)
-    pieces = directive_section(directive)
-    if ordered:
-        pieces.append(safety_piece(nonce))
-    pieces += history_section(messages)
-    pieces += memories_section(nonce, ordered)
-    pieces += tools_section(tool_schemas)
-    return "".join(pieces)
+    return "".join(
+        render_pieces(
+            directive=directive,
+            messages=messages,
+            memories=memories,
+            tool_schemas=tool_schemas,
+            nonce=nonce,
+        )
+    )
+
+
+def joins_split_cleanly(pieces: Iterable[str]) -> bool:
+    """True when every join is a pre-tokeniser split, so counts add up exactly.
+
+    A pre-token of cl100k_base or o200k_base can run past a ``\\n`` only into
+    whitespace (or, for o200k_base, a ``/``). So if every piece ends with
+    ``\\n`` and none starts with whitespace or ``/``, the text's count is the
+    sum of its pieces' counts (and estimate_v1's, which counts byte classes
+    and runs that a ``\\n`` always ends, is at most that sum). The formatter
+    builds only such pieces; this check guards that claim cheaply instead of
+    re-tokenising the whole block.
+    """
+    for piece in pieces:
+        if piece and (piece[-1] != "\n" or piece[0].isspace() or piece[0] == "/"):
+            return False
+    return True

@@ -2,8 +2,10 @@
 
 No I/O and no clock other than stage timings: everything the pipeline needs
 (directive, hits, branch outcomes, nonce, "now") comes in an `AssemblyInputs`.
-Every candidate ends either included or excluded with a reason, and the final
-text is re-counted so `tokens_used` is the truth, not an estimate of it.
+Every candidate ends either included or excluded with a reason. `tokens_used`
+is the sum of the final text's piece counts, which is the text's exact count
+when every join is a pre-tokeniser split (checked on the final pieces, see
+`formatter.joins_split_cleanly`); otherwise the whole text is re-counted.
 """
 
 from __future__ import annotations
@@ -56,6 +58,9 @@ class CounterSource(Protocol):
 class PipelineConfig(msgspec.Struct, frozen=True):
     dp_cell_ceiling: int = 70 * 6251
     max_consecutive_skips: int = 5
+
+
+DEFAULT_CONFIG = PipelineConfig()
 
 
 class AssemblyInputs(msgspec.Struct, frozen=True):
@@ -112,7 +117,9 @@ def _used(m: ScoredMemory, exclusion: Exclusion) -> MemoryUsed:
 
 
 def _hit_used(hit: MemoryHit, exclusion: Exclusion) -> MemoryUsed:
-    finite = [v if v == v and abs(v) != float("inf") else 0.0 for v in (hit.similarity, hit.confidence)]
+    finite = [
+        v if v == v and abs(v) != float("inf") else 0.0 for v in (hit.similarity, hit.confidence)
+    ]
     return MemoryUsed(
         memory_id=hit.memory_id,
         rank=hit.rank,
@@ -155,9 +162,7 @@ def select_candidates(
                 excluded.append(_hit_used(hit, "failed"))
                 continue
             prev = best.get(scored.memory_id)
-            if prev is None:
-                best[scored.memory_id] = scored
-            elif _sort_key(scored) < _sort_key(prev):
+            if prev is None or _sort_key(scored) < _sort_key(prev):
                 best[scored.memory_id] = scored
     ranked = sorted(best.values(), key=_sort_key)
     cap = MAX_MEMORIES_HARD_CAP
@@ -172,7 +177,7 @@ def _count_pieces(counter: Counter, pieces: Iterable[str]) -> int:
 
 
 def _ms(seconds: float) -> int:
-    return int(round(seconds * 1000.0))
+    return round(seconds * 1000.0)
 
 
 def assemble_pure(
@@ -180,7 +185,7 @@ def assemble_pure(
     *,
     catalog: Catalog,
     tokenizers: CounterSource,
-    config: PipelineConfig = PipelineConfig(),
+    config: PipelineConfig = DEFAULT_CONFIG,
 ) -> AssemblyResult:
     """Budget, score, pack, format and verify one assembly."""
     t0 = time.perf_counter()
@@ -194,11 +199,14 @@ def assemble_pure(
 
     directive = inputs.directive
     directive_pieces = fmt.directive_section(directive)
-    safety = fmt.safety_piece(nonce)
-    directive_tokens = _count_pieces(counter, directive_pieces) + counter.count(safety)
+    # Pieces carrying the nonce are new every request: count them without the
+    # cache, or each request would push ~30 never-reused entries into it.
+    safety_tokens = _exact_len(counter, fmt.safety_piece(nonce))
+    directive_only = _count_pieces(counter, directive_pieces)
+    directive_tokens = directive_only + safety_tokens
     history_tokens = _count_pieces(counter, fmt.history_section(request.recent_messages))
     tool_tokens = _count_pieces(counter, fmt.tools_section(request.tool_schemas))
-    overhead = counter.count(fmt.memories_open(nonce)) + counter.count(fmt.MEMORIES_CLOSE)
+    overhead = _exact_len(counter, fmt.memories_open(nonce)) + counter.count(fmt.MEMORIES_CLOSE)
     budget = compute_budget(
         cap,
         family,
@@ -212,13 +220,19 @@ def assemble_pure(
     t1 = time.perf_counter()
 
     candidates, excluded = select_candidates(request, inputs.hot, inputs.cold, inputs.now)
-    close_tokens = counter.count(fmt.MEMORY_CLOSE)
+    # memory_open = prefix + nonce + suffix, split at pre-tokeniser boundaries
+    # (see fmt.memory_open_suffix): the nonce is counted once, the rest cached.
+    fixed_tokens = (
+        counter.count(fmt.MEMORY_OPEN_PREFIX)
+        + _exact_len(counter, nonce)
+        + counter.count(fmt.MEMORY_CLOSE)
+    )
     candidates = [
         msgspec.structs.replace(
             m,
-            token_estimate=counter.count(fmt.memory_open(nonce, m))
-            + counter.count(fmt.body_piece(m.content))
-            + close_tokens,
+            token_estimate=fixed_tokens
+            + counter.count(fmt.memory_open_suffix(m))
+            + counter.count(fmt.body_piece(m.content)),
         )
         for m in candidates
     ]
@@ -236,14 +250,23 @@ def assemble_pure(
     dropped: list[ScoredMemory] = []
     while True:
         ordered = fmt.memory_order(packed)
-        text = fmt.render(
+        pieces = fmt.render_pieces(
             directive=directive,
             messages=request.recent_messages,
             memories=ordered,
             tool_schemas=request.tool_schemas,
             nonce=nonce,
         )
-        tokens_used = _exact_len(counter, text)
+        text = "".join(pieces)
+        if fmt.joins_split_cleanly(pieces):
+            # Every join is a pre-tokeniser split, so the text's count is the sum
+            # of its pieces' (exact families; an upper bound for estimate_v1):
+            # no need to re-tokenise ~15k characters per request.
+            tokens_used = directive_only + history_tokens + tool_tokens
+            if ordered:
+                tokens_used += safety_tokens + overhead + sum(m.token_estimate for m in ordered)
+        else:
+            tokens_used = _exact_len(counter, text)
         if tokens_used <= budget.ceiling:
             break
         if not packed:
@@ -273,9 +296,7 @@ def assemble_pure(
         total_ms=_ms(t4 - t0 + inputs.retrieval_ms / 1000.0),
         candidates_evaluated=result.candidates_evaluated,
     )
-    emitted_directive = _count_pieces(counter, directive_pieces) + (
-        counter.count(safety) if ordered else 0
-    )
+    emitted_directive = directive_only + (safety_tokens if ordered else 0)
     return AssemblyResult(
         assembled_context=text,
         tokens_used=tokens_used,
@@ -308,11 +329,13 @@ def _exact_len(counter: Counter, text: str) -> int:
 def _branch_ms(branches: Sequence[BranchOutcome], source: str) -> int:
     for b in branches:
         if b.source == source:
-            return int(round(b.latency_ms))
+            return round(b.latency_ms)
     return 0
 
 
-def _summary(result: PackResult, dropped: list[ScoredMemory], kept: list[ScoredMemory]) -> PackSummary:
+def _summary(
+    result: PackResult, dropped: list[ScoredMemory], kept: list[ScoredMemory]
+) -> PackSummary:
     return PackSummary(
         path=result.path,
         candidates_evaluated=result.candidates_evaluated,

@@ -62,12 +62,12 @@ async def retrieve(
     wall = request_wall(settings, deadline)
 
     async def branch(
-        source: BranchSource, timeout: float, call: Callable[[], Awaitable[Any]]
+        source: BranchSource, limit_s: float, call: Callable[[], Awaitable[Any]]
     ) -> None:
         t0 = trio.current_time()
         status: str = "success"
         detail = ""
-        with trio.move_on_after(timeout) as scope:
+        with trio.move_on_after(limit_s) as scope:
             try:
                 values[source] = await call()
             except SourceError as exc:
@@ -76,7 +76,7 @@ async def retrieve(
                 status, detail = "error", f"unexpected {type(exc).__name__}"
                 log.exception("branch_unexpected_error", extra={"branch": source})
         if scope.cancelled_caught:
-            status, detail = "timeout", f"no answer within {timeout * 1000:.0f}ms"
+            status, detail = "timeout", f"no answer within {limit_s * 1000:.0f}ms"
         latency = (trio.current_time() - t0) * 1000.0
         outcomes[source] = BranchOutcome(source, status, latency, detail)  # type: ignore[arg-type]
 
