@@ -33,6 +33,7 @@ from typing import Any
 
 from google.protobuf.internal import api_implementation
 
+from ibex import convert, wire
 from ibex._proto.ibex.auth import v1 as bp_auth
 from ibex._proto.ibex.context import v1 as bp
 from ibex.structs import (
@@ -46,7 +47,6 @@ from ibex.structs import (
     PackSummary,
     TokenBudget,
 )
-from tests.grpcio_stubs import context_pb2 as pb
 
 RESULTS = Path(__file__).parent / "results" / "codec.json"
 TARGET_US = 300.0
@@ -288,109 +288,7 @@ def bp_response(r: AssemblyResult) -> bp.AssembleContextResponse:
     )
 
 
-# --- protobuf (upb) via the grpcio-tools pb2 classes ---------------------------------------
-
-
-def pb_to_struct(m: Any) -> AssemblyRequest:
-    o = m.options
-    return AssemblyRequest(
-        agent_id=m.agent_id,
-        org_id=m.org_id,
-        query=m.query,
-        model=m.model,
-        session_id=m.session_id,
-        directive_version_id=m.directive_version_id,
-        available_tokens=m.available_tokens,
-        recent_messages=tuple(Message(x.role, x.content) for x in m.recent_messages),
-        options=AssemblyOptions(
-            o.skip_cold_memories,
-            o.skip_hot_memories,
-            o.recency_weight,
-            o.relevance_weight,
-            o.usefulness_weight,
-            o.confidence_weight,
-            o.max_memories,
-        ),
-        request_id=m.request_id,
-        trace_id=m.trace_id,
-        span_id=m.span_id,
-        tool_schemas=tuple(m.tool_schemas),
-    )
-
-
-def _pb_memory(u: MemoryUsed) -> Any:
-    return pb.MemoryUsed(
-        memory_id=u.memory_id,
-        composite_score=u.composite_score,
-        relevance_score=u.relevance_score,
-        recency_score=u.recency_score,
-        usefulness_score=u.usefulness_score,
-        rank=u.rank,
-        category=u.category,
-        exclusion=u.exclusion,
-        similarity=u.similarity,
-        confidence=u.confidence,
-        token_estimate=u.token_estimate,
-    )
-
-
-def pb_response(r: AssemblyResult) -> Any:
-    b, p, mt = r.budget, r.pack, r.metrics
-    return pb.AssembleContextResponse(
-        assembled_context=r.assembled_context,
-        tokens_used=r.tokens_used,
-        memories_included=len(r.memories_used),
-        memories_used=[_pb_memory(u) for u in r.memories_used],
-        directive_tokens=r.directive_tokens,
-        history_tokens=r.history_tokens,
-        memory_tokens=r.memory_tokens,
-        metrics=pb.AssemblyMetrics(
-            budget_calculation_ms=mt.budget_calculation_ms,
-            directive_load_ms=mt.directive_load_ms,
-            hot_memory_retrieval_ms=mt.hot_memory_retrieval_ms,
-            cold_memory_retrieval_ms=mt.cold_memory_retrieval_ms,
-            ranking_ms=mt.ranking_ms,
-            packing_ms=mt.packing_ms,
-            formatting_ms=mt.formatting_ms,
-            total_ms=mt.total_ms,
-            candidates_evaluated=mt.candidates_evaluated,
-        ),
-        request_id=r.request_id,
-        trace_id=r.trace_id,
-        span_id=r.span_id,
-        score_schema=r.score_schema,
-        degradation_level=r.degradation_level,
-        branches=[
-            pb.BranchOutcome(
-                source=x.source, status=x.status, latency_ms=x.latency_ms, detail=x.detail
-            )
-            for x in r.branches
-        ],
-        budget=pb.TokenBudget(
-            context_window=b.context_window,
-            response_reserve=b.response_reserve,
-            safety_buffer=b.safety_buffer,
-            directive_tokens=b.directive_tokens,
-            messages_tokens=b.messages_tokens,
-            tool_schema_tokens=b.tool_schema_tokens,
-            formatter_overhead_tokens=b.formatter_overhead_tokens,
-            usable_budget=b.usable_budget,
-            constrained=b.constrained,
-            tokenizer_family=b.tokenizer_family,
-            estimate_kind=b.estimate_kind,
-        ),
-        pack=pb.PackSummary(
-            path=p.path,
-            candidates_evaluated=p.candidates_evaluated,
-            excluded_for_budget=p.excluded_for_budget,
-            budget_reached=p.budget_reached,
-            total_score=p.total_score,
-        ),
-        excluded=[_pb_memory(u) for u in r.excluded],
-    )
-
-
-# --- harness ------------------------------------------------------------------------------
+# --- protobuf (upb): the server's own path, ibex.wire classes + ibex.convert -----------------
 
 
 def _time(fn: Callable[[], object], iterations: int) -> dict[str, float]:
@@ -436,8 +334,8 @@ def run(iterations: int) -> dict[str, Any]:
     req_bytes = bytes(bp_req)
     bp_resp = bp_response(result)
     resp_bytes = bytes(bp_resp)
-    pb_resp = pb_response(result)
-    if pb.AssembleContextRequest.FromString(req_bytes).tool_schemas != bp_req.tool_schemas:
+    pb_resp = convert.response_to_proto(result)
+    if wire.AssembleContextRequest.FromString(req_bytes).tool_schemas != bp_req.tool_schemas:
         raise AssertionError("pb2 and betterproto2 disagree on the request")
     if pb_resp.SerializeToString() != resp_bytes:
         raise AssertionError("pb2 and betterproto2 disagree on the response")
@@ -462,13 +360,16 @@ def run(iterations: int) -> dict[str, Any]:
         }
     codecs[f"protobuf-{api_implementation.Type()}"] = {
         "request_decode": _time(
-            lambda: pb.AssembleContextRequest.FromString(req_bytes), iterations
+            lambda: wire.AssembleContextRequest.FromString(req_bytes), iterations
         ),
         "request_to_struct": _time(
-            lambda: pb_to_struct(pb.AssembleContextRequest.FromString(req_bytes)), iterations
+            lambda: convert.request_from_proto(wire.AssembleContextRequest.FromString(req_bytes)),
+            iterations,
         ),
         "response_encode": _time(lambda: pb_resp.SerializeToString(), iterations),
-        "response_from_struct": _time(lambda: pb_response(result).SerializeToString(), iterations),
+        "response_from_struct": _time(
+            lambda: convert.response_to_proto(result).SerializeToString(), iterations
+        ),
     }
     for figures in codecs.values():
         raw = figures["request_decode"]["median_us"] + figures["response_encode"]["median_us"]
