@@ -363,7 +363,23 @@ class Daemon:
         shutdown: trio.Event | None = None,
         sock: Any = None,
     ) -> None:
-        """Run until SIGTERM/SIGINT (or `shutdown` is set), then drain. Call from Trio."""
+        """Run until SIGTERM/SIGINT (or `shutdown` is set), then drain. Call from Trio.
+
+        Signals are caught from the first line: one that arrives while the
+        catalog and tokenizers load is kept and honoured as soon as serving
+        starts, so a stop during start-up is a clean, logged exit too.
+        """
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            await self._serve(task_status, notifier, shutdown, sock, signals)
+
+    async def _serve(
+        self,
+        task_status: trio.TaskStatus[int],
+        notifier: Notifier | None,
+        shutdown: trio.Event | None,
+        sock: Any,
+        signals: Any,
+    ) -> None:
         settings = self.settings
         warning = check_bind_policy(settings)
         if warning:
@@ -408,7 +424,7 @@ class Daemon:
             task_status.started(self.port)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(run_watchdog, notifier)
-                nursery.start_soon(_wait_signal, shutdown)
+                nursery.start_soon(_wait_signal, signals, shutdown)
                 await shutdown.wait()
                 notifier.stopping()
                 notifier.status("draining")
@@ -436,8 +452,8 @@ def _cache_totals(tokenizers: Any) -> tuple[int, int]:
     return sum(i.hits for i in info.values()), sum(i.misses for i in info.values())
 
 
-async def _wait_signal(shutdown: trio.Event) -> None:
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        async for _ in signals:
-            shutdown.set()
-            return
+async def _wait_signal(signals: Any, shutdown: trio.Event) -> None:
+    async for signum in signals:
+        log.info("signal_received", extra={"signal": int(signum)})
+        shutdown.set()
+        return

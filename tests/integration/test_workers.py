@@ -45,7 +45,9 @@ def wait_for(predicate: object, timeout: float, what: str) -> None:
 
 
 @pytest.fixture
-def supervisor(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], int, int, socket.socket]]:
+def supervisor(
+    tmp_path: Path,
+) -> Iterator[tuple[subprocess.Popen[str], int, int, socket.socket, Path]]:
     grpc_port, metrics_port = free_port(), free_port()
     notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     notify_path = tmp_path / "notify.sock"
@@ -60,26 +62,28 @@ def supervisor(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], int, int
         IBEX_CONTEXT_DRAIN_GRACE="5s",
         NOTIFY_SOCKET=str(notify_path),
     )
+    log = (tmp_path / "stderr.log").open("w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "ibex", "serve", "--workers", "2"],
         env=env,
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
+        stderr=log,
         text=True,
     )
     try:
-        yield proc, grpc_port, metrics_port, notify
+        yield proc, grpc_port, metrics_port, notify, tmp_path / "stderr.log"
     finally:
         if proc.poll() is None:
             proc.kill()
         proc.wait(timeout=10)
         notify.close()
+        log.close()
 
 
 def test_workers_share_port_survive_a_crash_and_drain(
-    supervisor: tuple[subprocess.Popen[str], int, int, socket.socket],
+    supervisor: tuple[subprocess.Popen[str], int, int, socket.socket, Path],
 ) -> None:
-    proc, port, metrics_port, notify = supervisor
+    proc, port, metrics_port, notify, log_path = supervisor
     # systemd hears READY=1 only once both workers have bound the port.
     msg = notify.recv(4096).decode()
     while "READY=1" not in msg.splitlines():
@@ -95,6 +99,9 @@ def test_workers_share_port_survive_a_crash_and_drain(
     os.kill(victim, signal.SIGKILL)
     wait_for(lambda: len(children(proc.pid) - {victim}) == 2, 30, "a replacement worker")
     assert victim not in children(proc.pid)
+    wait_for(
+        lambda: log_path.read_text().count('"event":"serving"') == 3, 60, "the replacement ready"
+    )
     # The port keeps answering while and after the worker is replaced.
     for _ in range(3):
         again = assemble(port)
@@ -111,6 +118,6 @@ def test_workers_share_port_survive_a_crash_and_drain(
 
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0
-    stderr = proc.stderr.read() if proc.stderr else ""
+    stderr = log_path.read_text()
     assert '"event":"worker_exited"' in stderr
     assert stderr.count('"event":"stopped"') >= 2
