@@ -33,14 +33,12 @@ def _unit(x: float | None) -> bool:
 
 
 def uses_weights(options: AssemblyOptions) -> bool:
-    return any(
-        w > 0
-        for w in (
-            options.relevance_weight,
-            options.confidence_weight,
-            options.recency_weight,
-            options.usefulness_weight,
-        )
+    # Plain `or`, not any() over a generator: this runs once per hit.
+    return (
+        options.relevance_weight > 0
+        or options.confidence_weight > 0
+        or options.recency_weight > 0
+        or options.usefulness_weight > 0
     )
 
 

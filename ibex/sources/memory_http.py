@@ -1,36 +1,40 @@
-"""Memory service HTTP source (contract section 2) on httpx2, native Trio.
+"""Memory service HTTP source (contract section 2) on our own HTTP/1.1 pool, native Trio.
 
-Lifecycle: the client and its keep-alive pool are created by `open()` (or
-`async with`) inside the Trio run and closed by `aclose()` in the same run.
-One instance per process; hot and cold calls share its pool.
+Lifecycle: the pool is created by `open()` (or `async with`) inside the Trio
+run and closed by `aclose()` in the same run. One instance per process; hot
+and cold calls share its keep-alive connections.
 
-Why httpx2: the daemon cancels in-flight calls by design (branch timeouts,
-the wall). Stock httpcore could leak a pool slot when a request was cancelled
-while waiting for or establishing a connection (encode/httpcore#1093), and a
-leaked slot is a pool that slowly stops working. httpcore2 fixes that;
-tests/chaos/test_http_cancel_storm.py holds it to that.
+The client is `ibex.sources.http_pool`, not httpx2: the daemon cancels
+in-flight calls by design (branch timeouts, the wall), so the pool must never
+leak a slot or reuse a half-read connection when a call is cancelled
+(encode/httpcore#1093), and it must be cheap, because it runs twice per
+answer. tests/chaos/test_http_cancel_storm.py holds it to the first;
+benchmarks/memory_client.py measures the second.
 
-Timeouts: the caller's cancel scope is the real timer; the transport timeout
-is only a safety net for callers that set none. No retries, no redirects: a
-failed call is a failed branch.
+Timeouts: the caller's cancel scope is the real timer; the pool's timeout is
+only a safety net for callers that set none. No retries, no redirects: a
+failed call is a failed branch (the pool's one re-send, when a pooled
+keep-alive connection turns out to have been closed by the server before any
+answer byte, is connection housekeeping, not a retry).
 
-Trio only: httpcore picks its I/O backend per call from the running library,
-so the same pool used from an asyncio task (e.g. under trio-asyncio) fails
-with "bad yield". Every call checks and raises RuntimeError instead.
+Trio only: the pool's sockets belong to the Trio run, so the same source used
+from an asyncio task (e.g. under trio-asyncio) would fail deep inside Trio.
+Every call checks and raises RuntimeError instead.
 """
 
 from __future__ import annotations
 
+import ssl
 import types
 from typing import Literal, Self
+from urllib.parse import quote
 
-import httpx2
 import msgspec
 import sniffio
-import trio
 
 from ibex.config import Settings
 from ibex.sources.base import SourceError
+from ibex.sources.http_pool import HttpPool, PoolStats, TransportError, split_base_url
 from ibex.sources.wire import decode_hits
 from ibex.structs import MemoryHit
 
@@ -62,9 +66,11 @@ class MemoryHttpSource:
         transport_timeout: float = 2.0,
         keepalive_expiry: float = 5.0,
         max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         if not base_url.startswith(("http://", "https://")):
             raise ValueError("memory base URL must start with http:// or https://")
+        split_base_url(base_url)  # refuse credentials, queries or bad ports now, not at open()
         if not token:
             raise ValueError("memory API token must not be empty")
         if pool_size < 1:
@@ -75,7 +81,8 @@ class MemoryHttpSource:
         self._transport_timeout = transport_timeout
         self._keepalive_expiry = keepalive_expiry
         self._max_response_bytes = max_response_bytes
-        self._client: httpx2.AsyncClient | None = None
+        self._ssl_context = ssl_context
+        self._pool: HttpPool | None = None
 
     @classmethod
     def from_settings(cls, settings: Settings) -> MemoryHttpSource:
@@ -89,44 +96,37 @@ class MemoryHttpSource:
         )
 
     def __repr__(self) -> str:  # never show the token
-        state = "open" if self._client is not None else "closed"
+        state = "open" if self._pool is not None else "closed"
         return f"<MemoryHttpSource {self._base_url} pool={self._pool_size} {state}>"
 
-    @property
-    def client(self) -> httpx2.AsyncClient:
-        """The underlying client, for tests and diagnostics that inspect the pool."""
-        if self._client is None:
-            raise RuntimeError("MemoryHttpSource is not open")
-        return self._client
+    def pool_stats(self) -> PoolStats:
+        """Connections (total, idle, in use), held slots and waiters, for tests and diagnostics."""
+        return self._open_pool().stats()
 
     async def open(self) -> None:
-        """Create the client and its pool. Must run inside Trio."""
+        """Create the connection pool. Must run inside Trio."""
         _require_trio()
-        if self._client is not None:
+        if self._pool is not None:
             raise RuntimeError("MemoryHttpSource is already open")
-        self._client = httpx2.AsyncClient(
-            base_url=self._base_url,
+        self._pool = HttpPool(
+            self._base_url,
             headers={
                 "Authorization": f"Bearer {self._token}",
                 "Accept": "application/json",
                 "User-Agent": USER_AGENT,
             },
-            limits=httpx2.Limits(
-                max_connections=self._pool_size,
-                max_keepalive_connections=self._pool_size,
-                keepalive_expiry=self._keepalive_expiry,
-            ),
-            timeout=httpx2.Timeout(self._transport_timeout),
-            follow_redirects=False,
-            trust_env=False,  # no proxy or netrc from the environment
+            max_connections=self._pool_size,
+            keepalive_expiry=self._keepalive_expiry,
+            timeout=self._transport_timeout,
+            max_response_bytes=self._max_response_bytes,
+            ssl_context=self._ssl_context,
         )
 
     async def aclose(self) -> None:
         """Close every pooled connection. Idempotent."""
-        client, self._client = self._client, None
-        if client is not None:
-            with trio.CancelScope(shield=True):
-                await client.aclose()
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            await pool.aclose()
 
     async def __aenter__(self) -> Self:
         await self.open()
@@ -144,8 +144,11 @@ class MemoryHttpSource:
         self, org_id: str, agent_id: str, *, limit: int, min_confidence: float
     ) -> list[MemoryHit]:
         """GET /v1/memories/hot. org_id is not on the wire; the pipeline filters by it."""
-        params = {"agent_id": agent_id, "limit": str(limit), "min_confidence": repr(min_confidence)}
-        return await self._call("hot", "GET", HOT_PATH, params=params)
+        target = (
+            f"{HOT_PATH}?agent_id={quote(agent_id, safe='')}&limit={int(limit)}"
+            f"&min_confidence={quote(repr(float(min_confidence)), safe='')}"
+        )
+        return await self._call("hot", "GET", target, None)
 
     async def cold(
         self, org_id: str, agent_id: str, query: str, *, limit: int, min_confidence: float
@@ -154,47 +157,25 @@ class MemoryHttpSource:
         body = _ENCODER.encode(
             _SearchBody(agent_id=agent_id, query=query, limit=limit, min_confidence=min_confidence)
         )
-        return await self._call("cold", "POST", SEARCH_PATH, content=body)
+        return await self._call("cold", "POST", SEARCH_PATH, body)
 
     async def _call(
-        self,
-        branch: Literal["hot", "cold"],
-        method: str,
-        path: str,
-        *,
-        params: dict[str, str] | None = None,
-        content: bytes | None = None,
+        self, branch: Literal["hot", "cold"], method: str, target: str, body: bytes | None
     ) -> list[MemoryHit]:
         _require_trio()
-        client = self.client
-        headers = {"Content-Type": "application/json"} if content is not None else None
+        pool = self._open_pool()
         try:
-            async with client.stream(
-                method, path, params=params, content=content, headers=headers
-            ) as response:
-                if not 200 <= response.status_code < 300:
-                    raise SourceError(f"{branch}: HTTP {response.status_code}")
-                body = await self._read_capped(branch, response)
-        except httpx2.TimeoutException as exc:
-            raise SourceError(f"{branch}: transport timeout ({type(exc).__name__})") from None
-        except (httpx2.HTTPError, OSError) as exc:
-            raise SourceError(f"{branch}: transport error ({type(exc).__name__})") from None
-        return decode_hits(body, branch)
+            response = await pool.request(method, target, body, "application/json")
+        except TransportError as exc:  # its text is fixed and safe: no URL, token or body
+            raise SourceError(f"{branch}: {exc}") from None
+        if not 200 <= response.status < 300:
+            raise SourceError(f"{branch}: HTTP {response.status}")
+        return decode_hits(response.body, branch)
 
-    async def _read_capped(
-        self, branch: Literal["hot", "cold"], response: httpx2.Response
-    ) -> bytes:
-        declared = response.headers.get("Content-Length")
-        if declared is not None and declared.isdigit() and int(declared) > self._max_response_bytes:
-            raise SourceError(f"{branch}: response larger than {self._max_response_bytes} bytes")
-        body = bytearray()
-        async for chunk in response.aiter_bytes():
-            body += chunk
-            if len(body) > self._max_response_bytes:
-                raise SourceError(
-                    f"{branch}: response larger than {self._max_response_bytes} bytes"
-                )
-        return bytes(body)
+    def _open_pool(self) -> HttpPool:
+        if self._pool is None:
+            raise RuntimeError("MemoryHttpSource is not open")
+        return self._pool
 
 
 def _require_trio() -> None:

@@ -14,7 +14,7 @@ daemon behaving correctly; `expect` repeats such an attempt (bounded, printed)
 and fails at once on any other mismatch.
 
 Every request is followed by a leak check (no Trio task, no asyncio task, no
-Redis lease, no httpx2 pool request or busy connection, the server holding
+Redis lease, no HTTP pool slot, waiter or busy connection, the server holding
 no more connections than the pool has), and every case ends with
 `assert_recovered`: the next plain request is fully correct (L0, the
 tenant's directive and expected memory ids in the text).
@@ -150,11 +150,10 @@ class Chaos:
         assert request_tasks() == self.baseline_tasks
 
     async def assert_no_leaks(self) -> None:
-        pool = self.http.client._transport._pool  # type: ignore[attr-defined]
-        assert pool._requests == []
-        assert len(pool.connections) <= POOL_SIZE
-        assert all(c.is_idle() or c.is_closed() for c in pool.connections)
-        live = sum(not c.is_closed() for c in pool.connections)
+        pool = self.http.pool_stats()
+        assert (pool.in_use, pool.leases, pool.waiters) == (0, 0, 0)
+        assert pool.connections == pool.idle <= POOL_SIZE
+        live = pool.idle
         # The server may have closed a connection the pool has not noticed yet
         # (reset), so its count may be lower, never higher.
         assert await self.memory.settle_open_connections(live) <= live

@@ -1,7 +1,7 @@
 """`Assembler.assemble` end to end against a real redis-server and a real HTTP memory fake.
 
 Nothing is mocked: the directive comes from Redis through trio-asyncio, the
-memories from a loopback HTTP server through httpx2, and the result is the
+memories from a loopback HTTP server through the HTTP pool, and the result is the
 pipeline's formatted text. Branch timeouts here are generous (seconds), so
 these tests are about outcomes and content, not time; the timing cases live
 in tests/chaos/test_assembly_chaos.py, which reuses this module's harness.

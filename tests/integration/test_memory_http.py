@@ -267,9 +267,9 @@ async def test_hang_is_cancelled_promptly_and_leaves_nothing(
         elapsed = trio.current_time() - start
         assert scope.cancelled_caught
         assert elapsed < 2.0  # generous: real sockets, loaded CI
-        pool = source.client._transport._pool  # type: ignore[attr-defined]
-        assert pool._requests == []
-        assert all(c.is_closed() or c.is_idle() for c in pool.connections)
+        stats = source.pool_stats()
+        assert (stats.in_use, stats.leases, stats.waiters) == (0, 0, 0)
+        assert stats.connections == stats.idle == 0  # the cancelled connection was closed
         assert await memory_server.settle_open_connections(0) == 0
         # the same client still works afterwards
         memory_server.hot.fault = "none"
@@ -315,7 +315,7 @@ async def test_lifecycle_and_settings() -> None:
     with pytest.raises(RuntimeError, match="not open"):
         await source.hot(DEMO_ORG, DEMO_AGENT, limit=1, min_confidence=0.0)
     async with source:
-        assert source.client._transport._pool._max_connections == 3  # type: ignore[attr-defined]
+        assert source.pool_stats().limit == 3
         with pytest.raises(RuntimeError, match="already open"):
             await source.open()
     await source.aclose()  # idempotent
