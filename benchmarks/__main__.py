@@ -23,7 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-ORDER = ("packer", "pipeline", "codec", "token_estimate", "load")
+ORDER = ("packer", "pipeline", "codec", "token_estimate", "memory_client", "load")
 # Arguments that shorten a benchmark under --quick (only for modules that accept them).
 QUICK_ARGS = {"codec": ["--iterations", "500"], "load": ["--quick"]}
 

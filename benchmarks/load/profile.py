@@ -18,7 +18,7 @@ def _frame(name: str) -> str:
 # Where a sample's time goes, by the innermost matching frame (first match wins).
 GROUPS = (
     ("pipeline (assemble_pure)", "assemble_pure "),
-    ("memory HTTP client (httpx2)", "MemoryHttpSource."),
+    ("memory HTTP client (http_pool)", "MemoryHttpSource."),
     ("redis directive", "RedisDirectiveSource."),
     ("request decode + validation", "check_request "),
     ("response encode (convert)", "response_to_proto "),
