@@ -31,7 +31,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     directive_timeout: float = 0.005
     hot_timeout: float = 0.015
     cold_timeout: float = 0.045
-    pipeline_headroom: float = 0.004
+    pipeline_headroom: float = 0.010
+    shed_remaining: float = 0.010
+    shed_lag: float = 0.004
     memory_base_url: str | None = None
     memory_api_token: str | None = None
     memory_pool_size: int = 32
@@ -166,6 +168,8 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         "HOT_TIMEOUT_MS": "hot_timeout",
         "COLD_TIMEOUT_MS": "cold_timeout",
         "PIPELINE_HEADROOM_MS": "pipeline_headroom",
+        "SHED_REMAINING_MS": "shed_remaining",
+        "SHED_LAG_MS": "shed_lag",
     }
     for suffix, field in durations.items():
         if (raw := get(suffix)) is not None:

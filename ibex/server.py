@@ -21,7 +21,7 @@ import signal
 import struct
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import grpclib.const
 import grpclib.server
@@ -103,6 +103,7 @@ class ServerState:
     def __init__(self, max_in_flight: int) -> None:
         self.max_in_flight = max_in_flight
         self.in_flight = 0
+        self.loop_lag = 0.0
         self.draining = False
         self.idle = asyncio.Event()
         self.idle.set()
@@ -169,12 +170,17 @@ class ContextService:
                 if self.state.draining:
                     raise GRPCError(Status.UNAVAILABLE, "server is draining; retry elsewhere")
                 if self.state.in_flight >= self.state.max_in_flight:
-                    if self.metrics is not None:
-                        self.metrics.shed()
-                    raise GRPCError(
-                        Status.RESOURCE_EXHAUSTED,
-                        f"overloaded: {self.state.in_flight} requests in flight",
-                    )
+                    self._shed(f"overloaded: {self.state.in_flight} requests in flight")
+                if self.state.loop_lag > self.settings.shed_lag:
+                    # The loop is behind: admitted work would wait its turn past the
+                    # caller's deadline, and new work only deepens the queue.
+                    self._shed(f"overloaded: event loop {self.state.loop_lag * 1000:.1f}ms behind")
+                remaining = stream.deadline.time_remaining() if stream.deadline else None
+                if remaining is not None and remaining < self.settings.shed_remaining:
+                    # Too little of the caller's time is left for retrieval to help:
+                    # refusing now costs microseconds, working would only queue the
+                    # next caller behind a certain deadline miss.
+                    self._shed(f"overloaded: {remaining * 1000:.1f}ms of the deadline left")
                 try:
                     peer_cert = stream.peer.cert() if self.auth.mtls else None
                     self.auth.authenticate(stream.metadata or {}, peer_cert)
@@ -200,6 +206,11 @@ class ContextService:
                     self.metrics.observe_request(method, code, time.perf_counter() - t0)
 
         return run
+
+    def _shed(self, why: str) -> NoReturn:
+        if self.metrics is not None:
+            self.metrics.shed()
+        raise GRPCError(Status.RESOURCE_EXHAUSTED, why)
 
     # --- AssembleContext -----------------------------------------------------
 
@@ -424,6 +435,7 @@ class Daemon:
             task_status.started(self.port)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(run_watchdog, notifier)
+                nursery.start_soon(watch_loop_lag, self.state)
                 nursery.start_soon(_wait_signal, signals, shutdown)
                 await shutdown.wait()
                 notifier.stopping()
@@ -445,6 +457,34 @@ class Daemon:
             log.warning("drain_grace_expired", extra={"in_flight": self.state.in_flight})
         server.close()
         await trio_asyncio.aio_as_trio(server.wait_closed)()
+
+
+LAG_PROBE_INTERVAL = 0.005
+LAG_SMOOTHING = 0.7  # weight of the previous estimate at each probe
+
+
+async def watch_loop_lag(state: ServerState, interval: float = LAG_PROBE_INTERVAL) -> None:
+    """Keep `state.loop_lag` at how late a short asyncio sleep wakes up (smoothed).
+
+    Under overload the loop spends its time parsing requests that cannot be
+    served in time; every admitted request, and the Redis replies and
+    cancellations it waits for, queue behind them on the asyncio side. The
+    lateness of a timer there is that queue. Admission sheds while the
+    smoothed lateness is above IBEX_CONTEXT_SHED_LAG_MS, which does not depend
+    on requests getting through, and reopens a few probes after it clears.
+    (The Trio side's timers stay punctual under the same load: they are the
+    wrong probe.)
+    """
+    await trio_asyncio.aio_as_trio(_probe_asyncio_lag)(state, interval)
+
+
+async def _probe_asyncio_lag(state: ServerState, interval: float) -> None:
+    loop = asyncio.get_running_loop()
+    while True:
+        start = loop.time()
+        await asyncio.sleep(interval)
+        lag = max(0.0, loop.time() - start - interval)
+        state.loop_lag = LAG_SMOOTHING * state.loop_lag + (1 - LAG_SMOOTHING) * lag
 
 
 def _cache_totals(tokenizers: Any) -> tuple[int, int]:

@@ -372,3 +372,43 @@ async def test_client_fails_open_on_its_deadline() -> None:
                 client.close()
     assert (result.degraded, result.status) == (True, "DEADLINE_EXCEEDED")
     assert result.context == history_only(HISTORY)
+
+
+async def test_call_arriving_with_too_little_deadline_is_shed_at_once(
+    daemon: RunningDaemon,
+) -> None:
+    def calls() -> tuple[Any, Any]:
+        with daemon.channel() as channel:
+            assert health(channel) == SERVING  # connect first: time only the calls
+            try:
+                stub(channel).AssembleContext(request(), timeout=0.004)  # < 10 ms threshold
+                short: Any = grpc.StatusCode.OK
+            except grpc.RpcError as exc:
+                short = (exc.code(), exc.details())
+            return short, stub(channel).AssembleContext(request(), timeout=2.0)
+
+    short, normal = await in_thread(calls)
+    # Refused before any work (or, on a slow box, expired on the way): never served late.
+    assert short != grpc.StatusCode.OK
+    code, details = short
+    assert code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        assert "of the deadline left" in details
+    assert normal.degradation_level == "L0" and normal.memories_included > 0
+
+
+async def test_calls_are_shed_while_the_event_loop_runs_behind() -> None:
+    # A threshold of 1 µs: any measured lateness of the loop's probe timer counts as
+    # "behind", so this exercises the real probe without having to overload the box.
+    async with running_daemon(shed_lag=1e-6) as d:
+        await trio.sleep(0.1)  # a few probes
+
+        def call() -> Any:
+            with d.channel() as channel:
+                return stub(channel).AssembleContext(request(), timeout=2.0)
+
+        with pytest.raises(grpc.RpcError) as info:
+            await in_thread(call)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "event loop" in info.value.details()
+        assert d.daemon.state.loop_lag > 0

@@ -251,20 +251,20 @@ async def test_request_wall(autojump_clock: trio.testing.MockClock) -> None:
     now = trio.current_time()
     assert request_wall(DEFAULTS, None) == pytest.approx(0.040)
     assert request_wall(DEFAULTS, now + 10.0) == pytest.approx(0.040)
-    assert request_wall(DEFAULTS, now + 0.020) == pytest.approx(0.020 - 0.004)
+    assert request_wall(DEFAULTS, now + 0.020) == pytest.approx(0.020 - 0.010)
     assert request_wall(DEFAULTS, now - 1.0) == 0.0
     assert request_wall(DEFAULTS, math.inf) == pytest.approx(0.040)
     assert request_wall(Settings(timeout=0.030, deadline=0.5), None) == pytest.approx(0.030)
 
 
 async def test_a_caller_deadline_shrinks_the_wall(autojump_clock: trio.testing.MockClock) -> None:
-    # 20 ms left on the caller's clock, 4 ms kept for pack and format: a 16 ms wall.
-    fake = FakeSources({"directive": Plan(2 * MS), "hot": Plan(14 * MS), "cold": Plan(17 * MS)})
-    got, took = await fetch(fake, deadline=trio.current_time() + 0.020)
-    assert got.wall_s == pytest.approx(0.016)
+    # 30 ms left on the caller's clock, 10 ms of pipeline headroom: a 20 ms wall.
+    fake = FakeSources({"directive": Plan(2 * MS), "hot": Plan(14 * MS), "cold": Plan(21 * MS)})
+    got, took = await fetch(fake, deadline=trio.current_time() + 0.030)
+    assert got.wall_s == pytest.approx(0.020)
     assert statuses(got) == {"directive": "success", "hot": "success", "cold": "timeout"}
-    assert "16ms" in got.branches[2].detail
-    assert took == pytest.approx(0.016)
+    assert "20ms" in got.branches[2].detail
+    assert took == pytest.approx(0.020)
 
 
 async def test_an_expired_deadline_starts_nothing_that_outlives_it(
