@@ -264,7 +264,7 @@ def _assemble_or_too_large(
         assert exc.field == "recent_messages"
         family = catalog.family(resolve_model(catalog, inp.request.model, 0).tokenizer_family)
         counter = tokenizers.counter(family.name, family.encoding)
-        bare = fmt.render(
+        pieces = fmt.render_pieces(
             directive=inp.directive,
             messages=inp.request.recent_messages,
             memories=(),
@@ -282,7 +282,11 @@ def _assemble_or_too_large(
             tool_schema_tokens=0,
             formatter_overhead_tokens=0,
         )
-        assert counter.count_uncached(bare) > empty.ceiling
+        # What the pipeline counts: the sum of the pieces (exact families: equal to the
+        # whole text's count; estimates: never below the whole text's estimate).
+        counted = sum(counter.count_uncached(p) for p in pieces)
+        assert counted >= counter.count_uncached("".join(pieces))
+        assert counted > empty.ceiling
         return None
 
 
