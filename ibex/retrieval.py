@@ -146,6 +146,14 @@ async def retrieve(
         if outcomes[mem_source].status != "success":
             values.pop(mem_source, None)
     directive = values.get("directive") if outcomes["directive"].status == "success" else None
+    expected = request.directive_version_id
+    if directive is not None and expected and (directive.version_id or "").lower() != expected:
+        # The cache holds another version than the caller expects (a fill in flight,
+        # or a stale proxy): serve what is cached, and say so where it is logged.
+        found = directive.version_id or "none"
+        outcomes["directive"] = msgspec.structs.replace(
+            outcomes["directive"], detail=f"version {found} cached, {expected} expected"
+        )
     return Retrieved(
         directive=directive,
         hot=tuple(values.get("hot", ())),

@@ -14,6 +14,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 
+import msgspec
 import pytest
 import trio
 import trio.testing
@@ -476,3 +477,23 @@ async def test_the_sample_injection_memory_is_escaped(
     tags = re.findall(r"<memory [^>]*>", text)
     assert len(tags) == result.memories_included
     assert all(f'nonce="{nonce.group(1)}"' in t for t in tags)
+
+
+# --------------------------------------------------------------------------- directive version
+
+
+async def test_a_directive_of_another_version_is_served_and_flagged(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    want = "00000000-0000-4000-8000-0000000000d2"
+    have = Directive("Be precise.", version_id="00000000-0000-4000-8000-0000000000d1")
+    fake = FakeSources({"directive": Plan(answer=have)})
+    req = msgspec.structs.replace(request(), directive_version_id=want)
+    got, _ = await fetch(fake, req)
+    assert got.directive == have
+    assert got.branches[0].status == "success"
+    assert got.branches[0].detail == f"version {have.version_id} cached, {want} expected"
+
+    same = msgspec.structs.replace(request(), directive_version_id=have.version_id)
+    got, _ = await fetch(FakeSources({"directive": Plan(answer=have)}), same)
+    assert got.branches[0].detail == ""
