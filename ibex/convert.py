@@ -7,15 +7,15 @@ builds in C.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
+
+import msgspec
 
 from ibex import wire
 from ibex.structs import (
     AssemblyOptions,
     AssemblyRequest,
     AssemblyResult,
-    MemoryUsed,
     Message,
 )
 
@@ -52,77 +52,28 @@ def request_from_proto(msg: Any) -> AssemblyRequest:
     )
 
 
-def _memories(items: Iterable[MemoryUsed]) -> list[dict[str, Any]]:
-    return [
-        dict(
-            memory_id=m.memory_id,
-            composite_score=m.composite_score,
-            relevance_score=m.relevance_score,
-            recency_score=m.recency_score,
-            usefulness_score=m.usefulness_score,
-            rank=m.rank,
-            category=m.category,
-            exclusion=m.exclusion,
-            similarity=m.similarity,
-            confidence=m.confidence,
-            token_estimate=m.token_estimate,
-        )
-        for m in items
-    ]
-
-
 def response_to_proto(r: AssemblyResult) -> Any:
-    b = r.budget
-    mt = r.metrics
+    """The wire response. The nested structs mirror their messages field for field
+    (tests/unit/test_proto.py pins the names), so they go across as dicts."""
+    asdict = msgspec.structs.asdict
     return wire.AssembleContextResponse(
         assembled_context=r.assembled_context,
         tokens_used=r.tokens_used,
         memories_included=len(r.memories_used),
-        memories_used=_memories(r.memories_used),
+        memories_used=[asdict(m) for m in r.memories_used],
         directive_tokens=r.directive_tokens,
         history_tokens=r.history_tokens,
         memory_tokens=r.memory_tokens,
-        metrics=dict(
-            budget_calculation_ms=mt.budget_calculation_ms,
-            directive_load_ms=mt.directive_load_ms,
-            hot_memory_retrieval_ms=mt.hot_memory_retrieval_ms,
-            cold_memory_retrieval_ms=mt.cold_memory_retrieval_ms,
-            ranking_ms=mt.ranking_ms,
-            packing_ms=mt.packing_ms,
-            formatting_ms=mt.formatting_ms,
-            total_ms=mt.total_ms,
-            candidates_evaluated=mt.candidates_evaluated,
-        ),
+        metrics=asdict(r.metrics),
         request_id=r.request_id,
         trace_id=r.trace_id,
         span_id=r.span_id,
         score_schema=r.score_schema,
         degradation_level=r.degradation_level,
-        branches=[
-            dict(source=x.source, status=x.status, latency_ms=x.latency_ms, detail=x.detail)
-            for x in r.branches
-        ],
-        budget=dict(
-            context_window=b.context_window,
-            response_reserve=b.response_reserve,
-            safety_buffer=b.safety_buffer,
-            directive_tokens=b.directive_tokens,
-            messages_tokens=b.messages_tokens,
-            tool_schema_tokens=b.tool_schema_tokens,
-            formatter_overhead_tokens=b.formatter_overhead_tokens,
-            usable_budget=b.usable_budget,
-            constrained=b.constrained,
-            tokenizer_family=b.tokenizer_family,
-            estimate_kind=b.estimate_kind,
-        ),
-        pack=dict(
-            path=r.pack.path,
-            candidates_evaluated=r.pack.candidates_evaluated,
-            excluded_for_budget=r.pack.excluded_for_budget,
-            budget_reached=r.pack.budget_reached,
-            total_score=r.pack.total_score,
-        ),
-        excluded=_memories(r.excluded),
+        branches=[asdict(x) for x in r.branches],
+        budget=asdict(r.budget),
+        pack=asdict(r.pack),
+        excluded=[asdict(m) for m in r.excluded],
     )
 
 

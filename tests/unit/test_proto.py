@@ -359,3 +359,17 @@ def test_cli_check_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     generated = (tmp_path / "ibex" / "context" / "v1" / "context_pb2_grpc.py").read_text()
     assert "from ....ibex.context.v1 import context_pb2" in generated
     assert "\nfrom ibex." not in generated
+
+
+@pytest.mark.parametrize(
+    "struct_type", ["MemoryUsed", "AssemblyMetrics", "BranchOutcome", "TokenBudget", "PackSummary"]
+)
+def test_nested_response_structs_mirror_their_messages(struct_type: str) -> None:
+    # ibex.convert sends these structs across as dicts of their fields.
+    import msgspec
+
+    from ibex import structs, wire
+
+    fields = [f.name for f in msgspec.structs.fields(getattr(structs, struct_type))]
+    message = wire.message_class(f"ibex.context.v1.{struct_type}")
+    assert fields == [f.name for f in message.DESCRIPTOR.fields]
