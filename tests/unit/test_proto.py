@@ -13,10 +13,12 @@ import struct
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from google.protobuf import descriptor_pb2
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
+from ibex import structs, wire
 from ibex._proto import google_proto_descriptor_pool
 from ibex._proto.ibex.auth import v1 as bp_auth
 from ibex._proto.ibex.context import v1 as bp
@@ -366,10 +368,6 @@ def test_cli_check_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]
 )
 def test_nested_response_structs_mirror_their_messages(struct_type: str) -> None:
     # ibex.convert sends these structs across as dicts of their fields.
-    import msgspec
-
-    from ibex import structs, wire
-
     fields = [f.name for f in msgspec.structs.fields(getattr(structs, struct_type))]
     message = wire.message_class(f"ibex.context.v1.{struct_type}")
     assert fields == [f.name for f in message.DESCRIPTOR.fields]
