@@ -51,5 +51,5 @@ proto-check:
     {{py}} -m ibex.tools.protogen --check
 
 # Benchmarks: print tables and write JSON under benchmarks/results/.
-bench *ARGS:
+bench *ARGS: redis
     {{py}} -m benchmarks {{ARGS}}
