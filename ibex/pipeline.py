@@ -40,7 +40,8 @@ from ibex.structs import (
 from ibex.validation import MAX_MEMORIES_HARD_CAP
 
 UNKNOWN_MODEL_MAX_OUTPUT = 4096
-_NONCE = re.compile(r"[0-9a-f]{2,128}")
+# Hex, or new_nonce's fixed-width decimal: 64 random bytes are 155 decimal digits.
+_NONCE = re.compile(r"[0-9a-f]{2,160}")
 
 
 class Counter(Protocol):
@@ -49,6 +50,8 @@ class Counter(Protocol):
     estimate_kind: str
 
     def count(self, text: str) -> int: ...
+
+    def count_uncached(self, text: str) -> int: ...
 
 
 class CounterSource(Protocol):
@@ -192,7 +195,7 @@ def assemble_pure(
     request = inputs.request
     nonce = inputs.nonce
     if not _NONCE.fullmatch(nonce):
-        raise ValueError("nonce must be lower-case hex")
+        raise ValueError("nonce must be 2 to 160 lower-case hex or decimal digits")
     cap = resolve_model(catalog, request.model, request.available_tokens)
     family: FamilyPolicy = catalog.family(cap.tokenizer_family)
     counter = tokenizers.counter(family.name, family.encoding)
@@ -321,9 +324,8 @@ def assemble_pure(
 
 
 def _exact_len(counter: Counter, text: str) -> int:
-    """The final text is unique per request (nonce): count it without polluting the cache."""
-    uncached = getattr(counter, "count_uncached", None)
-    return int(uncached(text)) if uncached is not None else counter.count(text)
+    """Count a text that carries the nonce (unique per request) without caching it."""
+    return counter.count_uncached(text)
 
 
 def _branch_ms(branches: Sequence[BranchOutcome], source: str) -> int:

@@ -683,3 +683,14 @@ def test_without_the_join_rule_the_whole_text_is_recounted(
         assert recounted.tokens_used <= summed.tokens_used
     else:
         assert recounted.tokens_used == summed.tokens_used
+
+
+@pytest.mark.parametrize("nbytes", [1, 16, 64])
+def test_every_configurable_nonce_size_is_accepted(
+    tokenizers: Tokenizers, catalog: Catalog, nbytes: int
+) -> None:
+    nonce = new_nonce(nbytes)  # 64 bytes: 155 decimal digits
+    cold = [hit("m1", "deploy notes", similarity=0.9)]
+    result = run(inputs(request(), cold=cold, nonce=nonce), catalog, tokenizers)
+    assert result.memories_included == 1
+    assert f'nonce="{nonce}"' in result.assembled_context
