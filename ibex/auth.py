@@ -30,8 +30,9 @@ class PermissionError_(Exception):
 
 
 def is_loopback(host: str) -> bool:
-    if host in ("localhost", ""):
-        return host == "localhost"
+    """An empty host binds every interface, so it is not loopback."""
+    if host == "localhost":
+        return True
     try:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:

@@ -62,7 +62,6 @@ class Supervisor:
     def _env(self, worker: Worker) -> dict[str, str]:
         env = dict(os.environ)
         env["IBEX_CONTEXT_WORKERS"] = "1"
-        env["IBEX_CONTEXT_WORKER_INDEX"] = str(worker.index)
         env["NOTIFY_SOCKET"] = str(worker.notify_path)
         env["WATCHDOG_USEC"] = str(WORKER_WATCHDOG_USEC)
         env.pop("WATCHDOG_PID", None)
