@@ -36,11 +36,12 @@ test: lint proto-check pytest
 pytest *ARGS: redis
     {{py}} -m pytest -q {{ARGS}}
 
-# ruff + mypy
+# ruff, mypy and the layer contracts (import-linter, see pyproject.toml)
 lint:
     {{py}} -m ruff check ibex tests benchmarks
     {{py}} -m ruff format --check ibex tests benchmarks
     {{py}} -m mypy
+    .venv/bin/lint-imports
 
 # Regenerate protobuf code from protos/ (committed; `proto-check` fails on drift).
 proto:

@@ -33,10 +33,9 @@ from typing import Any
 
 from google.protobuf.internal import api_implementation
 
-from ibex import convert, wire
 from ibex._proto.ibex.auth import v1 as bp_auth
 from ibex._proto.ibex.context import v1 as bp
-from ibex.structs import (
+from ibex.assembly.structs import (
     AssemblyMetrics,
     AssemblyOptions,
     AssemblyRequest,
@@ -47,6 +46,7 @@ from ibex.structs import (
     PackSummary,
     TokenBudget,
 )
+from ibex.service import convert, wire
 
 RESULTS = Path(__file__).parent / "results" / "codec.json"
 TARGET_US = 300.0
@@ -288,7 +288,7 @@ def bp_response(r: AssemblyResult) -> bp.AssembleContextResponse:
     )
 
 
-# --- protobuf (upb): the server's own path, ibex.wire classes + ibex.convert -----------------
+# --- protobuf (upb): the server's own path, ibex.service.wire + ibex.service.convert ---
 
 
 def _time(fn: Callable[[], object], iterations: int) -> dict[str, float]:

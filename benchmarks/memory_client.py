@@ -31,9 +31,9 @@ import httpx2
 import msgspec
 import trio
 
+from ibex.assembly.structs import MemoryHit
 from ibex.sources.memory_http import MemoryHttpSource
 from ibex.sources.wire import decode_hits
-from ibex.structs import MemoryHit
 from tests.memory_server import DEFAULT_TOKEN, DEMO_AGENT, DEMO_ORG, memory_server_process
 
 RESULTS = Path(__file__).resolve().parent / "results" / "memory_client.json"

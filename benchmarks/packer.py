@@ -25,8 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ibex.packer import pack
-from ibex.structs import ScoredMemory
+from ibex.assembly.packer import pack
+from ibex.assembly.structs import ScoredMemory
 
 RESULTS = Path(__file__).parent / "results" / "packer.json"
 WRAPPER_TOKENS = 20

@@ -27,13 +27,13 @@ from pathlib import Path
 
 import msgspec
 
-from ibex import formatter as fmt
-from ibex.budget import compute_budget
-from ibex.catalog import Catalog, load_catalog
-from ibex.packer import pack
-from ibex.pipeline import AssemblyInputs, assemble_pure, resolve_model, select_candidates
-from ibex.structs import AssemblyRequest, BranchOutcome, Directive, MemoryHit, Message
-from ibex.tokens import Tokenizers
+from ibex.assembly import formatter as fmt
+from ibex.assembly.budget import compute_budget
+from ibex.assembly.catalog import Catalog, load_catalog
+from ibex.assembly.packer import pack
+from ibex.assembly.pipeline import AssemblyInputs, assemble_pure, resolve_model, select_candidates
+from ibex.assembly.structs import AssemblyRequest, BranchOutcome, Directive, MemoryHit, Message
+from ibex.assembly.tokens import Tokenizers
 
 RESULTS = Path(__file__).parent / "results" / "pipeline.json"
 ORG = "00000000-0000-4000-8000-000000000001"

@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from ibex.tokens import ESTIMATE_MAX_UNDERCOUNT, Tokenizers
+from ibex.assembly.tokens import ESTIMATE_MAX_UNDERCOUNT, Tokenizers
 
 RESULTS = Path(__file__).parent / "results" / "token_estimate.json"
 

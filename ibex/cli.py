@@ -30,7 +30,7 @@ def _settings() -> Settings:
 def cmd_serve(args: argparse.Namespace) -> int:
     import trio
 
-    from ibex.logs import configure_logging
+    from ibex.ops.logs import configure_logging
 
     settings = _settings()
     if args.workers is not None:
@@ -40,8 +40,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         settings = _replace(settings, workers=args.workers)
     configure_logging(settings.log_level)
     if settings.workers > 1 and not args.worker:
-        from ibex.auth import check_bind_policy
-        from ibex.workers import supervise
+        from ibex.ops.workers import supervise
+        from ibex.service.root import check_bind_policy
 
         try:
             check_bind_policy(settings)
@@ -49,11 +49,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
             print(f"ibex: configuration error: {exc}", file=sys.stderr)
             return 2
         return supervise(settings)
-    from ibex.metrics import Metrics, serve_metrics
-    from ibex.server import Daemon
+    from ibex.ops.metrics import Metrics, serve_metrics
+    from ibex.service.root import make_daemon
 
     metrics = Metrics()
-    daemon = Daemon(settings, metrics=metrics, reuse_port=args.worker)
+    daemon = make_daemon(settings, metrics=metrics, reuse_port=args.worker)
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
@@ -76,9 +76,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def _startup_error(exc: BaseException) -> BaseException | None:
     """The bad setting or file behind a failed start, unwrapped from Trio's exception groups."""
-    from ibex.catalog import CatalogError
+    from ibex.assembly.catalog import CatalogError
+    from ibex.assembly.tokens import TokenizerError
     from ibex.sources.local_file import LocalFileError
-    from ibex.tokens import TokenizerError
 
     if isinstance(exc, ConfigError | CatalogError | LocalFileError | TokenizerError):
         return exc
@@ -192,10 +192,10 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 def cmd_check(args: argparse.Namespace) -> int:
     """Validate settings, catalog and tokenizer files offline; exit non-zero on any error."""
-    from ibex.auth import check_bind_policy, server_ssl_context
-    from ibex.catalog import CatalogError, load_catalog
+    from ibex.assembly.catalog import CatalogError, load_catalog
+    from ibex.assembly.tokens import TokenizerError, verify_files
+    from ibex.service.root import check_bind_policy, server_ssl_context
     from ibex.sources.local_file import LocalFileError, LocalFileSource
-    from ibex.tokens import TokenizerError, verify_files
 
     settings = _settings()
     ok = True

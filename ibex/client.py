@@ -20,8 +20,9 @@ from grpclib.client import Channel
 from grpclib.const import Cardinality, Status
 from grpclib.exceptions import GRPCError, StreamTerminatedError
 
-from ibex import formatter, wire
-from ibex.structs import Message
+from ibex.assembly import formatter
+from ibex.assembly.structs import Message
+from ibex.service import wire
 
 DEFAULT_DEADLINE = 0.045
 FAIL_OPEN = frozenset({Status.DEADLINE_EXCEEDED, Status.UNAVAILABLE, Status.RESOURCE_EXHAUSTED})

@@ -14,13 +14,13 @@ from typing import Any
 
 import msgspec
 
+from ibex.errors import ConfigError
+
+__all__ = ["PREFIX", "ConfigError", "Settings", "load_settings", "parse_duration"]
+
 PREFIX = "IBEX_CONTEXT_"
 SECRET_FIELDS = frozenset({"memory_api_token", "auth_tokens_sha256"})
 _DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*(ms|s)?\s*$")
-
-
-class ConfigError(ValueError):
-    """A setting is missing or malformed; the message names the variable."""
 
 
 class Settings(msgspec.Struct, frozen=True, kw_only=True):

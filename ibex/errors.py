@@ -1,10 +1,28 @@
-"""Errors that map to gRPC status codes; messages name the offending field."""
+"""One exception tree for the whole daemon; each class carries its gRPC status.
+
+The gRPC edge maps an `IbexError` to a status once (`ibex.service.status`),
+the way h2's exceptions carry their protocol error code: a new error class
+never needs a new `except` clause at the edge. `status` is the name of a
+`grpc.StatusCode` / `grpclib.const.Status` member, kept as a string so the
+pure core imports no gRPC library. `str()` of every error is safe to return
+to a caller and to log: no secret, no memory text.
+"""
 
 from __future__ import annotations
 
+from typing import ClassVar
 
-class InputError(ValueError):
-    """The request is malformed (INVALID_ARGUMENT). str() is safe to return to the caller."""
+
+class IbexError(Exception):
+    """Root of every error the daemon raises on purpose."""
+
+    status: ClassVar[str] = "INTERNAL"
+
+
+class InputError(IbexError, ValueError):
+    """The request is malformed (INVALID_ARGUMENT); the message names the field."""
+
+    status: ClassVar[str] = "INVALID_ARGUMENT"
 
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
@@ -12,4 +30,55 @@ class InputError(ValueError):
 
 
 class TooLargeError(InputError):
-    """The request exceeds a configured size limit (RESOURCE_EXHAUSTED)."""
+    """The request exceeds a configured size limit or cannot fit (RESOURCE_EXHAUSTED)."""
+
+    status: ClassVar[str] = "RESOURCE_EXHAUSTED"
+
+
+class AuthError(IbexError):
+    """Caller authentication failed (UNAUTHENTICATED)."""
+
+    status: ClassVar[str] = "UNAUTHENTICATED"
+
+
+class PermissionDenied(IbexError):
+    """The authenticated caller may not act for this org/agent (PERMISSION_DENIED)."""
+
+    status: ClassVar[str] = "PERMISSION_DENIED"
+
+
+class Overloaded(IbexError):
+    """Admission refused the call: a standing queue or a full process (RESOURCE_EXHAUSTED).
+
+    `reason` is the label on the shed counter.
+    """
+
+    status: ClassVar[str] = "RESOURCE_EXHAUSTED"
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class DeadlineError(IbexError):
+    """The call cannot be answered within its deadline (DEADLINE_EXCEEDED)."""
+
+    status: ClassVar[str] = "DEADLINE_EXCEEDED"
+
+
+class Unavailable(IbexError):
+    """The daemon is draining, or a dependency a call needs is down (UNAVAILABLE)."""
+
+    status: ClassVar[str] = "UNAVAILABLE"
+
+
+class SourceError(Unavailable):
+    """A dependency failed or answered outside its contract; str() is safe to log."""
+
+
+class Unimplemented(IbexError):
+    status: ClassVar[str] = "UNIMPLEMENTED"
+
+
+class ConfigError(IbexError, ValueError):
+    """A setting or start-up file is missing or malformed; the message names the variable."""

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from ibex.structs import Directive, MemoryHit
+from ibex.assembly.structs import Directive, MemoryHit
+from ibex.errors import SourceError
 
-
-class SourceError(Exception):
-    """A dependency failed or answered outside its contract; str() is safe to log."""
+__all__ = ["DirectiveSource", "MemorySource", "SourceError"]
 
 
 class DirectiveSource(Protocol):

@@ -42,6 +42,8 @@ from typing import Annotated, Literal
 import msgspec
 import trio
 
+from ibex.assembly.structs import Directive, InjectionMode, MemoryHit
+from ibex.errors import ConfigError
 from ibex.sources.wire import (
     Count,
     NonEmptyStr,
@@ -52,7 +54,6 @@ from ibex.sources.wire import (
     check_unit,
     to_hit,
 )
-from ibex.structs import Directive, InjectionMode, MemoryHit
 
 SAMPLE_ORG_ID = "00000000-0000-4000-8000-000000000001"
 SAMPLE_AGENT_ID = "00000000-0000-4000-8000-0000000000a1"
@@ -67,7 +68,7 @@ on or should that the their this to was what when where which who why will with 
 _STOPWORDS = frozenset(_STOPWORD_TEXT.split())
 
 
-class LocalFileError(ValueError):
+class LocalFileError(ConfigError):
     """The local source file is missing or invalid; the message names file and item."""
 
 

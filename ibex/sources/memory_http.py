@@ -32,11 +32,10 @@ from urllib.parse import quote
 import msgspec
 import sniffio
 
-from ibex.config import Settings
+from ibex.assembly.structs import MemoryHit
 from ibex.sources.base import SourceError
 from ibex.sources.http_pool import HttpPool, PoolStats, TransportError, split_base_url
 from ibex.sources.wire import decode_hits
-from ibex.structs import MemoryHit
 
 HOT_PATH = "/v1/memories/hot"
 SEARCH_PATH = "/v1/memories/search"
@@ -83,17 +82,6 @@ class MemoryHttpSource:
         self._max_response_bytes = max_response_bytes
         self._ssl_context = ssl_context
         self._pool: HttpPool | None = None
-
-    @classmethod
-    def from_settings(cls, settings: Settings) -> MemoryHttpSource:
-        """Build from settings; call `open()` (or `async with`) inside the Trio run."""
-        if not settings.memory_base_url or not settings.memory_api_token:
-            raise ValueError("memory_base_url and memory_api_token are required")
-        return cls(
-            settings.memory_base_url,
-            settings.memory_api_token,
-            pool_size=settings.memory_pool_size,
-        )
 
     def __repr__(self) -> str:  # never show the token
         state = "open" if self._pool is not None else "closed"

@@ -34,8 +34,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import MaxConnectionsError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from ibex.assembly.structs import Directive, InjectionMode
 from ibex.sources.base import SourceError
-from ibex.structs import Directive, InjectionMode
 
 __all__ = ["RedisDirectiveSource", "decode_directive", "directive_key"]
 

@@ -15,8 +15,8 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from ibex.assembly.structs import MemoryHit
 from ibex.sources.base import SourceError
-from ibex.structs import MemoryHit
 
 NonEmptyStr = Annotated[str, msgspec.Meta(min_length=1)]
 UnitFloat = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]

@@ -35,10 +35,10 @@ import pytest
 import trio
 import trio_asyncio
 
-from ibex.assemble import Assembler
+from ibex.assembly.structs import AssemblyResult
+from ibex.service.root import Assembler
 from ibex.sources.memory_http import MemoryHttpSource
 from ibex.sources.redis_directive import RedisDirectiveSource
-from ibex.structs import AssemblyResult
 from tests.integration.test_assemble_real import (
     POOL_SIZE,
     TENANTS,

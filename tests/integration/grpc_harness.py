@@ -29,12 +29,12 @@ import grpc
 import msgspec
 import trio
 
-import ibex.server
-from ibex.assemble import load_static
-from ibex.catalog import Catalog
+import ibex.service.root
+from ibex.assembly.catalog import Catalog
+from ibex.assembly.tokens import Tokenizers
 from ibex.config import Settings
-from ibex.server import Daemon
-from ibex.tokens import Tokenizers
+from ibex.service.daemon import Daemon
+from ibex.service.root import load_static, make_daemon
 
 ROOT = Path(__file__).resolve().parents[2]
 ORG = "00000000-0000-4000-8000-000000000001"
@@ -100,9 +100,9 @@ async def running_daemon(
 ) -> AsyncIterator[RunningDaemon]:
     """`Daemon.serve` in a nursery of the current Trio run; drained on exit."""
     settings = settings if settings is not None else test_settings(**overrides)
-    daemon = Daemon(settings)
+    daemon = make_daemon(settings)
     shutdown = trio.Event()
-    with unittest.mock.patch.object(ibex.server, "load_static", _cached_static):
+    with unittest.mock.patch.object(ibex.service.root, "load_static", _cached_static):
         async with trio.open_nursery() as nursery:
             port = await nursery.start(functools.partial(daemon.serve, shutdown=shutdown))
             try:
@@ -213,7 +213,7 @@ def daemon_process(
 # -- stock grpcio health and reflection clients ----------------------------------------------
 
 # grpcio-health-checking and grpcio-reflection register the same protobuf symbols as
-# grpclib's copies (which ibex.server imports), so one process cannot load both. The
+# grpclib's copies (which ibex.service imports), so one process cannot load both. The
 # stock clients therefore run in a child process, which is also what a real probe is.
 _PROBE = """
 import json, sys

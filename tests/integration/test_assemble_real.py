@@ -23,13 +23,13 @@ from typing import Any
 import msgspec
 import trio_asyncio
 
-from ibex.assemble import Assembler, load_static, open_assembler
-from ibex.catalog import Catalog
+from ibex.assembly.catalog import Catalog
+from ibex.assembly.formatter import escape_body
+from ibex.assembly.structs import AssemblyOptions, AssemblyRequest, AssemblyResult, Message
+from ibex.assembly.tokens import Tokenizers
 from ibex.config import Settings, load_settings
-from ibex.formatter import escape_body
+from ibex.service.root import Assembler, load_static, open_assembler
 from ibex.sources.redis_directive import directive_key
-from ibex.structs import AssemblyOptions, AssemblyRequest, AssemblyResult, Message
-from ibex.tokens import Tokenizers
 from tests.memory_server import (
     FakeMemoryServer,
     make_memories,

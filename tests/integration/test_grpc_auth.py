@@ -23,7 +23,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from ibex.client import ContextClient
 from ibex.config import ConfigError
-from ibex.server import Daemon
+from ibex.service.root import make_daemon
 from tests.grpcio_stubs import context_pb2, context_pb2_grpc, principal_context_pb2
 
 from .grpc_harness import (
@@ -278,7 +278,7 @@ async def test_mutual_tls_and_token_are_both_required(pki: Pki) -> None:
 
 async def test_non_loopback_bind_without_auth_refuses_to_start() -> None:
     with pytest.raises(ConfigError, match="IBEX_CONTEXT_GRPC_ADDR"):
-        await Daemon(test_settings(grpc_addr="0.0.0.0:0")).serve()
+        await make_daemon(test_settings(grpc_addr="0.0.0.0:0")).serve()
 
 
 async def test_non_loopback_bind_with_auth_or_override_starts(

@@ -20,10 +20,10 @@ import pytest
 import trio_asyncio
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from ibex import wire
+from ibex.assembly.formatter import CATEGORY_ORDER, escape_body
+from ibex.assembly.tokens import Tokenizers
 from ibex.client import ContextClient
-from ibex.formatter import CATEGORY_ORDER, escape_body
-from ibex.tokens import Tokenizers
+from ibex.service import wire
 from tests.grpcio_stubs import context_pb2, context_pb2_grpc, principal_context_pb2
 
 from .grpc_harness import (
@@ -118,7 +118,7 @@ def grpcio_request(**principal: Any) -> Any:
 
 
 def wire_request() -> Any:
-    """The same request built from ibex.wire's classes (betterproto2's descriptor pool)."""
+    """The same request built from ibex.service.wire's classes (betterproto2's descriptor pool)."""
     request = wire.AssembleContextRequest(**request_fields())
     for name, value in principal_fields().items():
         target = request.principal_context

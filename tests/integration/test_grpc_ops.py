@@ -21,8 +21,8 @@ import trio
 import trio_asyncio
 from grpclib.health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
 
+from ibex.assembly.structs import Message
 from ibex.client import ContextClient, history_only
-from ibex.structs import Message
 from tests.grpcio_stubs import context_pb2, context_pb2_grpc
 from tests.memory_server import FakeMemoryServer, make_memories, running_memory_server
 

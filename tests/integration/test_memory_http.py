@@ -14,6 +14,7 @@ import trio
 import trio_asyncio
 
 from ibex.config import Settings
+from ibex.service.root import memory_http_source
 from ibex.sources.base import SourceError
 from ibex.sources.memory_http import MemoryHttpSource
 from tests.memory_server import (
@@ -310,7 +311,7 @@ async def test_lifecycle_and_settings() -> None:
     settings = Settings(
         memory_base_url="http://127.0.0.1:1", memory_api_token="s3cr3t", memory_pool_size=3
     )
-    source = MemoryHttpSource.from_settings(settings)
+    source = memory_http_source(settings)
     assert "s3cr3t" not in repr(source)
     with pytest.raises(RuntimeError, match="not open"):
         await source.hot(DEMO_ORG, DEMO_AGENT, limit=1, min_confidence=0.0)
@@ -320,7 +321,7 @@ async def test_lifecycle_and_settings() -> None:
             await source.open()
     await source.aclose()  # idempotent
     with pytest.raises(ValueError, match="required"):
-        MemoryHttpSource.from_settings(Settings())
+        memory_http_source(Settings())
 
 
 async def test_use_from_an_asyncio_task_is_refused(memory_server: FakeMemoryServer) -> None:

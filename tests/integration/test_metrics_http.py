@@ -13,20 +13,20 @@ import trio
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ibex.metrics import (
-    Metrics,
-    clear_multiprocess_dir,
-    exposition_registry,
-    mark_process_dead,
-    serve_metrics,
-)
-from ibex.structs import (
+from ibex.assembly.structs import (
     AssemblyMetrics,
     AssemblyResult,
     BranchOutcome,
     MemoryUsed,
     PackSummary,
     TokenBudget,
+)
+from ibex.ops.metrics import (
+    Metrics,
+    clear_multiprocess_dir,
+    exposition_registry,
+    mark_process_dead,
+    serve_metrics,
 )
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -118,7 +118,7 @@ async def test_scrape_reports_an_assembly(nursery: trio.Nursery) -> None:
     metrics.observe_assembly(make_result(), stage_seconds={"budget": 0.00004, "total": 0.0362})
     metrics.observe_request("AssembleContext", "OK", 0.037)
     metrics.observe_request("AssembleContext", "INVALID_ARGUMENT", 0.0004)
-    metrics.shed()
+    metrics.shed("in_flight")
     hits_misses[:] = [19, 4]  # read at scrape time, not at registration
 
     with trio.fail_after(5), metrics.in_flight():
@@ -137,7 +137,8 @@ async def test_scrape_reports_an_assembly(nursery: trio.Nursery) -> None:
     assert value("ibex_grpc_requests_total", method="AssembleContext", code="INVALID_ARGUMENT") == 1
     assert value("ibex_grpc_request_duration_seconds_count", method="AssembleContext") == 2
     assert value("ibex_in_flight_requests") == 1
-    assert value("ibex_shed_requests_total") == 1
+    assert value("ibex_shed_requests_total", reason="in_flight") == 1
+    assert value("ibex_shed_requests_total", reason="queue") == 0
     assert value("ibex_branch_outcomes_total", source="hot", status="timeout") == 2
     assert value("ibex_branch_outcomes_total", source="cold", status="success") == 2
     assert value("ibex_branch_outcomes_total", source="hot", status="success") == 0
@@ -209,7 +210,7 @@ WORKER = textwrap.dedent(
     """
     import os
     import sys
-    from ibex.metrics import Metrics
+    from ibex.ops.metrics import Metrics
     m = Metrics()
     m.set_token_cache_source(lambda: (5, 2))
     m.observe_request("AssembleContext", "OK", 0.01)

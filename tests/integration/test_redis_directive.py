@@ -10,9 +10,9 @@ import pytest
 import trio
 import trio_asyncio
 
+from ibex.assembly.structs import Directive
 from ibex.sources.base import DirectiveSource, SourceError
 from ibex.sources.redis_directive import RedisDirectiveSource, directive_key
-from ibex.structs import Directive
 from tests.redis_server import RedisServer
 
 ORG = "0b6f8f1e-5c3a-4f51-9a8e-0d6f1c2b3a4d"

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ibex.budget import compute_budget, context_window, response_reserve
-from ibex.catalog import FamilyPolicy, ModelCapability, load_catalog
+from ibex.assembly.budget import compute_budget, context_window, response_reserve
+from ibex.assembly.catalog import FamilyPolicy, ModelCapability, load_catalog
 
 FAMILY = FamilyPolicy(safety_buffer_fraction=0.01, encoding="o200k_base", name="o200k_base")
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ibex.catalog import CatalogError, load_catalog
+from ibex.assembly.catalog import CatalogError, load_catalog
 
 
 def write(tmp_path: Path, data: object) -> str:

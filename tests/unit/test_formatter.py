@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ibex import formatter as fmt
-from ibex.structs import Directive, Message, ScoredMemory
+from ibex.assembly import formatter as fmt
+from ibex.assembly.structs import Directive, Message, ScoredMemory
 
 NONCE = "0f1e2d3c4b5a69788796a5b4c3d2e1f0"
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from ibex.assembly.structs import Directive
 from ibex.sources.local_file import (
     SAMPLE_AGENT_ID,
     SAMPLE_ORG_ID,
@@ -15,7 +16,6 @@ from ibex.sources.local_file import (
     LocalFileSource,
     tokenize,
 )
-from ibex.structs import Directive
 
 ORG, AGENT = SAMPLE_ORG_ID, SAMPLE_AGENT_ID
 OTHER_AGENT = "00000000-0000-4000-8000-0000000000b2"

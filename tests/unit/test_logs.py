@@ -14,7 +14,7 @@ import trio
 import trio.lowlevel
 
 from ibex.config import Settings
-from ibex.logs import ERROR_MESSAGE_MAX, REDACTED, bind_request, bound_fields, configure_logging
+from ibex.ops.logs import ERROR_MESSAGE_MAX, REDACTED, bind_request, bound_fields, configure_logging
 
 Capture = Callable[[str], Callable[[], list[dict[str, Any]]]]
 
@@ -46,14 +46,14 @@ def capture() -> Iterator[Capture]:
 
 def test_one_json_object_per_line_with_fixed_keys(capture: Capture) -> None:
     lines = capture("info")
-    log = logging.getLogger("ibex.server")
+    log = logging.getLogger("ibex.service.handlers")
     log.info("assembled", extra={"tokens_used": 812, "branches": ["hot", "cold"], "ok": True})
     log.warning("second")
     first, second = lines()
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", first["ts"])
     assert first["level"] == "info"
     assert first["event"] == "assembled"
-    assert first["logger"] == "ibex.server"
+    assert first["logger"] == "ibex.service.handlers"
     assert first["tokens_used"] == 812
     assert first["branches"] == ["hot", "cold"]
     assert first["ok"] is True
@@ -73,7 +73,7 @@ def test_reserved_keys_are_not_overwritten_by_fields(capture: Capture) -> None:
 
 async def test_request_binding_reaches_every_trio_task(capture: Capture) -> None:
     lines = capture("info")
-    log = logging.getLogger("ibex.retrieval")
+    log = logging.getLogger("ibex.sources.retrieval")
 
     async def branch(name: str) -> None:
         await trio.lowlevel.checkpoint()

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ibex.packer import _repair, pack
-from ibex.structs import ScoredMemory
+from ibex.assembly.packer import _repair, pack
+from ibex.assembly.structs import ScoredMemory
 
 # fine_cells=0 forces the 16-token grain even for tiny budgets; the default may
 # refine it, which the exactness test below relies on.

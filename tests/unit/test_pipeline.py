@@ -17,19 +17,18 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ibex import formatter as fmt
-from ibex.budget import compute_budget
-from ibex.catalog import Catalog, load_catalog
-from ibex.errors import InputError, TooLargeError
-from ibex.formatter import new_nonce
-from ibex.pipeline import (
+from ibex.assembly import formatter as fmt
+from ibex.assembly.budget import compute_budget
+from ibex.assembly.catalog import Catalog, load_catalog
+from ibex.assembly.formatter import new_nonce
+from ibex.assembly.pipeline import (
     AssemblyInputs,
     assemble_pure,
     degradation_level,
     resolve_model,
     select_candidates,
 )
-from ibex.structs import (
+from ibex.assembly.structs import (
     AssemblyOptions,
     AssemblyRequest,
     AssemblyResult,
@@ -39,7 +38,8 @@ from ibex.structs import (
     MemoryHit,
     Message,
 )
-from ibex.tokens import ESTIMATE_V1, EXACT, Tokenizers, estimate_v1
+from ibex.assembly.tokens import ESTIMATE_V1, EXACT, Tokenizers, estimate_v1
+from ibex.errors import InputError, TooLargeError
 
 ORG = "00000000-0000-4000-8000-000000000001"
 AGENT = "00000000-0000-4000-8000-0000000000a1"

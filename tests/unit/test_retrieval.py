@@ -19,17 +19,17 @@ import pytest
 import trio
 import trio.testing
 
-from ibex.assemble import open_assembler
+from ibex.assembly.structs import AssemblyOptions, AssemblyRequest, Directive, MemoryHit
 from ibex.config import Settings
-from ibex.retrieval import Retrieved, request_wall, retrieve
+from ibex.service.root import open_assembler
 from ibex.sources.base import SourceError
 from ibex.sources.local_file import SAMPLE_AGENT_ID, SAMPLE_ORG_ID
-from ibex.structs import AssemblyOptions, AssemblyRequest, Directive, MemoryHit
+from ibex.sources.retrieval import RetrievalConfig, Retrieved, request_wall, retrieve
 
 ORG = "00000000-0000-4000-8000-000000000001"
 AGENT = "00000000-0000-4000-8000-0000000000a1"
 MS = 0.001
-DEFAULTS = Settings()
+DEFAULTS = RetrievalConfig()
 INJECTION_ID = "10000000-0000-4000-8000-000000000019"
 OTHER_AGENT_MEMORY_ID = "20000000-0000-4000-8000-000000000001"
 
@@ -131,7 +131,7 @@ async def fetch(
     fake: FakeSources,
     req: AssemblyRequest | None = None,
     *,
-    settings: Settings = DEFAULTS,
+    settings: RetrievalConfig = DEFAULTS,
     deadline: float | None = None,
 ) -> tuple[Retrieved, float]:
     """Retrieve with the fake as both sources; also the mock-clock time it took."""
@@ -141,7 +141,7 @@ async def fetch(
             req or request(),
             directive_source=fake,
             memory_source=fake,
-            settings=settings,
+            config=settings,
             deadline=deadline,
         )
     return got, trio.current_time() - start
@@ -165,7 +165,7 @@ async def test_all_branches_succeed(autojump_clock: trio.testing.MockClock) -> N
     assert got.cold == tuple(ANSWERS["cold"])  # type: ignore[arg-type]
     assert took == pytest.approx(0.020)
     assert got.elapsed_ms == pytest.approx(20.0)
-    assert got.wall_s == pytest.approx(0.040)
+    assert request_wall(DEFAULTS, None) == pytest.approx(0.040)
     # The sources get the request's tenant, the query and the configured limits.
     assert fake.seen["directive"] == (ORG, AGENT)
     assert fake.seen["hot"] == (ORG, AGENT, DEFAULTS.hot_limit, DEFAULTS.min_confidence)
@@ -182,7 +182,7 @@ async def test_missing_directive_is_a_success(autojump_clock: trio.testing.MockC
 # --------------------------------------------------------------------------- branch timeouts
 
 # A wall wide enough that only the branch's own timeout can cut it.
-WIDE = Settings(timeout=0.2, deadline=0.2)
+WIDE = RetrievalConfig(timeout=0.2, deadline=0.2)
 OWN_TIMEOUTS = {"directive": 0.005, "hot": 0.015, "cold": 0.045}
 
 
@@ -255,14 +255,14 @@ async def test_request_wall(autojump_clock: trio.testing.MockClock) -> None:
     assert request_wall(DEFAULTS, now + 0.020) == pytest.approx(0.020 - 0.010)
     assert request_wall(DEFAULTS, now - 1.0) == 0.0
     assert request_wall(DEFAULTS, math.inf) == pytest.approx(0.040)
-    assert request_wall(Settings(timeout=0.030, deadline=0.5), None) == pytest.approx(0.030)
+    assert request_wall(RetrievalConfig(timeout=0.030, deadline=0.5), None) == pytest.approx(0.030)
 
 
 async def test_a_caller_deadline_shrinks_the_wall(autojump_clock: trio.testing.MockClock) -> None:
     # 30 ms left on the caller's clock, 10 ms of pipeline headroom: a 20 ms wall.
     fake = FakeSources({"directive": Plan(2 * MS), "hot": Plan(14 * MS), "cold": Plan(21 * MS)})
     got, took = await fetch(fake, deadline=trio.current_time() + 0.030)
-    assert got.wall_s == pytest.approx(0.020)
+    # The wall the branches were cut at is named in the cold branch's detail.
     assert statuses(got) == {"directive": "success", "hot": "success", "cold": "timeout"}
     assert "20ms" in got.branches[2].detail
     assert took == pytest.approx(0.020)
@@ -360,9 +360,7 @@ async def test_an_empty_query_skips_cold(
 
 async def test_unconfigured_sources_are_skipped(autojump_clock: trio.testing.MockClock) -> None:
     with trio.fail_after(1):
-        got = await retrieve(
-            request(), directive_source=None, memory_source=None, settings=DEFAULTS
-        )
+        got = await retrieve(request(), directive_source=None, memory_source=None, config=DEFAULTS)
     assert statuses(got) == {"directive": "skipped", "hot": "skipped", "cold": "skipped"}
     assert got.elapsed_ms == 0.0
 

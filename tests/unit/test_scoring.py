@@ -7,8 +7,8 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from ibex.scoring import INTERIM, WEIGHTED, recency, score_hit, score_schema
-from ibex.structs import AssemblyOptions, MemoryHit
+from ibex.assembly.scoring import INTERIM, WEIGHTED, recency, score_hit, score_schema
+from ibex.assembly.structs import AssemblyOptions, MemoryHit
 
 NOW = datetime(2026, 11, 30, tzinfo=UTC).timestamp()
 

@@ -12,7 +12,7 @@ import pytest
 import trio
 import trio.testing
 
-from ibex.sdnotify import Notifier, run_watchdog, watchdog_interval
+from ibex.ops.sdnotify import Notifier, run_watchdog, watchdog_interval
 
 
 @pytest.fixture
@@ -87,14 +87,14 @@ def test_failure_neither_raises_nor_warns_twice(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     notifier = Notifier.from_env({"NOTIFY_SOCKET": str(tmp_path / "nobody-listens")})
-    with caplog.at_level("WARNING", logger="ibex.sdnotify"):
+    with caplog.at_level("WARNING", logger="ibex.ops.sdnotify"):
         assert not notifier.ready()
         assert not notifier.watchdog()
     assert [r.getMessage() for r in caplog.records] == ["sd_notify_failed"]
 
 
 def test_unsupported_address_is_disabled_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level("WARNING", logger="ibex.sdnotify"):
+    with caplog.at_level("WARNING", logger="ibex.ops.sdnotify"):
         notifier = Notifier.from_env({"NOTIFY_SOCKET": "vsock:2:1234"})
     assert not notifier.enabled
     assert [r.getMessage() for r in caplog.records] == ["sd_notify_unsupported_address"]

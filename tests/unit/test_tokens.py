@@ -17,8 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from benchmarks.token_estimate import corpus
-from ibex import tokens
-from ibex.tokens import (
+from ibex.assembly import tokens
+from ibex.assembly.tokens import (
     ENCODINGS,
     ESTIMATE_MAX_UNDERCOUNT,
     Count,

@@ -12,12 +12,14 @@ from pathlib import Path
 
 import msgspec
 
+from ibex.errors import ConfigError
+
 #: Encodings the project can count exactly, offline.
 EXACT_ENCODINGS = frozenset({"cl100k_base", "o200k_base"})
 UNKNOWN_FAMILY = "unknown"
 
 
-class CatalogError(ValueError):
+class CatalogError(ConfigError):
     """The catalog file is malformed; the message names the file and entry."""
 
 

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from ibex.structs import PackPath, PackResult, ScoredMemory
+from ibex.assembly.structs import PackPath, PackResult, ScoredMemory
 
 __all__ = [
     "DEFAULT_BUCKET",

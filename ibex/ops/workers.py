@@ -30,9 +30,9 @@ from pathlib import Path
 import trio
 
 from ibex.config import Settings
-from ibex.sdnotify import Notifier, run_watchdog
+from ibex.ops.sdnotify import Notifier, run_watchdog
 
-log = logging.getLogger("ibex.workers")
+log = logging.getLogger("ibex.ops.workers")
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 WORKER_WATCHDOG_USEC = 4_000_000  # workers ping every 2 s
@@ -80,7 +80,7 @@ class Supervisor:
                 nursery.start_soon(self._announce_ready)
                 nursery.start_soon(run_watchdog, self.notifier)
                 if self.settings.metrics_addr and os.environ.get(MULTIPROC_ENV):
-                    from ibex.metrics import exposition_registry, serve_metrics
+                    from ibex.ops.metrics import exposition_registry, serve_metrics
 
                     host, _, port = self.settings.metrics_addr.rpartition(":")
                     await nursery.start(serve_metrics, exposition_registry(), host, int(port))
@@ -178,7 +178,7 @@ class Supervisor:
 
 def _forget(pid: int) -> None:
     if os.environ.get(MULTIPROC_ENV):
-        from ibex.metrics import mark_process_dead
+        from ibex.ops.metrics import mark_process_dead
 
         mark_process_dead(pid)
 
@@ -190,7 +190,7 @@ def supervise(settings: Settings) -> int:
         own_dir = tempfile.mkdtemp(prefix="ibex-metrics-")
         os.environ[MULTIPROC_ENV] = own_dir  # before prometheus_client is imported anywhere
     if os.environ.get(MULTIPROC_ENV):
-        from ibex.metrics import clear_multiprocess_dir
+        from ibex.ops.metrics import clear_multiprocess_dir
 
         clear_multiprocess_dir()
     try:

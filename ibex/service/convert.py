@@ -1,4 +1,4 @@
-"""Wire messages (upb classes from ibex.wire) to and from the pipeline's structs.
+"""Wire messages (upb classes from ibex.service.wire) to and from the pipeline's structs.
 
 The pipeline never sees generated classes, so a protobuf library change stays
 in this module and the server. Nested messages are passed as dicts, which upb
@@ -11,13 +11,13 @@ from typing import Any
 
 import msgspec
 
-from ibex import wire
-from ibex.structs import (
+from ibex.assembly.structs import (
     AssemblyOptions,
     AssemblyRequest,
     AssemblyResult,
     Message,
 )
+from ibex.service import wire
 
 
 def request_from_proto(msg: Any) -> AssemblyRequest:

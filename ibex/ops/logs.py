@@ -3,12 +3,13 @@
 Use plain stdlib loggers under the ``ibex`` namespace; the message is a stable
 event name and everything else goes in ``extra``::
 
-    log = logging.getLogger("ibex.server")
+    log = logging.getLogger("ibex.service.handlers")
     with bind_request(request_id, trace_id):
         log.info("assembled", extra={"tokens_used": 812, "degradation": "L0"})
 
 emits ``{"ts": "2025-01-02T03:04:05.678Z", "level": "info", "event": "assembled",
-"logger": "ibex.server", "request_id": "...", "trace_id": "...", "tokens_used": 812, ...}``.
+"logger": "ibex.service.handlers", "request_id": "...", "trace_id": "...",
+"tokens_used": 812, ...}``.
 
 Rules this module enforces so call sites cannot get them wrong:
 

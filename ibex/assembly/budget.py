@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ibex.catalog import FamilyPolicy, ModelCapability
-from ibex.structs import TokenBudget
+from ibex.assembly.catalog import FamilyPolicy, ModelCapability
+from ibex.assembly.structs import TokenBudget
 
 MIN_RESPONSE_RESERVE = 500
 MAX_RESPONSE_RESERVE = 4096

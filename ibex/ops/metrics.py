@@ -8,7 +8,7 @@ name                                   type   labels          meaning
 ibex_grpc_requests_total               C      method, code    finished RPCs by gRPC status name
 ibex_grpc_request_duration_seconds     H      method          RPC handling time
 ibex_in_flight_requests                G                      RPCs being handled (sum of workers)
-ibex_shed_requests_total               C                      RPCs refused at the in-flight cap
+ibex_shed_requests_total               C      reason          RPCs refused by admission
 ibex_branch_outcomes_total             C      source, status  retrieval branches by outcome
 ibex_branch_latency_seconds            H      source          branch latency, any outcome
 ibex_stage_duration_seconds            H      stage           budget, ranking, packing, ... total
@@ -80,9 +80,9 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ibex.structs import AssemblyResult
+from ibex.assembly.structs import AssemblyResult
 
-log = logging.getLogger("ibex.metrics")
+log = logging.getLogger("ibex.ops.metrics")
 
 MULTIPROC_ENV: Final = "PROMETHEUS_MULTIPROC_DIR"
 
@@ -91,6 +91,7 @@ STATUSES: Final = ("success", "timeout", "error", "skipped")
 STAGES: Final = ("budget", "ranking", "packing", "formatting", "total")
 LEVELS: Final = ("L0", "L1", "L2")
 PACK_PATHS: Final = ("dp", "greedy")
+SHED_REASONS: Final = ("in_flight", "queue", "lag", "deadline")
 
 # Stage work is sub-millisecond to tens of ms; branch latency is bounded by the
 # retrieval wall (~45 ms) but a misconfigured wall should still land in a bucket.
@@ -218,7 +219,7 @@ class Metrics:
             registry=r,
         )
         self.shed_requests = Counter(
-            "ibex_shed_requests", "RPCs refused at the in-flight cap.", registry=r
+            "ibex_shed_requests", "RPCs refused by admission, by reason.", ["reason"], registry=r
         )
         self.branch_outcomes = Counter(
             "ibex_branch_outcomes",
@@ -293,6 +294,7 @@ class Metrics:
         self._stage = {stage: self.stage_duration.labels(stage) for stage in STAGES}
         self._level = {level: self.degradation.labels(level) for level in LEVELS}
         self._path = {path: self.pack_path.labels(path) for path in PACK_PATHS}
+        self._shed = {reason: self.shed_requests.labels(reason) for reason in SHED_REASONS}
 
     # ------------------------------------------------------------------ recording
 
@@ -305,9 +307,9 @@ class Metrics:
         """Count the enclosed block as an in-flight request, however it ends."""
         return self.in_flight_requests.track_inprogress()
 
-    def shed(self) -> None:
-        """One request refused because the in-flight cap was reached."""
-        self.shed_requests.inc()
+    def shed(self, reason: str) -> None:
+        """One request refused by admission; `reason` is one of `SHED_REASONS`."""
+        (self._shed.get(reason) or self.shed_requests.labels(reason)).inc()
 
     def observe_assembly(
         self, result: AssemblyResult, *, stage_seconds: Mapping[str, float] | None = None
@@ -357,7 +359,7 @@ class Metrics:
     def set_token_cache_source(self, source: TokenCacheSource) -> None:
         """Where cumulative (hits, misses) of the token-count cache come from.
 
-        For `ibex.tokens.Tokenizers`: ``lambda: (sum(i.hits for i in
+        For `ibex.assembly.tokens.Tokenizers`: ``lambda: (sum(i.hits for i in
         t.cache_info().values()), sum(i.misses for i in t.cache_info().values()))``.
         The callable must be cheap and must not raise.
         """

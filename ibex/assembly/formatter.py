@@ -29,7 +29,7 @@ import re
 import secrets
 from collections.abc import Iterable, Sequence
 
-from ibex.structs import Directive, Message, ScoredMemory
+from ibex.assembly.structs import Directive, Message, ScoredMemory
 
 CATEGORY_ORDER = ("procedural", "factual", "preference", "behavioral", "episodic")
 _CATEGORY_RANK = {name: i for i, name in enumerate(CATEGORY_ORDER)}

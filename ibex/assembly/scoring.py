@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from datetime import datetime
 
-from ibex.structs import AssemblyOptions, MemoryHit, ScoredMemory
+from ibex.assembly.structs import AssemblyOptions, MemoryHit, ScoredMemory
 
 INTERIM = "interim_v1"
 WEIGHTED = "weighted_v1"

@@ -12,21 +12,12 @@ from __future__ import annotations
 import hashlib
 import hmac
 import ipaddress
-import ssl
 import time
 from collections.abc import Mapping
 from typing import Any
 
-from ibex.config import ConfigError, Settings
-from ibex.validation import canonical_uuid
-
-
-class AuthError(Exception):
-    """Authentication failed (UNAUTHENTICATED); str() is safe to return."""
-
-
-class PermissionError_(Exception):
-    """The authenticated caller may not act for this org/agent (PERMISSION_DENIED)."""
+from ibex.assembly.validation import canonical_uuid
+from ibex.errors import AuthError, PermissionDenied
 
 
 def is_loopback(host: str) -> bool:
@@ -45,10 +36,18 @@ def split_addr(addr: str) -> tuple[str, int]:
 
 
 class Authenticator:
-    def __init__(self, settings: Settings) -> None:
-        self._hashes = tuple(bytes.fromhex(h) for h in settings.auth_tokens_sha256)
-        self._sans = frozenset(settings.tls_allowed_sans)
-        self.mtls = settings.tls_client_ca is not None
+    """Bearer-token and client-certificate checks; built by the composition root."""
+
+    def __init__(
+        self,
+        *,
+        token_hashes: tuple[str, ...] = (),
+        allowed_sans: tuple[str, ...] = (),
+        mtls: bool = False,
+    ) -> None:
+        self._hashes = tuple(bytes.fromhex(h) for h in token_hashes)
+        self._sans = frozenset(allowed_sans)
+        self.mtls = mtls
 
     @property
     def enabled(self) -> bool:
@@ -94,12 +93,12 @@ def check_principal(principal: Any, org_id: str, agent_id: str, now: float | Non
             else ""
         )
     except ValueError:
-        raise PermissionError_("principal_context does not match the request") from None
+        raise PermissionDenied("principal_context does not match the request") from None
     if p_org != org_id or (p_agent and p_agent != agent_id):
-        raise PermissionError_("principal_context does not match the request's org_id/agent_id")
+        raise PermissionDenied("principal_context does not match the request's org_id/agent_id")
     ts = _epoch(getattr(principal, "expires_at", None))
     if ts and ts <= now:
-        raise PermissionError_("principal_context has expired")
+        raise PermissionDenied("principal_context has expired")
 
 
 def _epoch(value: Any) -> float:
@@ -111,44 +110,3 @@ def _epoch(value: Any) -> float:
     if hasattr(value, "timestamp"):
         return float(value.timestamp())
     return float(value)
-
-
-def server_ssl_context(settings: Settings) -> ssl.SSLContext | None:
-    """TLS for the gRPC port (HTTP/2 via ALPN); client certs required when a CA is set."""
-    if not settings.tls_cert or not settings.tls_key:
-        return None
-    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    try:
-        ctx.load_cert_chain(settings.tls_cert, settings.tls_key)
-    except (OSError, ssl.SSLError) as exc:
-        raise ConfigError(f"IBEX_CONTEXT_TLS_CERT/KEY: cannot load: {exc}") from None
-    if settings.tls_client_ca:
-        try:
-            ctx.load_verify_locations(settings.tls_client_ca)
-        except (OSError, ssl.SSLError) as exc:
-            raise ConfigError(f"IBEX_CONTEXT_TLS_CLIENT_CA: cannot load: {exc}") from None
-        ctx.verify_mode = ssl.CERT_REQUIRED
-    ctx.set_alpn_protocols(["h2"])
-    return ctx
-
-
-def check_bind_policy(settings: Settings) -> str | None:
-    """Refuse a non-loopback bind without authentication unless explicitly allowed.
-
-    Returns a warning to log at every start when the insecure override is in use.
-    """
-    host, _ = split_addr(settings.grpc_addr)
-    has_auth = bool(settings.auth_tokens_sha256) or settings.tls_client_ca is not None
-    if is_loopback(host) or has_auth:
-        return None
-    if not settings.allow_insecure:
-        raise ConfigError(
-            f"IBEX_CONTEXT_GRPC_ADDR: binding {host} (not loopback) requires caller "
-            "authentication (IBEX_CONTEXT_AUTH_TOKENS_SHA256 or IBEX_CONTEXT_TLS_CLIENT_CA); "
-            "set IBEX_CONTEXT_ALLOW_INSECURE=1 to accept unauthenticated callers"
-        )
-    return (
-        f"insecure: listening on {host} without caller authentication "
-        "(IBEX_CONTEXT_ALLOW_INSECURE=1); any caller can read any tenant's memories"
-    )

@@ -17,27 +17,25 @@ from typing import Protocol
 
 import msgspec
 
-from ibex import formatter as fmt
-from ibex.budget import compute_budget
-from ibex.catalog import Catalog, FamilyPolicy, ModelCapability
-from ibex.errors import InputError, TooLargeError
-from ibex.packer import pack
-from ibex.scoring import score_hit, score_schema
-from ibex.structs import (
+from ibex.assembly import formatter as fmt
+from ibex.assembly.budget import compute_budget
+from ibex.assembly.candidates import select_candidates, used
+from ibex.assembly.catalog import Catalog, FamilyPolicy, ModelCapability
+from ibex.assembly.packer import DEFAULT_DP_CELL_CEILING, DEFAULT_MAX_CONSECUTIVE_SKIPS, pack
+from ibex.assembly.scoring import score_schema
+from ibex.assembly.structs import (
     AssemblyMetrics,
     AssemblyRequest,
     AssemblyResult,
     BranchOutcome,
     DegradationLevel,
     Directive,
-    Exclusion,
     MemoryHit,
-    MemoryUsed,
     PackResult,
     PackSummary,
     ScoredMemory,
 )
-from ibex.validation import MAX_MEMORIES_HARD_CAP
+from ibex.errors import InputError, TooLargeError
 
 UNKNOWN_MODEL_MAX_OUTPUT = 4096
 # Hex, or new_nonce's fixed-width decimal: 64 random bytes are 155 decimal digits.
@@ -45,7 +43,7 @@ _NONCE = re.compile(r"[0-9a-f]{2,160}")
 
 
 class Counter(Protocol):
-    """What the pipeline needs from a token counter (see ibex.tokens)."""
+    """What the pipeline needs from a token counter (see ibex.assembly.tokens)."""
 
     estimate_kind: str
 
@@ -58,9 +56,15 @@ class CounterSource(Protocol):
     def counter(self, family: str, encoding: str | None) -> Counter: ...
 
 
+DEFAULT_NONCE_BYTES = 16
+
+
 class PipelineConfig(msgspec.Struct, frozen=True):
-    dp_cell_ceiling: int = 70 * 6251
-    max_consecutive_skips: int = 5
+    """The pure core's knobs; the defaults are the packer's and the formatter's own."""
+
+    dp_cell_ceiling: int = DEFAULT_DP_CELL_CEILING
+    max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS
+    nonce_bytes: int = DEFAULT_NONCE_BYTES
 
 
 DEFAULT_CONFIG = PipelineConfig()
@@ -101,78 +105,6 @@ def degradation_level(branches: Iterable[BranchOutcome]) -> DegradationLevel:
         1 for b in branches if b.source in ("hot", "cold") and b.status in ("timeout", "error")
     )
     return "L0" if missing == 0 else "L1" if missing == 1 else "L2"
-
-
-def _used(m: ScoredMemory, exclusion: Exclusion) -> MemoryUsed:
-    return MemoryUsed(
-        memory_id=m.memory_id,
-        composite_score=m.composite_score,
-        relevance_score=m.relevance_score,
-        recency_score=m.recency_score,
-        usefulness_score=m.usefulness_score,
-        rank=m.rank,
-        category=m.category,
-        exclusion=exclusion,
-        similarity=m.similarity,
-        confidence=m.confidence,
-        token_estimate=m.token_estimate,
-    )
-
-
-def _hit_used(hit: MemoryHit, exclusion: Exclusion) -> MemoryUsed:
-    finite = [
-        v if v == v and abs(v) != float("inf") else 0.0 for v in (hit.similarity, hit.confidence)
-    ]
-    return MemoryUsed(
-        memory_id=hit.memory_id,
-        rank=hit.rank,
-        category=hit.category,
-        exclusion=exclusion,
-        similarity=finite[0],
-        confidence=finite[1],
-    )
-
-
-def _sort_key(m: ScoredMemory) -> tuple[float, str]:
-    return (-m.composite_score, m.memory_id)
-
-
-def select_candidates(
-    request: AssemblyRequest, hot: Sequence[MemoryHit], cold: Sequence[MemoryHit], now: float
-) -> tuple[list[ScoredMemory], list[MemoryUsed]]:
-    """Tenant filter, skip options, scoring, dedupe and caps.
-
-    Returns the scored candidates (best first) and the exclusions so far.
-    Another tenant's hit is dropped before scoring: it must never be able to
-    displace a legitimate duplicate or leak through degradation.
-    """
-    opts = request.options
-    excluded: list[MemoryUsed] = []
-    best: dict[str, ScoredMemory] = {}
-    streams: list[Sequence[MemoryHit]] = []
-    for skip, hits in ((opts.skip_hot_memories, hot), (opts.skip_cold_memories, cold)):
-        if skip:
-            excluded += (_hit_used(h, "filter") for h in hits)
-        else:
-            streams.append(hits)
-    for hits in streams:
-        for hit in hits:
-            if hit.org_id.lower() != request.org_id or hit.agent_id.lower() != request.agent_id:
-                excluded.append(_hit_used(hit, "filter"))
-                continue
-            scored = score_hit(hit, opts, now)
-            if scored is None:
-                excluded.append(_hit_used(hit, "failed"))
-                continue
-            prev = best.get(scored.memory_id)
-            if prev is None or _sort_key(scored) < _sort_key(prev):
-                best[scored.memory_id] = scored
-    ranked = sorted(best.values(), key=_sort_key)
-    cap = MAX_MEMORIES_HARD_CAP
-    if opts.max_memories > 0:
-        cap = min(cap, opts.max_memories)
-    excluded += (_used(m, "truncated") for m in ranked[cap:])
-    return ranked[:cap], excluded
 
 
 def _count_pieces(counter: Counter, pieces: Iterable[str]) -> int:
@@ -284,9 +216,9 @@ def assemble_pure(
     t4 = time.perf_counter()
 
     memory_tokens = sum(m.token_estimate for m in ordered)
-    included = tuple(_used(m, "included") for m in ordered)
-    excluded += (_used(m, "budget") for m in result.excluded)
-    excluded += (_used(m, "budget") for m in dropped)
+    included = tuple(used(m, "included") for m in ordered)
+    excluded += (used(m, "budget") for m in result.excluded)
+    excluded += (used(m, "budget") for m in dropped)
     pack_summary = _summary(result, dropped, ordered)
     metrics = AssemblyMetrics(
         budget_calculation_ms=_ms(t1 - t0),

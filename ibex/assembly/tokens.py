@@ -54,6 +54,8 @@ from typing import NamedTuple
 import msgspec
 import tiktoken
 
+from ibex.errors import ConfigError
+
 EXACT = "exact"
 ESTIMATE_V1 = "estimate_v1"
 
@@ -126,7 +128,7 @@ ENCODINGS: dict[str, EncodingSpec] = {
 }
 
 
-class TokenizerError(RuntimeError):
+class TokenizerError(ConfigError, RuntimeError):
     """A rank file is missing, corrupt or unverified, or counts of two kinds were mixed."""
 
 

@@ -11,12 +11,19 @@ import uuid
 
 import msgspec
 
-from ibex.config import Settings
+from ibex.assembly.structs import AssemblyRequest
 from ibex.errors import InputError, TooLargeError
-from ibex.structs import AssemblyRequest
 
-MAX_MEMORIES_HARD_CAP = 100
 MAX_ID_LENGTH = 256
+MAX_ROLE_LENGTH = 64
+
+
+class RequestLimits(msgspec.Struct, frozen=True):
+    """Per-request input bounds (IBEX_CONTEXT_MAX_*); the defaults live here only."""
+
+    max_history_messages: int = 512
+    max_text_bytes: int = 1024 * 1024
+    max_tool_schemas: int = 128
 
 
 def canonical_uuid(field: str, value: str, *, required: bool = True) -> str:
@@ -38,7 +45,7 @@ def _text(field: str, value: str, limit: int) -> None:
         raise TooLargeError(field, f"exceeds {limit} bytes")
 
 
-def validate_request(request: AssemblyRequest, settings: Settings) -> AssemblyRequest:
+def validate_request(request: AssemblyRequest, limits: RequestLimits) -> AssemblyRequest:
     """A copy with canonical ids, or InputError / TooLargeError naming the field."""
     org_id = canonical_uuid("org_id", request.org_id)
     agent_id = canonical_uuid("agent_id", request.agent_id)
@@ -55,19 +62,19 @@ def validate_request(request: AssemblyRequest, settings: Settings) -> AssemblyRe
             raise InputError(f"options.{name}", "must be a finite number >= 0")
     if opts.max_memories < 0:
         raise InputError("options.max_memories", "must be >= 0 (0 = no cap)")
-    if len(request.recent_messages) > settings.max_history_messages:
-        raise TooLargeError(
-            "recent_messages", f"more than {settings.max_history_messages} messages"
-        )
-    if len(request.tool_schemas) > settings.max_tool_schemas:
-        raise TooLargeError("tool_schemas", f"more than {settings.max_tool_schemas} entries")
-    _text("query", request.query, settings.max_text_bytes)
+    if len(request.recent_messages) > limits.max_history_messages:
+        raise TooLargeError("recent_messages", f"more than {limits.max_history_messages} messages")
+    if len(request.tool_schemas) > limits.max_tool_schemas:
+        raise TooLargeError("tool_schemas", f"more than {limits.max_tool_schemas} entries")
+    _text("query", request.query, limits.max_text_bytes)
     for i, msg in enumerate(request.recent_messages):
-        _text(f"recent_messages[{i}].content", msg.content, settings.max_text_bytes)
-        if len(msg.role) > 64:
-            raise InputError(f"recent_messages[{i}].role", "longer than 64 characters")
+        _text(f"recent_messages[{i}].content", msg.content, limits.max_text_bytes)
+        if len(msg.role) > MAX_ROLE_LENGTH:
+            raise InputError(
+                f"recent_messages[{i}].role", f"longer than {MAX_ROLE_LENGTH} characters"
+            )
     for i, schema in enumerate(request.tool_schemas):
-        _text(f"tool_schemas[{i}]", schema, settings.max_text_bytes)
+        _text(f"tool_schemas[{i}]", schema, limits.max_text_bytes)
     return msgspec.structs.replace(
         request, org_id=org_id, agent_id=agent_id, directive_version_id=version
     )

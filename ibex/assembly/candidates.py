@@ -1,0 +1,155 @@
+"""Candidate selection: the tenant filter, scoring, dedupe and caps, shared by both RPCs.
+
+The tenant rule lives here once. Another org's or agent's hit is dropped
+before scoring, so it can never displace a legitimate duplicate or leak
+through degradation; AssembleContext and SearchMemories both go through
+`own_hits`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import msgspec
+
+from ibex.assembly.scoring import score_hit
+from ibex.assembly.structs import (
+    AssemblyOptions,
+    AssemblyRequest,
+    Exclusion,
+    MemoryHit,
+    MemoryUsed,
+    ScoredMemory,
+)
+
+MAX_MEMORIES_HARD_CAP = 100
+
+
+def is_own(hit: MemoryHit, org_id: str, agent_id: str) -> bool:
+    """Whether a hit belongs to the caller's org and agent (ids are canonical lower case)."""
+    return hit.org_id.lower() == org_id and hit.agent_id.lower() == agent_id
+
+
+def used(m: ScoredMemory, exclusion: Exclusion) -> MemoryUsed:
+    return MemoryUsed(
+        memory_id=m.memory_id,
+        composite_score=m.composite_score,
+        relevance_score=m.relevance_score,
+        recency_score=m.recency_score,
+        usefulness_score=m.usefulness_score,
+        rank=m.rank,
+        category=m.category,
+        exclusion=exclusion,
+        similarity=m.similarity,
+        confidence=m.confidence,
+        token_estimate=m.token_estimate,
+    )
+
+
+def hit_used(hit: MemoryHit, exclusion: Exclusion) -> MemoryUsed:
+    finite = [
+        v if v == v and abs(v) != float("inf") else 0.0 for v in (hit.similarity, hit.confidence)
+    ]
+    return MemoryUsed(
+        memory_id=hit.memory_id,
+        rank=hit.rank,
+        category=hit.category,
+        exclusion=exclusion,
+        similarity=finite[0],
+        confidence=finite[1],
+    )
+
+
+def _sort_key(m: ScoredMemory) -> tuple[float, str]:
+    return (-m.composite_score, m.memory_id)
+
+
+def select_candidates(
+    request: AssemblyRequest, hot: Sequence[MemoryHit], cold: Sequence[MemoryHit], now: float
+) -> tuple[list[ScoredMemory], list[MemoryUsed]]:
+    """Tenant filter, skip options, scoring, dedupe and caps.
+
+    Returns the scored candidates (best first) and the exclusions so far.
+    Another tenant's hit is dropped before scoring: it must never be able to
+    displace a legitimate duplicate or leak through degradation.
+    """
+    opts = request.options
+    excluded: list[MemoryUsed] = []
+    best: dict[str, ScoredMemory] = {}
+    streams: list[Sequence[MemoryHit]] = []
+    for skip, hits in ((opts.skip_hot_memories, hot), (opts.skip_cold_memories, cold)):
+        if skip:
+            excluded += (hit_used(h, "filter") for h in hits)
+        else:
+            streams.append(hits)
+    for hits in streams:
+        for hit in hits:
+            if not is_own(hit, request.org_id, request.agent_id):
+                excluded.append(hit_used(hit, "filter"))
+                continue
+            scored = score_hit(hit, opts, now)
+            if scored is None:
+                excluded.append(hit_used(hit, "failed"))
+                continue
+            prev = best.get(scored.memory_id)
+            if prev is None or _sort_key(scored) < _sort_key(prev):
+                best[scored.memory_id] = scored
+    ranked = sorted(best.values(), key=_sort_key)
+    cap = MAX_MEMORIES_HARD_CAP
+    if opts.max_memories > 0:
+        cap = min(cap, opts.max_memories)
+    excluded += (used(m, "truncated") for m in ranked[cap:])
+    return ranked[:cap], excluded
+
+
+class SearchFilter(msgspec.Struct, frozen=True):
+    """SearchMemories' filters, validated by the edge (ids canonical, limit capped)."""
+
+    org_id: str
+    agent_id: str
+    limit: int
+    min_similarity: float = 0.0
+    categories: frozenset[str] = frozenset()
+    tags: frozenset[str] = frozenset()
+
+    @property
+    def narrows(self) -> bool:
+        """Filters applied after the fetch: ask the source for the cap, not `limit`."""
+        return bool(self.categories or self.tags or self.min_similarity > 0)
+
+
+class SearchHit(msgspec.Struct, frozen=True):
+    hit: MemoryHit
+    score: float
+
+
+class SearchResult(msgspec.Struct, frozen=True):
+    hits: tuple[SearchHit, ...]
+    own_candidates: int  # the caller's own hits before filters (never another tenant's)
+    tenant_filtered: int
+
+
+def rank_search(hits: Sequence[MemoryHit], flt: SearchFilter, now: float) -> SearchResult:
+    """The tenant filter, SearchMemories' filters and the default score, best first.
+
+    A hit without tags never matches a tag filter.
+    """
+    options = AssemblyOptions()
+    out: list[SearchHit] = []
+    own = filtered = 0
+    for hit in hits:
+        if not is_own(hit, flt.org_id, flt.agent_id):
+            filtered += 1
+            continue
+        own += 1
+        if hit.similarity < flt.min_similarity:
+            continue
+        if flt.categories and hit.category not in flt.categories:
+            continue
+        if flt.tags and flt.tags.isdisjoint(hit.tags):
+            continue
+        scored = score_hit(hit, options, now)
+        if scored is not None:
+            out.append(SearchHit(hit, scored.composite_score))
+    out.sort(key=lambda h: (-h.score, h.hit.memory_id))
+    return SearchResult(tuple(out[: flt.limit]), own, filtered)

@@ -1,0 +1,203 @@
+"""One serving process: grpclib on a trio-asyncio loop, health, reflection, drain.
+
+Shutdown drains: stop listening, mark health NOT_SERVING, refuse new RPCs on
+open connections with UNAVAILABLE, let in-flight calls finish within the grace
+period, then close. `Server.close()` alone would cancel in-flight calls.
+
+The daemon is assembled by the composition root (`ibex.service.root`); it
+reads no settings itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import signal
+import ssl
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
+from typing import Any
+
+import grpclib.server
+import msgspec
+import trio
+import trio_asyncio
+from grpclib.health.check import ServiceStatus
+from grpclib.health.service import Health
+from grpclib.reflection.service import ServerReflection
+
+from ibex._proto.google_proto_descriptor_pool import default_google_proto_descriptor_pool
+from ibex.assembly.tokens import Tokenizers
+from ibex.ops.metrics import Metrics
+from ibex.ops.sdnotify import Notifier, run_watchdog
+from ibex.service.admission import Admission, AdmissionConfig
+from ibex.service.assembler import Assembler
+from ibex.service.auth import Authenticator
+from ibex.service.grpc_shim import bound_port, stop_accepting
+from ibex.service.handlers import ContextService, EdgeConfig
+
+log = logging.getLogger(__name__)
+
+
+class DaemonConfig(msgspec.Struct, frozen=True):
+    host: str = "127.0.0.1"
+    port: int = 9092
+    reuse_port: bool = False
+    drain_grace: float = 10.0
+
+
+class Daemon:
+    """One serving process. `open_assembler` opens the sources for the serving life."""
+
+    def __init__(
+        self,
+        config: DaemonConfig,
+        *,
+        open_assembler: Callable[[], AbstractAsyncContextManager[Assembler]],
+        authenticator: Authenticator,
+        admission: AdmissionConfig | None = None,
+        edge: EdgeConfig | None = None,
+        metrics: Metrics | None = None,
+        ssl_context: Callable[[], ssl.SSLContext | None] = lambda: None,
+        startup_warning: Callable[[], str | None] = lambda: None,
+    ) -> None:
+        self.config = config
+        self.metrics = metrics if metrics is not None else Metrics()
+        self.state = Admission(admission or AdmissionConfig(), self.metrics)
+        self.edge = edge or EdgeConfig()
+        self.auth = authenticator
+        self._open_assembler = open_assembler
+        self._ssl_context = ssl_context
+        self._startup_warning = startup_warning
+        self.health_status = ServiceStatus()
+        self.server: grpclib.server.Server | None = None
+        self.port: int | None = None
+
+    def build_server(self, assembler: Assembler) -> grpclib.server.Server:
+        service = ContextService(
+            assembler,
+            admission=self.state,
+            metrics=self.metrics,
+            authenticator=self.auth,
+            config=self.edge,
+        )
+        health = Health({service: [self.health_status]})
+        services: list[Any] = [service, health]
+        services = ServerReflection.extend(services, pool=default_google_proto_descriptor_pool)
+        return grpclib.server.Server(services)
+
+    async def serve(
+        self,
+        *,
+        task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
+        notifier: Notifier | None = None,
+        shutdown: trio.Event | None = None,
+        sock: Any = None,
+    ) -> None:
+        """Run until SIGTERM/SIGINT (or `shutdown` is set), then drain. Call from Trio.
+
+        Signals are caught from the first line: one that arrives while the
+        catalog and tokenizers load is kept and honoured as soon as serving
+        starts, so a stop during start-up is a clean, logged exit too.
+        """
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            await self._serve(task_status, notifier, shutdown, sock, signals)
+
+    async def _serve(
+        self,
+        task_status: trio.TaskStatus[int],
+        notifier: Notifier | None,
+        shutdown: trio.Event | None,
+        sock: Any,
+        signals: Any,
+    ) -> None:
+        warning = self._startup_warning()
+        if warning:
+            log.warning("insecure_bind", extra={"detail": warning})
+        ssl_ctx = self._ssl_context()
+        notifier = notifier or Notifier.from_env()
+        shutdown = shutdown if shutdown is not None else trio.Event()
+        async with trio_asyncio.open_loop(), self._open_assembler() as assembler:
+            tokenizers = assembler.tokenizers
+            self.metrics.set_token_cache_source(lambda: _cache_totals(tokenizers))
+            server = self.build_server(assembler)
+            self.server = server
+            # Start-up objects (catalog, rank tables, modules) live for the process:
+            # move them out of the collector's reach so a full collection cannot
+            # stall the loop for tens of milliseconds inside a 5 ms branch budget.
+            gc.collect()
+            gc.freeze()
+            host = self.config.host
+            if sock is not None:
+                await trio_asyncio.aio_as_trio(server.start)(sock=sock, ssl=ssl_ctx)
+            else:
+                await trio_asyncio.aio_as_trio(server.start)(
+                    host, self.config.port, ssl=ssl_ctx, reuse_port=self.config.reuse_port or None
+                )
+            self.port = bound_port(server)
+            self.health_status.set(True)
+            log.info(
+                "serving",
+                extra={
+                    "addr": f"{host}:{self.port}",
+                    "backend": assembler.backend,
+                    "tls": ssl_ctx is not None,
+                    "auth": self.auth.enabled,
+                },
+            )
+            notifier.ready(f"serving on {host}:{self.port} ({assembler.backend})")
+            task_status.started(self.port)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(run_watchdog, notifier)
+                nursery.start_soon(watch_loop_lag, self.state)
+                nursery.start_soon(_wait_signal, signals, shutdown)
+                await shutdown.wait()
+                notifier.stopping()
+                notifier.status("draining")
+                await self.drain(server)
+                nursery.cancel_scope.cancel()
+            log.info("stopped", extra={"in_flight": self.state.in_flight})
+
+    async def drain(self, server: grpclib.server.Server) -> None:
+        """Stop listening, refuse new RPCs, wait for in-flight ones, then close."""
+        self.state.draining = True
+        self.health_status.set(False)
+        log.info("draining", extra={"in_flight": self.state.in_flight})
+        stop_accepting(server)
+        with trio.move_on_after(self.config.drain_grace) as scope:
+            await trio_asyncio.aio_as_trio(self.state.idle.wait)()
+        if scope.cancelled_caught:
+            log.warning("drain_grace_expired", extra={"in_flight": self.state.in_flight})
+        server.close()
+        await trio_asyncio.aio_as_trio(server.wait_closed)()
+
+
+LAG_PROBE_INTERVAL = 0.005
+LAG_SMOOTHING = 0.7  # weight of the previous estimate at each probe
+
+
+async def watch_loop_lag(state: Admission, interval: float = LAG_PROBE_INTERVAL) -> None:
+    """Keep `state.loop_lag` at how late a short asyncio sleep wakes up (smoothed)."""
+    await trio_asyncio.aio_as_trio(_probe_asyncio_lag)(state, interval)
+
+
+async def _probe_asyncio_lag(state: Admission, interval: float) -> None:
+    loop = asyncio.get_running_loop()
+    while True:
+        start = loop.time()
+        await asyncio.sleep(interval)
+        lag = max(0.0, loop.time() - start - interval)
+        state.loop_lag = LAG_SMOOTHING * state.loop_lag + (1 - LAG_SMOOTHING) * lag
+
+
+def _cache_totals(tokenizers: Tokenizers) -> tuple[int, int]:
+    info = tokenizers.cache_info()
+    return sum(i.hits for i in info.values()), sum(i.misses for i in info.values())
+
+
+async def _wait_signal(signals: Any, shutdown: trio.Event) -> None:
+    async for signum in signals:
+        log.info("signal_received", extra={"signal": int(signum)})
+        shutdown.set()
+        return

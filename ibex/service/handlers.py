@@ -1,0 +1,246 @@
+"""ContextAssemblyService handlers: decode, call the core or a source, encode.
+
+Handlers are written against grpclib's `Stream` directly (not the generated
+service base) because they need metadata, the peer certificate and the
+caller's deadline. Each call crosses into Trio exactly once with
+`trio_as_aio`; retrieval runs there under a wall derived from the caller's
+remaining time, so the answer leaves before grpclib's own deadline. Errors
+are `IbexError`s and become a gRPC status in one place (`_wrap`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpclib.const
+import grpclib.server
+import msgspec
+import trio
+import trio_asyncio
+from grpclib.const import Status
+from grpclib.exceptions import GRPCError
+
+from ibex.assembly.candidates import MAX_MEMORIES_HARD_CAP, SearchFilter, rank_search
+from ibex.assembly.structs import AssemblyRequest, AssemblyResult, MemoryHit
+from ibex.assembly.validation import canonical_uuid
+from ibex.errors import DeadlineError, IbexError, InputError, SourceError, TooLargeError
+from ibex.errors import Unimplemented as UnimplementedError
+from ibex.ops.logs import bind_request
+from ibex.ops.metrics import Metrics
+from ibex.service import convert
+from ibex.service import wire as pb
+from ibex.service.admission import Admission
+from ibex.service.assembler import Assembler
+from ibex.service.auth import Authenticator, check_principal
+from ibex.service.grpc_shim import recv_bounded
+from ibex.service.status import grpc_error
+
+log = logging.getLogger(__name__)
+
+SERVICE = "ibex.context.v1.ContextAssemblyService"
+_PREFIX = f"/{SERVICE}/"
+SEARCH_DEFAULT_LIMIT = 10
+
+Handler = Callable[[grpclib.server.Stream[Any, Any]], Awaitable[None]]
+
+
+class EdgeConfig(msgspec.Struct, frozen=True):
+    """What the handlers need beyond the assembler; defaults live here only."""
+
+    max_message_bytes: int = 4 * 1024 * 1024
+    max_text_bytes: int = 1024 * 1024
+
+
+class ContextService:
+    """ContextAssemblyService over grpclib streams."""
+
+    def __init__(
+        self,
+        assembler: Assembler,
+        *,
+        admission: Admission,
+        metrics: Metrics,
+        authenticator: Authenticator,
+        config: EdgeConfig | None = None,
+    ) -> None:
+        self.assembler = assembler
+        self.admission = admission
+        self.metrics = metrics
+        self.auth = authenticator
+        self.config = config or EdgeConfig()
+
+    def __mapping__(self) -> dict[str, grpclib.const.Handler]:
+        unary = grpclib.const.Cardinality.UNARY_UNARY
+        rpcs: list[tuple[str, Handler, Any, Any]] = [
+            (
+                "AssembleContext",
+                self.assemble_context,
+                pb.AssembleContextRequest,
+                pb.AssembleContextResponse,
+            ),
+            (
+                "SearchMemories",
+                self.search_memories,
+                pb.SearchMemoriesRequest,
+                pb.SearchMemoriesResponse,
+            ),
+            (
+                "RecordMemoryFeedback",
+                self.record_memory_feedback,
+                pb.RecordMemoryFeedbackRequest,
+                pb.RecordMemoryFeedbackResponse,
+            ),
+        ]
+        return {
+            _PREFIX + name: grpclib.const.Handler(self._wrap(name, fn), unary, req, resp)
+            for name, fn, req, resp in rpcs
+        }
+
+    def _wrap(self, method: str, handler: Handler) -> Handler:
+        """Admission, authentication, the one error-to-status mapping, accounting."""
+
+        async def run(stream: grpclib.server.Stream[Any, Any]) -> None:
+            t0 = time.perf_counter()
+            code = "OK"
+            try:
+                remaining = stream.deadline.time_remaining() if stream.deadline else None
+                self.admission.check(remaining)
+                peer_cert = stream.peer.cert() if self.auth.mtls else None
+                self.auth.authenticate(stream.metadata or {}, peer_cert)
+                with self.admission.admitted():
+                    await handler(stream)
+            except IbexError as exc:
+                code = exc.status
+                raise grpc_error(exc) from None
+            except GRPCError as exc:
+                code = exc.status.name
+                raise
+            except asyncio.CancelledError:
+                code = "CANCELLED"
+                raise
+            except Exception:
+                code = "INTERNAL"
+                log.exception("handler_failed", extra={"method": method})
+                raise GRPCError(Status.INTERNAL, "internal error") from None
+            finally:
+                self.metrics.observe_request(method, code, time.perf_counter() - t0)
+
+        return run
+
+    # --- AssembleContext -----------------------------------------------------
+
+    async def assemble_context(self, stream: grpclib.server.Stream[Any, Any]) -> None:
+        msg = await recv_bounded(stream, self.config.max_message_bytes)
+        request = self.assembler.check_request(convert.request_from_proto(msg))
+        principal = msg.principal_context if msg.HasField("principal_context") else None
+        check_principal(principal, request.org_id, request.agent_id)
+        remaining = stream.deadline.time_remaining() if stream.deadline else None
+        if remaining is not None and remaining <= 0:
+            raise DeadlineError("deadline already passed")
+        result = await trio_asyncio.trio_as_aio(self._assemble_in_trio)(request, remaining)
+        self.metrics.observe_assembly(result)
+        await stream.send_initial_metadata(
+            metadata={
+                "x-ibex-degradation": result.degradation_level,
+                "x-ibex-branches": convert.branches_header(result),
+            }
+        )
+        await stream.send_message(convert.response_to_proto(result))
+
+    async def _assemble_in_trio(
+        self, request: AssemblyRequest, remaining: float | None
+    ) -> AssemblyResult:
+        deadline = None if remaining is None else trio.current_time() + remaining
+        with bind_request(request.request_id, request.trace_id):
+            return await self.assembler.assemble(request, deadline=deadline, validated=True)
+
+    # --- SearchMemories ------------------------------------------------------
+
+    async def search_memories(self, stream: grpclib.server.Stream[Any, Any]) -> None:
+        msg = await recv_bounded(stream, self.config.max_message_bytes)
+        flt = self._search_filter(msg)
+        fetch = MAX_MEMORIES_HARD_CAP if flt.narrows else flt.limit
+        remaining = stream.deadline.time_remaining() if stream.deadline else None
+        t0 = time.perf_counter()
+        hits = await trio_asyncio.trio_as_aio(self._search_in_trio)(
+            flt.org_id, flt.agent_id, msg.query, fetch, remaining
+        )
+        found = rank_search(hits, flt, time.time())
+        if found.tenant_filtered:
+            log.warning(
+                "tenant_filter_dropped",
+                extra={"count": found.tenant_filtered, "org_id": flt.org_id},
+            )
+        memories = [
+            pb.Memory(
+                id=h.hit.memory_id,
+                content=h.hit.content,
+                category=h.hit.category,
+                confidence=h.hit.confidence,
+                composite_score=h.score,
+                retrieval_count=h.hit.access_count or 0,
+                created_at=h.hit.created_at or "",
+            )
+            for h in found.hits
+        ]
+        await stream.send_message(
+            pb.SearchMemoriesResponse(
+                memories=memories,
+                total_candidates=found.own_candidates,
+                search_time_ms=int((time.perf_counter() - t0) * 1000),
+            )
+        )
+
+    def _search_filter(self, msg: Any) -> SearchFilter:
+        org_id = canonical_uuid("org_id", msg.org_id)
+        agent_id = canonical_uuid("agent_id", msg.agent_id)
+        if not msg.query.strip():
+            raise InputError("query", "is required")
+        if len(msg.query.encode()) > self.config.max_text_bytes:
+            raise TooLargeError("query", "too large")
+        if (
+            msg.limit < 0
+            or not math.isfinite(msg.min_similarity)
+            or not (0.0 <= msg.min_similarity <= 1.0)
+        ):
+            raise InputError("limit", "must be >= 0 and min_similarity in [0, 1]")
+        return SearchFilter(
+            org_id=org_id,
+            agent_id=agent_id,
+            limit=min(msg.limit or SEARCH_DEFAULT_LIMIT, MAX_MEMORIES_HARD_CAP),
+            min_similarity=msg.min_similarity,
+            categories=frozenset(msg.categories),
+            tags=frozenset(msg.tags),
+        )
+
+    async def _search_in_trio(
+        self, org_id: str, agent_id: str, query: str, limit: int, remaining: float | None
+    ) -> list[MemoryHit]:
+        source = self.assembler.memory_source
+        if source is None:
+            raise SourceError("memory search failed: no memory source configured")
+        retrieval = self.assembler.retrieval
+        timeout = retrieval.cold_timeout
+        if remaining is not None:
+            timeout = min(timeout, max(0.0, remaining - retrieval.pipeline_headroom))
+        with trio.move_on_after(timeout):
+            try:
+                return await source.cold(
+                    org_id, agent_id, query, limit=limit, min_confidence=retrieval.min_confidence
+                )
+            except SourceError as exc:
+                raise SourceError(f"memory search failed: {exc}") from None
+        raise SourceError(f"memory search failed: no answer within {timeout * 1000:.0f}ms")
+
+    # --- RecordMemoryFeedback ------------------------------------------------
+
+    async def record_memory_feedback(self, stream: grpclib.server.Stream[Any, Any]) -> None:
+        await recv_bounded(stream, self.config.max_message_bytes)
+        raise UnimplementedError(
+            "RecordMemoryFeedback: the memory service offers no feedback endpoint yet"
+        )

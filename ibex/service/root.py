@@ -1,0 +1,223 @@
+"""The composition root: every part of a serving process, built from `Settings`.
+
+This module, the CLI and the worker supervisor are the only readers of
+`Settings`. Each layer gets a small frozen config of its own (retrieval
+limits, request limits, pipeline knobs, admission, the edge), so no layer
+sees a secret it does not need and each default lives in its layer.
+
+`open_assembler(settings)` builds the sources the settings name (Redis for
+directives, the memory service over HTTP, or the bundled local sample when
+neither is configured) and closes them on exit. It must run inside
+`trio_asyncio.open_loop()` whenever Redis is configured, because redis-py is
+asyncio and is crossed into Trio with trio-asyncio.
+"""
+
+from __future__ import annotations
+
+import ssl
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import trio
+
+from ibex.assembly.catalog import Catalog, load_catalog
+from ibex.assembly.pipeline import PipelineConfig
+from ibex.assembly.tokens import Tokenizers
+from ibex.assembly.validation import RequestLimits
+from ibex.config import Settings
+from ibex.errors import ConfigError
+from ibex.ops.metrics import Metrics
+from ibex.service.admission import AdmissionConfig
+from ibex.service.assembler import Assembler
+from ibex.service.auth import Authenticator, is_loopback, split_addr
+from ibex.service.daemon import Daemon, DaemonConfig
+from ibex.service.handlers import EdgeConfig
+from ibex.sources.base import DirectiveSource, MemorySource
+from ibex.sources.local_file import LocalFileSource
+from ibex.sources.memory_http import MemoryHttpSource
+from ibex.sources.redis_directive import RedisDirectiveSource
+from ibex.sources.retrieval import RetrievalConfig
+
+__all__ = [
+    "Assembler",
+    "check_bind_policy",
+    "load_static",
+    "make_daemon",
+    "open_assembler",
+    "server_ssl_context",
+]
+
+
+def retrieval_config(settings: Settings) -> RetrievalConfig:
+    return RetrievalConfig(
+        timeout=settings.timeout,
+        deadline=settings.deadline,
+        directive_timeout=settings.directive_timeout,
+        hot_timeout=settings.hot_timeout,
+        cold_timeout=settings.cold_timeout,
+        pipeline_headroom=settings.pipeline_headroom,
+        hot_limit=settings.hot_limit,
+        cold_limit=settings.cold_limit,
+        min_confidence=settings.min_confidence,
+    )
+
+
+def request_limits(settings: Settings) -> RequestLimits:
+    return RequestLimits(
+        max_history_messages=settings.max_history_messages,
+        max_text_bytes=settings.max_text_bytes,
+        max_tool_schemas=settings.max_tool_schemas,
+    )
+
+
+def pipeline_config(settings: Settings) -> PipelineConfig:
+    return PipelineConfig(
+        dp_cell_ceiling=settings.packer_dp_cell_ceiling,
+        max_consecutive_skips=settings.packer_max_consecutive_skips,
+        nonce_bytes=settings.formatter_nonce_bytes,
+    )
+
+
+def admission_config(settings: Settings) -> AdmissionConfig:
+    return AdmissionConfig(
+        max_in_flight=settings.max_in_flight,
+        shed_remaining=settings.shed_remaining,
+        shed_lag=settings.shed_lag,
+    )
+
+
+def edge_config(settings: Settings) -> EdgeConfig:
+    return EdgeConfig(
+        max_message_bytes=settings.max_message_bytes, max_text_bytes=settings.max_text_bytes
+    )
+
+
+def authenticator(settings: Settings) -> Authenticator:
+    return Authenticator(
+        token_hashes=settings.auth_tokens_sha256,
+        allowed_sans=settings.tls_allowed_sans,
+        mtls=settings.tls_client_ca is not None,
+    )
+
+
+def load_static(settings: Settings) -> tuple[Catalog, Tokenizers]:
+    """Catalog and tokenizers, loaded and verified once at start-up."""
+    catalog = load_catalog(settings.catalog_path)
+    tokenizers = Tokenizers(settings.tiktoken_dir, settings.token_cache_entries)
+    tokenizers.preload(sorted(catalog.encodings()))
+    return catalog, tokenizers
+
+
+def memory_http_source(settings: Settings) -> MemoryHttpSource:
+    """The memory-service source; call `open()` (or `async with`) inside the Trio run."""
+    if not settings.memory_base_url or not settings.memory_api_token:
+        raise ValueError("memory_base_url and memory_api_token are required")
+    return MemoryHttpSource(
+        settings.memory_base_url, settings.memory_api_token, pool_size=settings.memory_pool_size
+    )
+
+
+@asynccontextmanager
+async def open_assembler(
+    settings: Settings,
+    *,
+    catalog: Catalog | None = None,
+    tokenizers: Tokenizers | None = None,
+) -> AsyncIterator[Assembler]:
+    """Open the configured sources for the life of the block (one pool per process)."""
+    if catalog is None or tokenizers is None:
+        catalog, tokenizers = load_static(settings)
+    directive_source: DirectiveSource | None = None
+    memory_source: MemorySource | None = None
+    http: MemoryHttpSource | None = None
+    redis: RedisDirectiveSource | None = None
+    backend: list[str] = []
+    if settings.redis_url is None and settings.memory_base_url is None:
+        local = LocalFileSource.load(settings.local_source_path)
+        directive_source = memory_source = local
+        backend.append(f"local:{local.origin}")
+    else:
+        if settings.redis_url is not None:
+            redis = RedisDirectiveSource(settings.redis_url)
+            directive_source = redis
+            backend.append("redis")
+        if settings.memory_base_url is not None:
+            http = memory_http_source(settings)
+            await http.open()
+            memory_source = http
+            backend.append("memory-http")
+    try:
+        yield Assembler(
+            catalog=catalog,
+            tokenizers=tokenizers,
+            directive_source=directive_source,
+            memory_source=memory_source,
+            limits=request_limits(settings),
+            retrieval=retrieval_config(settings),
+            pipeline=pipeline_config(settings),
+            backend="+".join(backend),
+        )
+    finally:
+        with trio.CancelScope(shield=True):
+            if http is not None:
+                await http.aclose()
+            if redis is not None:
+                await redis.aclose()
+
+
+def server_ssl_context(settings: Settings) -> ssl.SSLContext | None:
+    """TLS for the gRPC port (HTTP/2 via ALPN); client certs required when a CA is set."""
+    if not settings.tls_cert or not settings.tls_key:
+        return None
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        ctx.load_cert_chain(settings.tls_cert, settings.tls_key)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"IBEX_CONTEXT_TLS_CERT/KEY: cannot load: {exc}") from None
+    if settings.tls_client_ca:
+        try:
+            ctx.load_verify_locations(settings.tls_client_ca)
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigError(f"IBEX_CONTEXT_TLS_CLIENT_CA: cannot load: {exc}") from None
+        ctx.verify_mode = ssl.CERT_REQUIRED
+    ctx.set_alpn_protocols(["h2"])
+    return ctx
+
+
+def check_bind_policy(settings: Settings) -> str | None:
+    """Refuse a non-loopback bind without authentication unless explicitly allowed.
+
+    Returns a warning to log at every start when the insecure override is in use.
+    """
+    host, _ = split_addr(settings.grpc_addr)
+    has_auth = bool(settings.auth_tokens_sha256) or settings.tls_client_ca is not None
+    if is_loopback(host) or has_auth:
+        return None
+    if not settings.allow_insecure:
+        raise ConfigError(
+            f"IBEX_CONTEXT_GRPC_ADDR: binding {host} (not loopback) requires caller "
+            "authentication (IBEX_CONTEXT_AUTH_TOKENS_SHA256 or IBEX_CONTEXT_TLS_CLIENT_CA); "
+            "set IBEX_CONTEXT_ALLOW_INSECURE=1 to accept unauthenticated callers"
+        )
+    return (
+        f"insecure: listening on {host} without caller authentication "
+        "(IBEX_CONTEXT_ALLOW_INSECURE=1); any caller can read any tenant's memories"
+    )
+
+
+def make_daemon(
+    settings: Settings, *, metrics: Metrics | None = None, reuse_port: bool = False
+) -> Daemon:
+    """A serving process built from settings; `Daemon.serve` loads and opens everything."""
+    host, port = split_addr(settings.grpc_addr)
+    return Daemon(
+        DaemonConfig(host=host, port=port, reuse_port=reuse_port, drain_grace=settings.drain_grace),
+        open_assembler=lambda: open_assembler(settings),
+        authenticator=authenticator(settings),
+        admission=admission_config(settings),
+        edge=edge_config(settings),
+        metrics=metrics,
+        ssl_context=lambda: server_ssl_context(settings),
+        startup_warning=lambda: check_bind_policy(settings),
+    )

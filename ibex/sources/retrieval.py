@@ -1,0 +1,209 @@
+"""Concurrent retrieval: one Trio nursery per request, one branch per source.
+
+Each branch runs under its own `move_on_after`, created inside the branch's
+task so its clock starts when the branch does; the nursery itself runs under
+the request's wall. A branch never raises: it ends as success, timeout, error
+or skipped, and whatever finished before the wall is kept. When this function
+returns, every task it started has ended and every socket lease is returned.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+import trio
+
+from ibex.assembly.structs import (
+    AssemblyRequest,
+    BranchOutcome,
+    BranchSource,
+    BranchStatus,
+    Directive,
+    MemoryHit,
+)
+from ibex.errors import SourceError
+from ibex.sources.base import DirectiveSource, MemorySource
+
+log = logging.getLogger(__name__)
+
+BRANCH_ORDER: tuple[BranchSource, ...] = ("directive", "hot", "cold")
+_DETAIL_MAX = 200
+
+
+class RetrievalConfig(msgspec.Struct, frozen=True):
+    """Time and size limits of the retrieval layer (seconds); defaults live here only."""
+
+    timeout: float = 0.045
+    deadline: float = 0.040
+    directive_timeout: float = 0.005
+    hot_timeout: float = 0.015
+    cold_timeout: float = 0.045
+    pipeline_headroom: float = 0.010
+    hot_limit: int = 20
+    cold_limit: int = 20
+    min_confidence: float = 0.0
+
+    @property
+    def wall(self) -> float:
+        """The server-side retrieval wall: min(TIMEOUT, DEADLINE_MS)."""
+        return min(self.timeout, self.deadline)
+
+
+class Retrieved(msgspec.Struct, frozen=True):
+    directive: Directive | None
+    hot: tuple[MemoryHit, ...]
+    cold: tuple[MemoryHit, ...]
+    branches: tuple[BranchOutcome, ...]
+    elapsed_ms: float
+
+
+class _Branch(msgspec.Struct, frozen=True):
+    """One row of the branch table: a call to run, or the reason it is skipped."""
+
+    source: BranchSource
+    timeout: float
+    call: Callable[[], Awaitable[Any]] | None
+    skipped: str = ""
+
+
+def request_wall(config: RetrievalConfig, deadline: float | None) -> float:
+    """min(TIMEOUT, DEADLINE_MS, caller's remaining time - pipeline headroom), >= 0.
+
+    `deadline` is absolute on the Trio clock (trio.current_time()).
+    """
+    wall = config.wall
+    if deadline is not None and math.isfinite(deadline):
+        wall = min(wall, deadline - trio.current_time() - config.pipeline_headroom)
+    return max(0.0, wall)
+
+
+def _branches(
+    request: AssemblyRequest,
+    directive_source: DirectiveSource | None,
+    memory_source: MemorySource | None,
+    config: RetrievalConfig,
+) -> list[_Branch]:
+    org, agent, opts = request.org_id, request.agent_id, request.options
+    rows: list[_Branch] = []
+    if directive_source is None:
+        rows.append(_Branch("directive", 0.0, None, "no directive source configured"))
+    else:
+        src = directive_source
+        rows.append(
+            _Branch("directive", config.directive_timeout, lambda: src.get_directive(org, agent))
+        )
+    mem = memory_source
+    hot_skip = (
+        "no memory source configured"
+        if mem is None
+        else "skip_hot_memories"
+        if opts.skip_hot_memories
+        else ""
+    )
+    cold_skip = (
+        "no memory source configured"
+        if mem is None
+        else "skip_cold_memories"
+        if opts.skip_cold_memories
+        else "empty query"
+        if not request.query.strip()
+        else ""
+    )
+    limit, floor = config, config.min_confidence
+    rows.append(
+        _Branch(
+            "hot",
+            config.hot_timeout,
+            None
+            if hot_skip or mem is None
+            else lambda: mem.hot(org, agent, limit=limit.hot_limit, min_confidence=floor),
+            hot_skip,
+        )
+    )
+    rows.append(
+        _Branch(
+            "cold",
+            config.cold_timeout,
+            None
+            if cold_skip or mem is None
+            else lambda: mem.cold(
+                org, agent, request.query, limit=limit.cold_limit, min_confidence=floor
+            ),
+            cold_skip,
+        )
+    )
+    return rows
+
+
+async def _run_branch(
+    row: _Branch, outcomes: dict[BranchSource, BranchOutcome], values: dict[BranchSource, Any]
+) -> None:
+    assert row.call is not None
+    t0 = trio.current_time()
+    status: BranchStatus = "success"
+    detail = ""
+    with trio.move_on_after(row.timeout) as scope:
+        try:
+            values[row.source] = await row.call()
+        except SourceError as exc:
+            status, detail = "error", str(exc)[:_DETAIL_MAX]
+        except Exception as exc:  # a bug or an unexpected library error: contain it
+            status, detail = "error", f"unexpected {type(exc).__name__}"
+            log.exception("branch_unexpected_error", extra={"branch": row.source})
+    if scope.cancelled_caught:
+        status, detail = "timeout", f"no answer within {row.timeout * 1000:.0f}ms"
+    latency = (trio.current_time() - t0) * 1000.0
+    outcomes[row.source] = BranchOutcome(row.source, status, latency, detail)
+
+
+async def retrieve(
+    request: AssemblyRequest,
+    *,
+    directive_source: DirectiveSource | None,
+    memory_source: MemorySource | None,
+    config: RetrievalConfig,
+    deadline: float | None = None,
+) -> Retrieved:
+    """Run the branch table concurrently within the request's wall."""
+    outcomes: dict[BranchSource, BranchOutcome] = {}
+    values: dict[BranchSource, Any] = {}
+    started = trio.current_time()
+    wall = request_wall(config, deadline)
+    rows = _branches(request, directive_source, memory_source, config)
+    with trio.move_on_after(wall):
+        async with trio.open_nursery() as nursery:
+            for row in rows:
+                if row.call is None:
+                    outcomes[row.source] = BranchOutcome(row.source, "skipped", 0.0, row.skipped)
+                else:
+                    nursery.start_soon(_run_branch, row, outcomes, values)
+
+    elapsed = (trio.current_time() - started) * 1000.0
+    for source in BRANCH_ORDER:
+        if source not in outcomes:
+            # Cancelled by the request wall rather than by its own timeout.
+            outcomes[source] = BranchOutcome(
+                source, "timeout", elapsed, f"request wall of {wall * 1000:.0f}ms reached"
+            )
+        if outcomes[source].status != "success":
+            values.pop(source, None)
+    directive = values.get("directive")
+    expected = request.directive_version_id
+    if directive is not None and expected and (directive.version_id or "").lower() != expected:
+        # The cache holds another version than the caller expects (a fill in flight,
+        # or a stale proxy): serve what is cached, and say so where it is logged.
+        found = directive.version_id or "none"
+        outcomes["directive"] = msgspec.structs.replace(
+            outcomes["directive"], detail=f"version {found} cached, {expected} expected"
+        )
+    return Retrieved(
+        directive=directive,
+        hot=tuple(values.get("hot", ())),
+        cold=tuple(values.get("cold", ())),
+        branches=tuple(outcomes[s] for s in BRANCH_ORDER),
+        elapsed_ms=elapsed,
+    )
