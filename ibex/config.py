@@ -32,8 +32,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     hot_timeout: float = 0.015
     cold_timeout: float = 0.045
     pipeline_headroom: float = 0.010
-    shed_remaining: float = 0.010
-    shed_lag: float = 0.004
+    min_answer: float = 0.002
+    min_useful: float = 0.020
+    queue_target: float = 0.005
+    queue_interval: float = 0.100
+    request_read_timeout: float = 5.0
     memory_base_url: str | None = None
     memory_api_token: str | None = None
     memory_pool_size: int = 32
@@ -56,6 +59,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     tls_allowed_sans: tuple[str, ...] = ()
     allow_insecure: bool = False
     max_in_flight: int = 64
+    max_concurrent_assemblies: int = 16
     max_message_bytes: int = 4 * 1024 * 1024
     max_history_messages: int = 512
     max_text_bytes: int = 1024 * 1024
@@ -168,14 +172,20 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         "HOT_TIMEOUT_MS": "hot_timeout",
         "COLD_TIMEOUT_MS": "cold_timeout",
         "PIPELINE_HEADROOM_MS": "pipeline_headroom",
-        "SHED_REMAINING_MS": "shed_remaining",
-        "SHED_LAG_MS": "shed_lag",
+        "MIN_ANSWER_MS": "min_answer",
+        "MIN_USEFUL_MS": "min_useful",
+        "QUEUE_TARGET_MS": "queue_target",
+        "QUEUE_INTERVAL_MS": "queue_interval",
     }
     for suffix, field in durations.items():
         if (raw := get(suffix)) is not None:
             kw[field] = parse_duration(PREFIX + suffix, raw)
-    if (raw := get("DRAIN_GRACE")) is not None:
-        kw["drain_grace"] = parse_duration(PREFIX + "DRAIN_GRACE", raw, bare_unit="s")
+    for suffix, field in {
+        "DRAIN_GRACE": "drain_grace",
+        "REQUEST_READ_TIMEOUT": "request_read_timeout",
+    }.items():
+        if (raw := get(suffix)) is not None:
+            kw[field] = parse_duration(PREFIX + suffix, raw, bare_unit="s")
 
     ints = {
         "PACKER_DP_CELL_CEILING": ("packer_dp_cell_ceiling", 1, 50_000_000),
@@ -186,6 +196,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         "COLD_LIMIT": ("cold_limit", 1, 100),
         "TOKEN_CACHE_ENTRIES": ("token_cache_entries", 0, 10_000_000),
         "MAX_IN_FLIGHT": ("max_in_flight", 1, 100_000),
+        "MAX_CONCURRENT_ASSEMBLIES": ("max_concurrent_assemblies", 1, 100_000),
         "MAX_MESSAGE_BYTES": ("max_message_bytes", 1024, 256 * 1024 * 1024),
         "MAX_HISTORY_MESSAGES": ("max_history_messages", 0, 100_000),
         "MAX_TEXT_BYTES": ("max_text_bytes", 1, 64 * 1024 * 1024),

@@ -10,7 +10,6 @@ reads no settings itself.
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import logging
 import signal
@@ -34,7 +33,7 @@ from ibex.ops.sdnotify import Notifier, run_watchdog
 from ibex.service.admission import Admission, AdmissionConfig
 from ibex.service.assembler import Assembler
 from ibex.service.auth import Authenticator
-from ibex.service.grpc_shim import bound_port, stop_accepting
+from ibex.service.grpc_shim import answer_expired_deadlines, bound_port, stop_accepting
 from ibex.service.handlers import ContextService, EdgeConfig
 
 log = logging.getLogger(__name__)
@@ -116,6 +115,7 @@ class Daemon:
         if warning:
             log.warning("insecure_bind", extra={"detail": warning})
         ssl_ctx = self._ssl_context()
+        answer_expired_deadlines()
         notifier = notifier or Notifier.from_env()
         shutdown = shutdown if shutdown is not None else trio.Event()
         async with trio_asyncio.open_loop(), self._open_assembler() as assembler:
@@ -150,7 +150,6 @@ class Daemon:
             task_status.started(self.port)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(run_watchdog, notifier)
-                nursery.start_soon(watch_loop_lag, self.state)
                 nursery.start_soon(_wait_signal, signals, shutdown)
                 await shutdown.wait()
                 notifier.stopping()
@@ -171,24 +170,6 @@ class Daemon:
             log.warning("drain_grace_expired", extra={"in_flight": self.state.in_flight})
         server.close()
         await trio_asyncio.aio_as_trio(server.wait_closed)()
-
-
-LAG_PROBE_INTERVAL = 0.005
-LAG_SMOOTHING = 0.7  # weight of the previous estimate at each probe
-
-
-async def watch_loop_lag(state: Admission, interval: float = LAG_PROBE_INTERVAL) -> None:
-    """Keep `state.loop_lag` at how late a short asyncio sleep wakes up (smoothed)."""
-    await trio_asyncio.aio_as_trio(_probe_asyncio_lag)(state, interval)
-
-
-async def _probe_asyncio_lag(state: Admission, interval: float) -> None:
-    loop = asyncio.get_running_loop()
-    while True:
-        start = loop.time()
-        await asyncio.sleep(interval)
-        lag = max(0.0, loop.time() - start - interval)
-        state.loop_lag = LAG_SMOOTHING * state.loop_lag + (1 - LAG_SMOOTHING) * lag
 
 
 def _cache_totals(tokenizers: Tokenizers) -> tuple[int, int]:

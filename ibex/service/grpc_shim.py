@@ -9,11 +9,16 @@ they live here so a grpclib upgrade is checked in one place
 
 from __future__ import annotations
 
+import asyncio
 import struct
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import grpclib.server
+import grpclib.utils
+from grpclib.metadata import Deadline
 
 from ibex.errors import InputError, TooLargeError, Unimplemented
 
@@ -59,3 +64,27 @@ def stop_accepting(server: grpclib.server.Server) -> None:
     """Close the listening sockets; established connections keep serving."""
     if server._server is not None:
         server._server.close()
+
+
+@contextmanager
+def _deadline_start(self: grpclib.utils.DeadlineWrapper, deadline: Deadline) -> Iterator[None]:
+    """grpclib's `DeadlineWrapper.start`, except that an already expired deadline cancels
+    the call through the wrapper like any other: the caller gets DEADLINE_EXCEEDED and
+    grpclib logs it at info. (Upstream raises TimeoutError before the wrapper is armed,
+    which answers UNKNOWN "Internal Server Error" and logs "Timeout occurred" at error.)
+    """
+    timeout = max(0.0, deadline.time_remaining())
+
+    def callback() -> None:
+        self.cancel(TimeoutError("Deadline exceeded"))
+
+    timer = asyncio.get_event_loop().call_later(timeout, callback)
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+def answer_expired_deadlines() -> None:
+    """Install `_deadline_start` (idempotent; grpclib 0.4's DeadlineWrapper)."""
+    grpclib.utils.DeadlineWrapper.start = _deadline_start  # type: ignore[method-assign]

@@ -34,7 +34,7 @@ from ibex.ops.logs import bind_request
 from ibex.ops.metrics import Metrics
 from ibex.service import convert
 from ibex.service import wire as pb
-from ibex.service.admission import Admission
+from ibex.service.admission import Admission, Ticket
 from ibex.service.assembler import Assembler
 from ibex.service.auth import Authenticator, check_principal
 from ibex.service.grpc_shim import recv_bounded
@@ -108,20 +108,25 @@ class ContextService:
             t0 = time.perf_counter()
             code = "OK"
             try:
-                remaining = stream.deadline.time_remaining() if stream.deadline else None
-                self.admission.check(remaining)
+                self.admission.check_open()
                 peer_cert = stream.peer.cert() if self.auth.mtls else None
                 self.auth.authenticate(stream.metadata or {}, peer_cert)
-                with self.admission.admitted():
-                    await handler(stream)
+                await handler(stream)
             except IbexError as exc:
                 code = exc.status
+                if isinstance(exc, DeadlineError):
+                    log.info("deadline_missed", extra={"method": method, "detail": str(exc)})
                 raise grpc_error(exc) from None
             except GRPCError as exc:
                 code = exc.status.name
                 raise
             except asyncio.CancelledError:
+                # grpclib cancels the handler when the caller's deadline passes (or the
+                # caller cancels): a deadline miss is counted as such, not as an error.
                 code = "CANCELLED"
+                if stream.deadline is not None and stream.deadline.time_remaining() <= 0:
+                    code = "DEADLINE_EXCEEDED"
+                    log.info("deadline_missed", extra={"method": method, "detail": "cancelled"})
                 raise
             except Exception:
                 code = "INTERNAL"
@@ -134,15 +139,28 @@ class ContextService:
 
     # --- AssembleContext -----------------------------------------------------
 
+    async def _receive(self, stream: grpclib.server.Stream[Any, Any]) -> Any:
+        """The request message, read within `read_timeout`: a stalled stream holds nothing."""
+        try:
+            async with asyncio.timeout(self.admission.config.read_timeout):
+                return await recv_bounded(stream, self.config.max_message_bytes)
+        except TimeoutError:
+            raise DeadlineError(
+                f"request: not received within {self.admission.config.read_timeout:g}s"
+            ) from None
+
     async def assemble_context(self, stream: grpclib.server.Stream[Any, Any]) -> None:
-        msg = await recv_bounded(stream, self.config.max_message_bytes)
-        request = self.assembler.check_request(convert.request_from_proto(msg))
-        principal = msg.principal_context if msg.HasField("principal_context") else None
-        check_principal(principal, request.org_id, request.agent_id)
-        remaining = stream.deadline.time_remaining() if stream.deadline else None
-        if remaining is not None and remaining <= 0:
-            raise DeadlineError("deadline already passed")
-        result = await trio_asyncio.trio_as_aio(self._assemble_in_trio)(request, remaining)
+        msg = await self._receive(stream)
+        with self.admission.admitted(_remaining(stream)) as ticket:
+            request = self.assembler.check_request(convert.request_from_proto(msg))
+            principal = msg.principal_context if msg.HasField("principal_context") else None
+            check_principal(principal, request.org_id, request.agent_id)
+            result = await trio_asyncio.trio_as_aio(self._assemble_in_trio)(request, ticket)
+            await self._send_assembly(stream, result)
+
+    async def _send_assembly(
+        self, stream: grpclib.server.Stream[Any, Any], result: AssemblyResult
+    ) -> None:
         self.metrics.observe_assembly(result)
         await stream.send_initial_metadata(
             metadata={
@@ -152,49 +170,49 @@ class ContextService:
         )
         await stream.send_message(convert.response_to_proto(result))
 
-    async def _assemble_in_trio(
-        self, request: AssemblyRequest, remaining: float | None
-    ) -> AssemblyResult:
-        deadline = None if remaining is None else trio.current_time() + remaining
-        with bind_request(request.request_id, request.trace_id):
-            return await self.assembler.assemble(request, deadline=deadline, validated=True)
+    async def _assemble_in_trio(self, request: AssemblyRequest, ticket: Ticket) -> AssemblyResult:
+        async with self.admission.slot(ticket):
+            remaining = ticket.remaining(time.monotonic())
+            deadline = None if remaining is None else trio.current_time() + remaining
+            with bind_request(request.request_id, request.trace_id):
+                return await self.assembler.assemble(request, deadline=deadline, validated=True)
 
     # --- SearchMemories ------------------------------------------------------
 
     async def search_memories(self, stream: grpclib.server.Stream[Any, Any]) -> None:
-        msg = await recv_bounded(stream, self.config.max_message_bytes)
-        flt = self._search_filter(msg)
-        fetch = MAX_MEMORIES_HARD_CAP if flt.narrows else flt.limit
-        remaining = stream.deadline.time_remaining() if stream.deadline else None
-        t0 = time.perf_counter()
-        hits = await trio_asyncio.trio_as_aio(self._search_in_trio)(
-            flt.org_id, flt.agent_id, msg.query, fetch, remaining
-        )
-        found = rank_search(hits, flt, time.time())
-        if found.tenant_filtered:
-            log.warning(
-                "tenant_filter_dropped",
-                extra={"count": found.tenant_filtered, "org_id": flt.org_id},
+        msg = await self._receive(stream)
+        with self.admission.admitted(_remaining(stream)) as ticket:
+            flt = self._search_filter(msg)
+            fetch = MAX_MEMORIES_HARD_CAP if flt.narrows else flt.limit
+            t0 = time.perf_counter()
+            hits = await trio_asyncio.trio_as_aio(self._search_in_trio)(
+                flt.org_id, flt.agent_id, msg.query, fetch, ticket
             )
-        memories = [
-            pb.Memory(
-                id=h.hit.memory_id,
-                content=h.hit.content,
-                category=h.hit.category,
-                confidence=h.hit.confidence,
-                composite_score=h.score,
-                retrieval_count=h.hit.access_count or 0,
-                created_at=h.hit.created_at or "",
+            found = rank_search(hits, flt, time.time())
+            if found.tenant_filtered:
+                log.warning(
+                    "tenant_filter_dropped",
+                    extra={"count": found.tenant_filtered, "org_id": flt.org_id},
+                )
+            memories = [
+                pb.Memory(
+                    id=h.hit.memory_id,
+                    content=h.hit.content,
+                    category=h.hit.category,
+                    confidence=h.hit.confidence,
+                    composite_score=h.score,
+                    retrieval_count=h.hit.access_count or 0,
+                    created_at=h.hit.created_at or "",
+                )
+                for h in found.hits
+            ]
+            await stream.send_message(
+                pb.SearchMemoriesResponse(
+                    memories=memories,
+                    total_candidates=found.own_candidates,
+                    search_time_ms=int((time.perf_counter() - t0) * 1000),
+                )
             )
-            for h in found.hits
-        ]
-        await stream.send_message(
-            pb.SearchMemoriesResponse(
-                memories=memories,
-                total_candidates=found.own_candidates,
-                search_time_ms=int((time.perf_counter() - t0) * 1000),
-            )
-        )
 
     def _search_filter(self, msg: Any) -> SearchFilter:
         org_id = canonical_uuid("org_id", msg.org_id)
@@ -219,28 +237,38 @@ class ContextService:
         )
 
     async def _search_in_trio(
-        self, org_id: str, agent_id: str, query: str, limit: int, remaining: float | None
+        self, org_id: str, agent_id: str, query: str, limit: int, ticket: Ticket
     ) -> list[MemoryHit]:
         source = self.assembler.memory_source
         if source is None:
             raise SourceError("memory search failed: no memory source configured")
         retrieval = self.assembler.retrieval
-        timeout = retrieval.cold_timeout
-        if remaining is not None:
-            timeout = min(timeout, max(0.0, remaining - retrieval.pipeline_headroom))
-        with trio.move_on_after(timeout):
-            try:
-                return await source.cold(
-                    org_id, agent_id, query, limit=limit, min_confidence=retrieval.min_confidence
-                )
-            except SourceError as exc:
-                raise SourceError(f"memory search failed: {exc}") from None
-        raise SourceError(f"memory search failed: no answer within {timeout * 1000:.0f}ms")
+        async with self.admission.slot(ticket):
+            timeout = retrieval.cold_timeout
+            remaining = ticket.remaining(time.monotonic())
+            if remaining is not None:
+                timeout = min(timeout, max(0.0, remaining - retrieval.pipeline_headroom))
+            with trio.move_on_after(timeout):
+                try:
+                    return await source.cold(
+                        org_id,
+                        agent_id,
+                        query,
+                        limit=limit,
+                        min_confidence=retrieval.min_confidence,
+                    )
+                except SourceError as exc:
+                    raise SourceError(f"memory search failed: {exc}") from None
+            raise SourceError(f"memory search failed: no answer within {timeout * 1000:.0f}ms")
 
     # --- RecordMemoryFeedback ------------------------------------------------
 
     async def record_memory_feedback(self, stream: grpclib.server.Stream[Any, Any]) -> None:
-        await recv_bounded(stream, self.config.max_message_bytes)
+        await self._receive(stream)
         raise UnimplementedError(
             "RecordMemoryFeedback: the memory service offers no feedback endpoint yet"
         )
+
+
+def _remaining(stream: grpclib.server.Stream[Any, Any]) -> float | None:
+    return stream.deadline.time_remaining() if stream.deadline else None

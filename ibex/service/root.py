@@ -81,8 +81,12 @@ def pipeline_config(settings: Settings) -> PipelineConfig:
 def admission_config(settings: Settings) -> AdmissionConfig:
     return AdmissionConfig(
         max_in_flight=settings.max_in_flight,
-        shed_remaining=settings.shed_remaining,
-        shed_lag=settings.shed_lag,
+        max_concurrent=settings.max_concurrent_assemblies,
+        min_answer=settings.min_answer,
+        min_useful=settings.min_useful,
+        queue_target=settings.queue_target,
+        queue_interval=settings.queue_interval,
+        read_timeout=settings.request_read_timeout,
     )
 
 

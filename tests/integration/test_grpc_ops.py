@@ -10,6 +10,7 @@ Clocks are real; bounds are generous.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -374,41 +375,46 @@ async def test_client_fails_open_on_its_deadline() -> None:
     assert result.context == history_only(HISTORY)
 
 
-async def test_call_arriving_with_too_little_deadline_is_shed_at_once(
-    daemon: RunningDaemon,
+async def test_a_short_deadline_gets_an_answer_or_deadline_exceeded_never_overload(
+    daemon: RunningDaemon, caplog: pytest.LogCaptureFixture
 ) -> None:
-    def calls() -> tuple[Any, Any]:
+    """Contract: DEADLINE_EXCEEDED when even a degraded answer cannot be made in time;
+    RESOURCE_EXHAUSTED means overload only, and an idle daemon is not overloaded."""
+
+    def calls() -> tuple[list[Any], Any]:
         with daemon.channel() as channel:
             assert health(channel) == SERVING  # connect first: time only the calls
-            try:
-                stub(channel).AssembleContext(request(), timeout=0.004)  # < 10 ms threshold
-                short: Any = grpc.StatusCode.OK
-            except grpc.RpcError as exc:
-                short = (exc.code(), exc.details())
+            short: list[Any] = []
+            for timeout in (0.0005, 0.002, 0.004, 0.005, 0.008):
+                try:
+                    stub(channel).AssembleContext(request(), timeout=timeout)
+                    short.append(grpc.StatusCode.OK)
+                except grpc.RpcError as exc:
+                    short.append(exc.code())
             return short, stub(channel).AssembleContext(request(), timeout=2.0)
 
-    short, normal = await in_thread(calls)
-    # Refused before any work (or, on a slow box, expired on the way): never served late.
-    assert short != grpc.StatusCode.OK
-    code, details = short
-    assert code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED)
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        assert "of the deadline left" in details
+    with caplog.at_level(logging.INFO):
+        short, normal = await in_thread(calls)
+    assert set(short) <= {grpc.StatusCode.OK, grpc.StatusCode.DEADLINE_EXCEEDED}
     assert normal.degradation_level == "L0" and normal.memories_included > 0
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
 
 
-async def test_calls_are_shed_while_the_event_loop_runs_behind() -> None:
-    # A threshold of 1 µs: any measured lateness of the loop's probe timer counts as
-    # "behind", so this exercises the real probe without having to overload the box.
-    async with running_daemon(shed_lag=1e-6) as d:
-        await trio.sleep(0.1)  # a few probes
+async def test_a_burst_and_the_calls_after_it_are_all_served(daemon: RunningDaemon) -> None:
+    """30 concurrent calls with room in their deadlines, then more: nothing is refused
+    (a burst is not a standing queue)."""
 
-        def call() -> Any:
-            with d.channel() as channel:
-                return stub(channel).AssembleContext(request(), timeout=2.0)
+    def burst() -> list[Any]:
+        with daemon.channel() as channel:
+            assert health(channel) == SERVING
+            futures = [
+                stub(channel).AssembleContext.future(request(), timeout=5.0) for _ in range(30)
+            ]
+            answers = [f.result() for f in futures]
+            answers += [stub(channel).AssembleContext(request(), timeout=1.0) for _ in range(5)]
+            return answers
 
-        with pytest.raises(grpc.RpcError) as info:
-            await in_thread(call)
-        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "event loop" in info.value.details()
-        assert d.daemon.state.loop_lag > 0
+    answers = await in_thread(burst)
+    assert len(answers) == 35
+    assert all(a.degradation_level == "L0" and a.memories_included > 0 for a in answers)
+    assert daemon.daemon.state.in_flight == 0 and daemon.daemon.state.pending == 0
