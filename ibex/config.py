@@ -44,6 +44,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     cold_limit: int = 20
     min_confidence: float = 0.0
     redis_url: str | None = None
+    directive_cache_entries: int = 10_000
+    directive_cache_bytes: int = 16 * 1024 * 1024
+    directive_cache_ttl: float = 1.0
     local_source_path: str | None = None
     grpc_addr: str = "127.0.0.1:9092"
     packer_dp_cell_ceiling: int = 70 * 6251
@@ -183,6 +186,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     for suffix, field in {
         "DRAIN_GRACE": "drain_grace",
         "REQUEST_READ_TIMEOUT": "request_read_timeout",
+        "DIRECTIVE_CACHE_TTL": "directive_cache_ttl",
     }.items():
         if (raw := get(suffix)) is not None:
             kw[field] = parse_duration(PREFIX + suffix, raw, bare_unit="s")
@@ -197,6 +201,8 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         "TOKEN_CACHE_ENTRIES": ("token_cache_entries", 0, 10_000_000),
         "MAX_IN_FLIGHT": ("max_in_flight", 1, 100_000),
         "MAX_CONCURRENT_ASSEMBLIES": ("max_concurrent_assemblies", 1, 100_000),
+        "DIRECTIVE_CACHE_ENTRIES": ("directive_cache_entries", 0, 10_000_000),
+        "DIRECTIVE_CACHE_BYTES": ("directive_cache_bytes", 0, 4 * 1024 * 1024 * 1024),
         "MAX_MESSAGE_BYTES": ("max_message_bytes", 1024, 256 * 1024 * 1024),
         "MAX_HISTORY_MESSAGES": ("max_history_messages", 0, 100_000),
         "MAX_TEXT_BYTES": ("max_text_bytes", 1, 64 * 1024 * 1024),

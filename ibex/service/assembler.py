@@ -18,6 +18,7 @@ from ibex.assembly.structs import AssemblyRequest, AssemblyResult
 from ibex.assembly.tokens import Tokenizers
 from ibex.assembly.validation import RequestLimits, validate_request
 from ibex.sources.base import DirectiveSource, MemorySource
+from ibex.sources.directive_cache import DirectiveCache
 from ibex.sources.retrieval import RetrievalConfig, retrieve
 
 log = logging.getLogger(__name__)
@@ -31,7 +32,7 @@ class Assembler:
         *,
         catalog: Catalog,
         tokenizers: Tokenizers,
-        directive_source: DirectiveSource | None,
+        directive_source: DirectiveSource | DirectiveCache | None,
         memory_source: MemorySource | None,
         limits: RequestLimits | None = None,
         retrieval: RetrievalConfig | None = None,

@@ -33,6 +33,7 @@ from ibex.service.auth import Authenticator, is_loopback, split_addr
 from ibex.service.daemon import Daemon, DaemonConfig
 from ibex.service.handlers import EdgeConfig
 from ibex.sources.base import DirectiveSource, MemorySource
+from ibex.sources.directive_cache import DirectiveCache, DirectiveCacheConfig
 from ibex.sources.local_file import LocalFileSource
 from ibex.sources.memory_http import MemoryHttpSource
 from ibex.sources.redis_directive import RedisDirectiveSource
@@ -96,6 +97,14 @@ def edge_config(settings: Settings) -> EdgeConfig:
     )
 
 
+def directive_cache_config(settings: Settings) -> DirectiveCacheConfig:
+    return DirectiveCacheConfig(
+        max_entries=settings.directive_cache_entries,
+        max_bytes=settings.directive_cache_bytes,
+        ttl=settings.directive_cache_ttl,
+    )
+
+
 def authenticator(settings: Settings) -> Authenticator:
     return Authenticator(
         token_hashes=settings.auth_tokens_sha256,
@@ -131,7 +140,7 @@ async def open_assembler(
     """Open the configured sources for the life of the block (one pool per process)."""
     if catalog is None or tokenizers is None:
         catalog, tokenizers = load_static(settings)
-    directive_source: DirectiveSource | None = None
+    directive_source: DirectiveSource | DirectiveCache | None = None
     memory_source: MemorySource | None = None
     http: MemoryHttpSource | None = None
     redis: RedisDirectiveSource | None = None
@@ -145,6 +154,8 @@ async def open_assembler(
             redis = RedisDirectiveSource(settings.redis_url)
             directive_source = redis
             backend.append("redis")
+            if settings.directive_cache_entries > 0:
+                directive_source = DirectiveCache(redis, directive_cache_config(settings))
         if settings.memory_base_url is not None:
             http = memory_http_source(settings)
             await http.open()

@@ -8,12 +8,21 @@ a short detail that holds no secret and no memory text.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
+
+import msgspec
 
 from ibex.assembly.structs import Directive, MemoryHit
 from ibex.errors import SourceError
 
-__all__ = ["DirectiveSource", "MemorySource", "SourceError"]
+__all__ = ["Answer", "DirectiveSource", "MemorySource", "SourceError"]
+
+
+class Answer(msgspec.Struct, frozen=True):
+    """A branch's value with a short detail for its BranchOutcome (e.g. `cache`)."""
+
+    value: Any
+    detail: str = ""
 
 
 class DirectiveSource(Protocol):

@@ -26,7 +26,8 @@ from ibex.assembly.structs import (
     MemoryHit,
 )
 from ibex.errors import SourceError
-from ibex.sources.base import DirectiveSource, MemorySource
+from ibex.sources.base import Answer, DirectiveSource, MemorySource
+from ibex.sources.directive_cache import DirectiveCache
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ def request_wall(config: RetrievalConfig, deadline: float | None) -> float:
 
 def _branches(
     request: AssemblyRequest,
-    directive_source: DirectiveSource | None,
+    directive_source: DirectiveSource | DirectiveCache | None,
     memory_source: MemorySource | None,
     config: RetrievalConfig,
 ) -> list[_Branch]:
@@ -93,8 +94,15 @@ def _branches(
         rows.append(_Branch("directive", 0.0, None, "no directive source configured"))
     else:
         src = directive_source
+        version = request.directive_version_id
         rows.append(
-            _Branch("directive", config.directive_timeout, lambda: src.get_directive(org, agent))
+            _Branch(
+                "directive",
+                config.directive_timeout,
+                (lambda: src.fetch(org, agent, version))
+                if isinstance(src, DirectiveCache)
+                else (lambda: src.get_directive(org, agent)),
+            )
         )
     mem = memory_source
     hot_skip = (
@@ -148,7 +156,10 @@ async def _run_branch(
     detail = ""
     with trio.move_on_after(row.timeout) as scope:
         try:
-            values[row.source] = await row.call()
+            value = await row.call()
+            if isinstance(value, Answer):
+                value, detail = value.value, value.detail
+            values[row.source] = value
         except SourceError as exc:
             status, detail = "error", str(exc)[:_DETAIL_MAX]
         except Exception as exc:  # a bug or an unexpected library error: contain it
@@ -163,7 +174,7 @@ async def _run_branch(
 async def retrieve(
     request: AssemblyRequest,
     *,
-    directive_source: DirectiveSource | None,
+    directive_source: DirectiveSource | DirectiveCache | None,
     memory_source: MemorySource | None,
     config: RetrievalConfig,
     deadline: float | None = None,

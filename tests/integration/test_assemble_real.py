@@ -117,6 +117,9 @@ def make_settings(
         "MEMORY_POOL_SIZE": str(POOL_SIZE),
         "HOT_LIMIT": str(LIMIT),
         "COLD_LIMIT": str(LIMIT),
+        # These tests hold the Redis path to its contract on every call; the directive
+        # cache in front of it has tests of its own (test_directive_cache_*).
+        "DIRECTIVE_CACHE_ENTRIES": "0",
         **timeouts,
     }
     return load_settings({f"IBEX_CONTEXT_{k}": v for k, v in env.items()})
@@ -332,3 +335,46 @@ async def test_skip_hot_memories_sends_no_hot_request(
     assert memory_server.requests["cold"] == 1
     assert included_ids(result) == set(data.cold_ids)
     assert has_directive(result, "a")
+
+
+async def test_directive_cache_answers_a_known_version_without_redis(
+    redis_server: RedisServer, memory_server: FakeMemoryServer
+) -> None:
+    """With the caller's directive_version_id, the second answer needs no Redis GET; a
+    version the cache does not hold goes to Redis; another tenant never gets the entry."""
+    org, agent = TENANTS["a"]
+    version = "3f2504e0-4f89-11d3-9a0c-0305e82c3301"
+    redis_server.set(
+        directive_key(org, agent),
+        json.dumps({"v": 1, "content": directive_text("a"), "version_id": version}),
+    )
+    seed_directive(redis_server, "b")
+
+    def gets() -> int:
+        stats = redis_server.command("INFO", "commandstats").decode()
+        line = next((x for x in stats.splitlines() if x.startswith("cmdstat_get:")), "")
+        return int(line.split("calls=")[1].split(",")[0]) if line else 0
+
+    caching = {
+        "DIRECTIVE_CACHE_ENTRIES": "100",
+        "DIRECTIVE_CACHE_TTL": "0.05s",
+        "DIRECTIVE_TIMEOUT_MS": "500",
+        "TIMEOUT": "1s",
+        "DEADLINE_MS": "1000",
+    }
+    async with open_stack(redis_server, memory_server, caching) as assembler:
+        req = msgspec.structs.replace(make_request("a"), directive_version_id=version)
+        first = await assembler.assemble(req)
+        before = gets()
+        second = await assembler.assemble(req)
+        assert gets() == before
+        assert first.branches[0].detail == "" and second.branches[0].detail == "cache"
+        assert has_directive(second, "a") and second.directive_version_id == version
+        other = await assembler.assemble(make_request("b"))
+        assert has_directive(other, "b") and not has_directive(other, "a")
+        newer = msgspec.structs.replace(
+            req, directive_version_id="6ba7b810-9dad-11d1-80b4-00c04fd430c8"
+        )
+        third = await assembler.assemble(newer)
+        assert gets() == before + 2  # tenant b's first lookup and the unknown version
+        assert "cached, 6ba7b810" in third.branches[0].detail

@@ -1,0 +1,101 @@
+"""An in-process directive cache in front of a DirectiveSource, validated by version.
+
+The Redis GET and its two loop crossings cost about 370 µs per answer
+(issue 10's profile), for a value that changes rarely. The caller names the
+version it expects (`directive_version_id`): a cached envelope with that
+version is exactly what Redis would return, so it is served without a round
+trip. Without a version, an entry serves for a short TTL. A miss, a version
+mismatch or an expired entry goes to the source, and its answer replaces the
+entry. Entries are bounded in number and in bytes (LRU); an envelope larger
+than a fraction of the byte bound is not cached at all. The key is the
+canonical (org_id, agent_id) pair, the same as the Redis key's parts, so an
+entry can only ever answer its own tenant.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+import msgspec
+
+from ibex.assembly.structs import Directive
+from ibex.sources.base import Answer, DirectiveSource
+
+_ENTRY_OVERHEAD = 256  # key strings, the Directive struct, the dict slot
+
+
+class DirectiveCacheConfig(msgspec.Struct, frozen=True):
+    """Bounds of the directive cache; `max_entries` = 0 turns it off."""
+
+    max_entries: int = 10_000
+    max_bytes: int = 16 * 1024 * 1024
+    ttl: float = 1.0  # seconds an entry answers a call that names no version
+
+
+class _Entry(msgspec.Struct):
+    directive: Directive | None
+    fetched: float
+    size: int
+
+
+def _size(directive: Directive | None) -> int:
+    if directive is None:
+        return _ENTRY_OVERHEAD
+    return _ENTRY_OVERHEAD + 4 * len(directive.content) + len(directive.version_id or "")
+
+
+class DirectiveCache:
+    """Answers directive lookups from memory when the version (or the TTL) allows."""
+
+    def __init__(
+        self,
+        source: DirectiveSource,
+        config: DirectiveCacheConfig,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.source = source
+        self.config = config
+        self._clock = clock
+        self._entries: OrderedDict[tuple[str, str], _Entry] = OrderedDict()
+        self.bytes = 0
+        self.hits = 0
+        self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    async def fetch(self, org_id: str, agent_id: str, version: str) -> Answer:
+        """The directive (detail `cache` when no round trip was needed)."""
+        key = (org_id, agent_id)
+        entry = self._entries.get(key)
+        now = self._clock()
+        if entry is not None and self._fresh(entry, version, now):
+            self._entries.move_to_end(key)
+            self.hits += 1
+            return Answer(entry.directive, "cache")
+        self.misses += 1
+        directive = await self.source.get_directive(org_id, agent_id)
+        self._store(key, directive, self._clock())
+        return Answer(directive, "")
+
+    def _fresh(self, entry: _Entry, version: str, now: float) -> bool:
+        if version:
+            found = entry.directive.version_id if entry.directive is not None else None
+            return (found or "").lower() == version
+        return now - entry.fetched < self.config.ttl
+
+    def _store(self, key: tuple[str, str], directive: Directive | None, now: float) -> None:
+        old = self._entries.pop(key, None)
+        if old is not None:
+            self.bytes -= old.size
+        size = _size(directive)
+        if self.config.max_entries <= 0 or size > self.config.max_bytes // 8:
+            return
+        self._entries[key] = _Entry(directive, now, size)
+        self.bytes += size
+        while len(self._entries) > self.config.max_entries or self.bytes > self.config.max_bytes:
+            _, evicted = self._entries.popitem(last=False)
+            self.bytes -= evicted.size

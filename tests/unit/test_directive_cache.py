@@ -1,0 +1,141 @@
+"""The in-process directive cache: served by version or TTL, bounded, per tenant."""
+
+from __future__ import annotations
+
+import pytest
+
+from ibex.assembly.structs import Directive
+from ibex.sources.base import Answer
+from ibex.sources.directive_cache import DirectiveCache, DirectiveCacheConfig
+
+ORG = "0b6f8f1e-5c3a-4f51-9a8e-0d6f1c2b3a4d"
+AGENT = "7c9e6679-7425-40de-944b-e07fc1f90ae7"
+OTHER = "9f1c2b3a-0d6f-4f51-9a8e-0b6f8f1e5c3a"
+V1 = "3f2504e0-4f89-11d3-9a0c-0305e82c3301"
+V2 = "6ba7b810-9dad-11d1-80b4-00c04fd430c8"
+
+
+class Store:
+    """A directive source whose answers and call count the test controls."""
+
+    def __init__(self) -> None:
+        self.values: dict[tuple[str, str], Directive | None] = {}
+        self.calls = 0
+
+    async def get_directive(self, org_id: str, agent_id: str) -> Directive | None:
+        self.calls += 1
+        return self.values.get((org_id, agent_id))
+
+    async def aclose(self) -> None:
+        pass
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def directive(version: str | None, text: str = "be brief") -> Directive:
+    return Directive(content=text, version_id=version)
+
+
+def cache(store: Store, clock: Clock, **config: int | float) -> DirectiveCache:
+    return DirectiveCache(store, DirectiveCacheConfig(**config), clock=clock)  # type: ignore[arg-type]
+
+
+async def test_the_expected_version_is_served_without_a_round_trip() -> None:
+    store, clock = Store(), Clock()
+    store.values[(ORG, AGENT)] = directive(V1)
+    c = cache(store, clock, ttl=1.0)
+    assert await c.fetch(ORG, AGENT, V1) == Answer(directive(V1), "")
+    clock.now += 3600  # far past the TTL: the version alone vouches for the entry
+    assert await c.fetch(ORG, AGENT, V1) == Answer(directive(V1), "cache")
+    assert store.calls == 1 and (c.hits, c.misses) == (1, 1)
+
+
+async def test_another_version_goes_to_the_source_and_replaces_the_entry() -> None:
+    store, clock = Store(), Clock()
+    store.values[(ORG, AGENT)] = directive(V1, "old")
+    c = cache(store, clock)
+    await c.fetch(ORG, AGENT, V1)
+    store.values[(ORG, AGENT)] = directive(V2, "new")
+    assert await c.fetch(ORG, AGENT, V2) == Answer(directive(V2, "new"), "")
+    assert await c.fetch(ORG, AGENT, V2) == Answer(directive(V2, "new"), "cache")
+    assert store.calls == 2
+
+
+async def test_without_a_version_an_entry_serves_for_the_ttl_only() -> None:
+    store, clock = Store(), Clock()
+    store.values[(ORG, AGENT)] = directive(V1)
+    c = cache(store, clock, ttl=1.0)
+    await c.fetch(ORG, AGENT, "")
+    clock.now += 0.999
+    assert (await c.fetch(ORG, AGENT, "")).detail == "cache"
+    clock.now += 0.002
+    assert (await c.fetch(ORG, AGENT, "")).detail == ""
+    assert store.calls == 2
+
+
+async def test_a_missing_directive_is_cached_for_the_ttl_but_never_matches_a_version() -> None:
+    store, clock = Store(), Clock()
+    c = cache(store, clock, ttl=1.0)
+    assert await c.fetch(ORG, AGENT, "") == Answer(None, "")
+    assert await c.fetch(ORG, AGENT, "") == Answer(None, "cache")
+    assert await c.fetch(ORG, AGENT, V1) == Answer(None, "")
+    assert store.calls == 2
+
+
+async def test_entries_are_per_tenant() -> None:
+    store, clock = Store(), Clock()
+    store.values[(ORG, AGENT)] = directive(V1, "org one")
+    store.values[(OTHER, AGENT)] = directive(V1, "org two")
+    c = cache(store, clock)
+    await c.fetch(ORG, AGENT, V1)
+    got = await c.fetch(OTHER, AGENT, V1)  # same agent id and version, another org
+    assert got == Answer(directive(V1, "org two"), "")
+    assert (await c.fetch(ORG, AGENT, V1)).value == directive(V1, "org one")
+
+
+async def test_entries_are_bounded_in_number_lru_first() -> None:
+    store, clock = Store(), Clock()
+    c = cache(store, clock, max_entries=2)
+    agents = [f"00000000-0000-4000-8000-00000000000{i}" for i in range(3)]
+    for agent in agents:
+        store.values[(ORG, agent)] = directive(V1)
+    await c.fetch(ORG, agents[0], V1)
+    await c.fetch(ORG, agents[1], V1)
+    await c.fetch(ORG, agents[0], V1)  # a hit makes agents[0] the newest
+    await c.fetch(ORG, agents[2], V1)  # evicts agents[1]
+    assert len(c) == 2
+    calls = store.calls
+    assert (await c.fetch(ORG, agents[0], V1)).detail == "cache"
+    assert (await c.fetch(ORG, agents[1], V1)).detail == ""
+    assert store.calls == calls + 1
+
+
+async def test_entries_are_bounded_in_bytes_and_huge_ones_are_not_cached() -> None:
+    store, clock = Store(), Clock()
+    c = cache(store, clock, max_bytes=64 * 1024)
+    agents = [f"00000000-0000-4000-8000-0000000000{i:02d}" for i in range(40)]
+    for agent in agents:
+        store.values[(ORG, agent)] = directive(V1, "x" * 1000)
+        await c.fetch(ORG, agent, V1)
+        assert c.bytes <= 64 * 1024
+    assert 0 < len(c) < 40
+    store.values[(ORG, AGENT)] = directive(V1, "y" * 64 * 1024)  # over max_bytes / 8
+    await c.fetch(ORG, AGENT, V1)
+    assert (await c.fetch(ORG, AGENT, V1)).detail == ""
+    assert c.bytes <= 64 * 1024
+
+
+@pytest.mark.parametrize("entries", [0])
+async def test_zero_entries_caches_nothing(entries: int) -> None:
+    store, clock = Store(), Clock()
+    store.values[(ORG, AGENT)] = directive(V1)
+    c = cache(store, clock, max_entries=entries)
+    await c.fetch(ORG, AGENT, V1)
+    await c.fetch(ORG, AGENT, V1)
+    assert store.calls == 2 and len(c) == 0 and c.bytes == 0
