@@ -8,8 +8,11 @@ benchmarks may build one directly from parts.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
+
+import trio
 
 from ibex.assembly.catalog import Catalog
 from ibex.assembly.formatter import new_nonce
@@ -22,6 +25,21 @@ from ibex.sources.directive_cache import DirectiveCache
 from ibex.sources.retrieval import RetrievalConfig, retrieve
 
 log = logging.getLogger(__name__)
+
+# Text (characters) above which an assembly's counting runs in a worker thread:
+# uncached tiktoken counts run at roughly 8-10k CJK characters per millisecond,
+# so this keeps any one call's hold on the loop to a couple of milliseconds.
+OFFLOAD_CHARS = 16 * 1024
+
+
+def _text_chars(inputs: AssemblyInputs) -> int:
+    """Characters the pipeline may have to count for these inputs."""
+    request = inputs.request
+    n = len(request.query) + sum(len(m.content) for m in request.recent_messages)
+    n += sum(len(t) for t in request.tool_schemas)
+    if inputs.directive is not None:
+        n += len(inputs.directive.content)
+    return n + sum(len(h.content) for h in inputs.hot) + sum(len(h.content) for h in inputs.cold)
 
 
 class Assembler:
@@ -38,6 +56,8 @@ class Assembler:
         retrieval: RetrievalConfig | None = None,
         pipeline: PipelineConfig | None = None,
         backend: str = "",
+        offload_chars: int = OFFLOAD_CHARS,
+        offload_threads: int = 2,
     ) -> None:
         self.catalog = catalog
         self.tokenizers = tokenizers
@@ -47,6 +67,8 @@ class Assembler:
         self.retrieval = retrieval or RetrievalConfig()
         self.pipeline = pipeline or PipelineConfig()
         self.backend = backend
+        self.offload_chars = offload_chars
+        self._cpu_limiter = trio.CapacityLimiter(offload_threads)
 
     def check_request(self, request: AssemblyRequest) -> AssemblyRequest:
         """Validate before any I/O: ids, weights, sizes and a known model or window."""
@@ -77,9 +99,24 @@ class Assembler:
             now=time.time(),
             retrieval_ms=got.elapsed_ms,
         )
-        result = assemble_pure(
-            inputs, catalog=self.catalog, tokenizers=self.tokenizers, config=self.pipeline
-        )
+        if _text_chars(inputs) <= self.offload_chars:
+            result = assemble_pure(
+                inputs, catalog=self.catalog, tokenizers=self.tokenizers, config=self.pipeline
+            )
+        else:
+            # Counting this much text would hold the loop (a 1 MB CJK text is ~130 ms of
+            # tiktoken): do it in a worker thread, where tiktoken releases the GIL, so
+            # other calls keep their deadlines. The limiter bounds the threads.
+            result = await trio.to_thread.run_sync(
+                functools.partial(
+                    assemble_pure,
+                    inputs,
+                    catalog=self.catalog,
+                    tokenizers=self.tokenizers,
+                    config=self.pipeline,
+                ),
+                limiter=self._cpu_limiter,
+            )
         filtered = sum(1 for m in result.excluded if m.exclusion == "filter")
         if filtered:
             log.warning(
