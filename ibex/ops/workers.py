@@ -184,7 +184,7 @@ def _forget(pid: int) -> None:
 
 
 def supervise(settings: Settings) -> int:
-    """Entry point for `ibex serve --workers N` (N > 1)."""
+    """Entry point for `ibex serve --workers N` (N > 1), and for one worker with metrics on."""
     own_dir = None
     if settings.metrics_addr and not os.environ.get(MULTIPROC_ENV):
         own_dir = tempfile.mkdtemp(prefix="ibex-metrics-")
