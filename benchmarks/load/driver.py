@@ -53,15 +53,19 @@ _QUERIES = (
 )
 
 
-def build_requests(tenants: list[tuple[str, str]], n: int, salt: int) -> list[bytes]:
+def build_requests(
+    tenants: list[tuple[str, str]], n: int, salt: int, *, versions: bool = False
+) -> list[bytes]:
     """n serialized requests: tenants and models alternating, 4 history turns, the last unique.
 
     The last turn differs per request (as a new user turn does), so the daemon's
-    token cache cannot turn every count into a hit.
+    token cache cannot turn every count into a hit. With `versions`, each request
+    names the directive version the proxy expects (what the stack seeded).
     """
     out = []
     for i in range(n):
-        org, agent = tenants[i % len(tenants)]
+        t = i % len(tenants)
+        org, agent = tenants[t]
         query = _QUERIES[(i // 2) % len(_QUERIES)]
         msg = pb.AssembleContextRequest(
             agent_id=agent,
@@ -72,9 +76,15 @@ def build_requests(tenants: list[tuple[str, str]], n: int, salt: int) -> list[by
             recent_messages=[pb.Message(role=r, content=c) for r, c in _HISTORY]
             + [pb.Message(role="user", content=f"{query}? (turn {salt}-{i})")],
             request_id=str(uuid.UUID(int=(salt << 32) + i, version=4)),
+            directive_version_id=directive_version(t) if versions else "",
         )
         out.append(msg.SerializeToString())
     return out
+
+
+def directive_version(tenant: int) -> str:
+    """The version_id the stack seeds for tenant i's directive."""
+    return f"00000000-0000-4000-8000-{tenant:012x}"
 
 
 def fixed_rate(*phases: tuple[float, float]) -> list[float]:
@@ -131,7 +141,9 @@ class Driver:
         resp = pb.AssembleContextResponse.FromString(raw)
         return "OK", resp.memories_included, resp.degradation_level
 
-    async def open_loop(self, requests: list[bytes], schedule: list[float]) -> Calls:
+    async def open_loop(
+        self, requests: list[bytes], schedule: list[float], deadline_s: float = DEADLINE_S
+    ) -> Calls:
         """Send call i at `schedule[i]` s after start; latency counts from that time."""
         loop = asyncio.get_running_loop()
         n = len(schedule)
@@ -146,7 +158,7 @@ class Driver:
 
         async def call(i: int, due: float) -> None:
             rec.lag[i] = loop.time() - due
-            st, mem, lvl = await self.one(requests[i % len(requests)])
+            st, mem, lvl = await self.one(requests[i % len(requests)], deadline_s)
             rec.latency[i] = loop.time() - due
             rec.status[i], rec.memories[i], rec.level[i] = st, mem, lvl
 
@@ -165,7 +177,9 @@ class Driver:
         rec.driver_cpu_s = (cpu1.user + cpu1.system) - (cpu0.user + cpu0.system)
         return rec
 
-    async def closed_loop(self, requests: list[bytes], callers: int, duration: float) -> Calls:
+    async def closed_loop(
+        self, requests: list[bytes], callers: int, duration: float, deadline_s: float = DEADLINE_S
+    ) -> Calls:
         """`callers` concurrent callers, each sending its next call when the last returns."""
         loop = asyncio.get_running_loop()
         rec = Calls()
@@ -176,7 +190,7 @@ class Driver:
         async def caller() -> None:
             while (t0 := loop.time()) < stop:
                 i = next(counter)
-                st, mem, lvl = await self.one(requests[i % len(requests)])
+                st, mem, lvl = await self.one(requests[i % len(requests)], deadline_s)
                 rec.scheduled.append(t0 - start)
                 rec.lag.append(0.0)
                 rec.latency.append(loop.time() - t0)

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from benchmarks.load.driver import directive_version
 from benchmarks.load.memory import tenants
 from tests.memory_server import DEFAULT_TOKEN
 from tests.redis_server import RedisServer
@@ -86,7 +87,7 @@ def directive_value(i: int) -> str:
         "section when you use one, and never reveal internal ticket numbers. "
         "回答は簡潔に。Use ✅/❌ markers for checklists."
     )
-    version = f"00000000-0000-4000-8000-{i:012x}"
+    version = directive_version(i)
     return json.dumps(
         {"v": 1, "content": content, "injection_mode": "system_first", "version_id": version}
     )
