@@ -1,0 +1,86 @@
+"""A call whose deadline has already passed on arrival: DEADLINE_EXCEEDED, no error log.
+
+grpclib alone answers such a call UNKNOWN ("Internal Server Error") and logs
+"Timeout occurred" at error level; the contract says DEADLINE_EXCEEDED. The
+request is sent over raw HTTP/2 (h2) with `grpc-timeout: 1n`, which no stock
+client sends on purpose but a slow network delivers all the time.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import struct
+from typing import Any
+
+import h2.config
+import h2.connection
+import h2.events
+import pytest
+
+from tests.grpcio_stubs import context_pb2
+
+from .grpc_harness import AGENT, ORG, SERVICE, RunningDaemon, in_thread, running_daemon
+
+
+def raw_call(port: int, timeout_header: str) -> dict[str, str]:
+    """One unary AssembleContext over h2; the response trailers (or headers) as a dict."""
+    body = context_pb2.AssembleContextRequest(org_id=ORG, agent_id=AGENT, model="gpt-4o")
+    payload = body.SerializeToString()
+    frame = struct.pack(">?I", False, len(payload)) + payload
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    conn.initiate_connection()
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(conn.data_to_send())
+        stream = conn.get_next_available_stream_id()
+        conn.send_headers(
+            stream,
+            [
+                (":method", "POST"),
+                (":scheme", "http"),
+                (":path", f"/{SERVICE}/AssembleContext"),
+                (":authority", f"127.0.0.1:{port}"),
+                ("content-type", "application/grpc"),
+                ("te", "trailers"),
+                ("grpc-timeout", timeout_header),
+            ],
+        )
+        conn.send_data(stream, frame, end_stream=True)
+        sock.sendall(conn.data_to_send())
+        result: dict[str, str] = {}
+        while "grpc-status" not in result:
+            data = sock.recv(65536)
+            if not data:
+                break
+            for event in conn.receive_data(data):
+                if isinstance(event, h2.events.ResponseReceived | h2.events.TrailersReceived):
+                    result.update(
+                        (
+                            k.decode() if isinstance(k, bytes) else k,
+                            v.decode() if isinstance(v, bytes) else v,
+                        )
+                        for k, v in event.headers
+                    )
+            sock.sendall(conn.data_to_send())
+        return result
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+@pytest.fixture
+async def daemon() -> Any:
+    async with running_daemon() as d:
+        yield d
+
+
+async def test_an_expired_deadline_is_deadline_exceeded_and_not_an_error(
+    daemon: RunningDaemon, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO):
+        expired = await in_thread(raw_call, daemon.port, "1n")
+        normal = await in_thread(raw_call, daemon.port, "5S")
+    assert expired["grpc-status"] == "4"  # DEADLINE_EXCEEDED
+    assert normal["grpc-status"] == "0"
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
