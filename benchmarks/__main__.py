@@ -23,9 +23,22 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-ORDER = ("packer", "pipeline", "codec", "token_estimate", "memory_client", "load")
+ORDER = (
+    "packer",
+    "pipeline",
+    "codec",
+    "token_estimate",
+    "memory_client",
+    "wakeups",
+    "load",
+    "load.deadlines",
+)
 # Arguments that shorten a benchmark under --quick (only for modules that accept them).
-QUICK_ARGS = {"codec": ["--iterations", "500"], "load": ["--quick"]}
+QUICK_ARGS = {
+    "codec": ["--iterations", "500"],
+    "load": ["--quick"],
+    "load.deadlines": ["--quick"],
+}
 
 
 def available(name: str) -> bool:
