@@ -16,7 +16,7 @@ reported, never asserted):
   capacity; full quality within 1 s after it ends.
 
 Run: ``python -m benchmarks.load.deadlines [--quick]`` (tables on stdout, JSON in
-``benchmarks/results/deadlines.json``).
+``benchmarks/results/load.deadlines.json``).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from benchmarks.load.driver import Calls, Driver, build_requests, fixed_rate
 from benchmarks.load.report import recovery, summarize, table
 from benchmarks.load.stack import Daemon, Stack, cpu_seconds
 
-RESULTS = Path(__file__).resolve().parents[1] / "results" / "deadlines.json"
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "load.deadlines.json"
 LONG = 1.0  # the "caller deadline 1 s unless stated" of the issue
 PROXY = 0.045  # the proxy's own budget
 
