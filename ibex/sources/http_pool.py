@@ -7,8 +7,7 @@ per answer within a budget of 1.5 ms. The memory service contract needs far
 less than a general client: two fixed requests, JSON bodies read whole into
 memory, keep-alive, optional TLS.
 
-Scope: one request at a time per connection (no pipelining), JSON bodies
-read whole into memory, keep-alive, optional TLS. Response framing is
+Scope: one request at a time per connection (no pipelining). Response framing is
 `ibex.sources.http_framing` (llhttp via httptools, sans-IO); this module is
 the I/O and the pool around it. Anything the server says that is not clean
 HTTP/1.x is a `TransportError`, never a guess. No redirects, no proxies, no
@@ -27,16 +26,16 @@ slot, and a pool that leaks slots ends up serving nothing):
 - A connection goes back to the idle list only from the `finally` of a
   complete, well-formed exchange. Cancelled or failed anywhere (connecting,
   TLS handshake, writing, reading), it is closed instead. Closing is a
-  synchronous `socket.close()`: it never awaits, so no second cancellation
+  synchronous `Link.close()` (`socket.close()` for real connections): it never awaits, so no second cancellation
   can skip it and no shielded scope is needed.
 - Idle connections expire after `keepalive_expiry`; one that the server closed
   (or that has unexpected bytes waiting) is seen by a zero-timeout readability
   check and dropped before reuse. Over TLS the check also looks inside the TLS
   layer: bytes already read off the socket (a stray answer decrypted into the
   SSL object, or records still encrypted in its input buffer) would otherwise
-  be delivered as the next request's answer. If a reused connection still fails before a
-  single response byte arrives, the server closed it under us: the request is
-  repeated once on a fresh connection. That is connection housekeeping, not a
+  be delivered as the next request's answer. If a reused connection still
+  fails before a single response byte arrives, the server closed it under us:
+  the request is repeated once on a fresh connection. That is connection housekeeping, not a
   retry of a failed call (both requests are idempotent reads); a fresh
   connection that fails is an error at once.
 """

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 import trio
+import trio.testing
 import trustme
 
 from tests.memory_server import FakeMemoryServer, make_memories
@@ -81,3 +82,11 @@ async def test_a_clean_tls_connection_is_still_reused(
                 assert len(await source.hot(ORG, AGENT, limit=10, min_confidence=0.0)) == 4
         assert source.pool_stats().opened == 1
     assert server.accepted_connections == 1
+
+
+def test_trio_ssl_stream_still_keeps_its_incoming_bio_where_the_pool_looks() -> None:
+    """SocketLink.unusable reads trio.SSLStream's private `_incoming` BIO (encrypted
+    records already read off the socket). If a trio upgrade moves it, fail here."""
+    client, _ = trio.testing.memory_stream_pair()
+    tls = trio.SSLStream(client, ssl.create_default_context(), server_hostname="127.0.0.1")
+    assert isinstance(getattr(tls, "_incoming", None), ssl.MemoryBIO)
