@@ -45,6 +45,7 @@ __all__ = [
 ]
 
 MAX_HEAD_BYTES: Final = 64 * 1024
+_MAX_OVERHEAD: Final = 2 * MAX_HEAD_BYTES
 _NO_BODY: Final = frozenset({204, 304})
 
 
@@ -95,6 +96,7 @@ class ResponseParser:
         "_done",
         "_error",
         "_fed_head",
+        "_fed_total",
         "_head_bytes",
         "_headers_done",
         "_keep",
@@ -113,6 +115,7 @@ class ResponseParser:
         self._leftover = False
         self._keep = False
         self._error: TransportError | None = None
+        self._fed_total = 0  # every byte of this exchange, interim answers included
         self._reset()
 
     def _reset(self) -> None:
@@ -155,6 +158,12 @@ class ResponseParser:
             raise malformed() from None
         if self._done:
             return True
+        # Bytes that are not body (heads, interim answers, chunk sizes and
+        # extensions, trailers) are bounded too: llhttp would buffer an endless
+        # trailer, and endless 1xx answers would never end the exchange.
+        self._fed_total += len(data)
+        if self._fed_total - self._body_len > _MAX_OVERHEAD + 8 * self._body_len:
+            raise malformed()
         if not self._headers_done:
             # llhttp buffers a header it has not finished; bound what it may hold.
             self._fed_head += len(data)

@@ -26,8 +26,9 @@ slot, and a pool that leaks slots ends up serving nothing):
 - A connection goes back to the idle list only from the `finally` of a
   complete, well-formed exchange. Cancelled or failed anywhere (connecting,
   TLS handshake, writing, reading), it is closed instead. Closing is a
-  synchronous `Link.close()` (`socket.close()` for real connections): it never awaits, so no second cancellation
-  can skip it and no shielded scope is needed.
+  synchronous `Link.close()` (`socket.close()` for real connections): it
+  never awaits, so no second cancellation can skip it and no shielded scope
+  is needed.
 - Idle connections expire after `keepalive_expiry`; one that the server closed
   (or that has unexpected bytes waiting) is seen by a zero-timeout readability
   check and dropped before reuse. Over TLS the check also looks inside the TLS

@@ -164,6 +164,23 @@ def test_an_endless_head_is_refused_before_it_is_buffered_whole() -> None:
 
 
 @pytest.mark.parametrize(
+    ("start", "forever"),
+    [
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\nX-T: ", b"t"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2;ext=", b"e"),
+        (b"", b"HTTP/1.1 100 Continue\r\n\r\n"),
+    ],
+    ids=["endless trailer", "endless chunk extension", "endless interim answers"],
+)
+def test_endless_bytes_that_are_not_body_are_refused(start: bytes, forever: bytes) -> None:
+    parser = ResponseParser(CAP)
+    parser.feed(start)
+    with pytest.raises(TransportError, match=PROTOCOL_ERROR):
+        for _ in range(4 * MAX_HEAD_BYTES // 512):
+            parser.feed(forever * (512 // len(forever)))
+
+
+@pytest.mark.parametrize(
     "pieces",
     [
         [b"HTTP/1.1 200 OK\r\nContent-Length: 1001\r\n\r\n"],  # refused before any body byte
