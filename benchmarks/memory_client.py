@@ -83,7 +83,7 @@ class Httpx2Memory:
             data = bytearray()
             async for chunk in response.aiter_bytes():
                 data += chunk
-        return decode_hits(bytes(data), branch)
+        return decode_hits(bytes(data), branch, limit=20)
 
 
 async def _drive(call: Call, calls: int, callers: int) -> tuple[float, float]:

@@ -40,6 +40,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     memory_base_url: str | None = None
     memory_api_token: str | None = None
     memory_pool_size: int = 32
+    memory_max_content_bytes: int = 32 * 1024
+    memory_max_response_bytes: int = 4 * 1024 * 1024
     hot_limit: int = 20
     cold_limit: int = 20
     min_confidence: float = 0.0
@@ -196,6 +198,8 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         "PACKER_MAX_CONSECUTIVE_SKIPS": ("packer_max_consecutive_skips", 0, 1_000_000),
         "FORMATTER_NONCE_BYTES": ("formatter_nonce_bytes", 1, 64),
         "MEMORY_POOL_SIZE": ("memory_pool_size", 1, 4096),
+        "MEMORY_MAX_CONTENT_BYTES": ("memory_max_content_bytes", 1, 64 * 1024 * 1024),
+        "MEMORY_MAX_RESPONSE_BYTES": ("memory_max_response_bytes", 1024, 1024 * 1024 * 1024),
         "HOT_LIMIT": ("hot_limit", 1, 100),
         "COLD_LIMIT": ("cold_limit", 1, 100),
         "TOKEN_CACHE_ENTRIES": ("token_cache_entries", 0, 10_000_000),

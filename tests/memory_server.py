@@ -32,6 +32,7 @@ import random
 import select
 import signal
 import socket
+import ssl
 import struct
 import subprocess
 import sys
@@ -67,6 +68,11 @@ class Endpoint:
     status: int = 200
     fault: Fault = "none"
     body: bytes | None = None  # raw body override (e.g. a bad shape), sent with `status`
+    ignore_limit: bool = False  # answer every stored result, whatever `limit` asked for
+    # A whole HTTP response sent right after the real answer, in the same TCP
+    # segment (TCP_CORK): over TLS the client's TLS layer reads it off the
+    # socket together with the answer, so it waits above the socket.
+    stray: bytes | None = None
 
 
 @dataclass
@@ -99,8 +105,11 @@ class FakeMemoryServer:
         port: int = 0,
         log_size: int = 1000,
         seed: int = 0,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
+        """`ssl_context` (server side) serves https, e.g. with a trustme certificate."""
         self.token = token
+        self.ssl_context = ssl_context
         self.hot = Endpoint()
         self.cold = Endpoint()
         self.seen: deque[Seen] = deque(maxlen=log_size)
@@ -120,7 +129,8 @@ class FakeMemoryServer:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        scheme = "https" if self.ssl_context is not None else "http"
+        return f"{scheme}://127.0.0.1:{self.port}"
 
     def start(self) -> None:
         self._thread = threading.Thread(
@@ -148,9 +158,18 @@ class FakeMemoryServer:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def source(self, *, token: str | None = None, pool_size: int = 8) -> MemoryHttpSource:
+    def source(
+        self,
+        *,
+        token: str | None = None,
+        pool_size: int = 8,
+        client_ssl_context: ssl.SSLContext | None = None,
+        **kw: Any,
+    ) -> MemoryHttpSource:
         """An unopened source aimed at this server; use as `async with`."""
-        return MemoryHttpSource(self.url, token or self.token, pool_size=pool_size)
+        return MemoryHttpSource(
+            self.url, token or self.token, pool_size=pool_size, ssl_context=client_ssl_context, **kw
+        )
 
     # -- dataset ---------------------------------------------------------
     def add_memories(
@@ -242,9 +261,13 @@ class FakeMemoryServer:
             self._sockets.discard(sock)
             self._stats.open_connections -= 1
 
-    def _results(self, name: str, agent_id: str, limit: int, min_conf: float) -> bytes:
+    def _results(
+        self, name: str, agent_id: str, limit: int, min_conf: float, *, ignore_limit: bool = False
+    ) -> bytes:
         with self._lock:
             items = list(self._items.get(agent_id, ()))
+        if ignore_limit:
+            limit = len(items)
         items = [i for i in items if _num(i["memory"].get("confidence")) >= min_conf]
         if name == "hot":
             items.sort(key=lambda i: (-_num(i["memory"].get("confidence")), str(i["memory"]["id"])))
@@ -276,12 +299,24 @@ class _Server(ThreadingHTTPServer):
     def handle_error(self, request: Any, client_address: Any) -> None:
         pass  # clients that vanish mid-response are the point of these tests
 
+    def get_request(self) -> tuple[socket.socket, Any]:
+        sock, addr = super().get_request()
+        ctx = self.owner.ssl_context
+        if ctx is None:
+            return sock, addr
+        # The handshake runs in the connection's own thread (_Handler.setup), never here.
+        return ctx.wrap_socket(sock, server_side=True, do_handshake_on_connect=False), addr
+
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server: _Server
 
     def setup(self) -> None:
+        if isinstance(self.request, ssl.SSLSocket):
+            self.request.settimeout(5.0)
+            self.request.do_handshake()
+            self.request.settimeout(None)
         super().setup()
         # Otherwise Nagle plus the client's delayed ACK adds ~40 ms to small responses.
         self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -346,9 +381,14 @@ class _Handler(BaseHTTPRequestHandler):
             except (KeyError, IndexError, ValueError, TypeError):
                 self._send(400, b'{"error": "bad request"}')
                 return
-            payload = owner._results(name, agent, int(limit), float(min_conf))
+            payload = owner._results(
+                name, agent, int(limit), float(min_conf), ignore_limit=ep.ignore_limit
+            )
         if ep.fault == "reset":
             self._reset(payload)
+            return
+        if ep.stray is not None:
+            self._send_with_stray(ep.status, payload, ep.stray)
             return
         self._send(ep.status, payload)
 
@@ -362,6 +402,15 @@ class _Handler(BaseHTTPRequestHandler):
     def _send(self, status: int, payload: bytes) -> None:
         """Status, headers and body in one write, as a real server would."""
         self.wfile.write(self._head(status, len(payload)) + payload)
+
+    def _send_with_stray(self, status: int, payload: bytes, stray: bytes) -> None:
+        """The answer, then `stray` as a second write (a second TLS record), one TCP segment."""
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_CORK, 1)
+        try:
+            self.wfile.write(self._head(status, len(payload)) + payload)
+            self.wfile.write(stray)
+        finally:
+            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_CORK, 0)
 
     def _reset(self, payload: bytes) -> None:
         """Headers and half the body, then an RST (SO_LINGER 0) instead of the rest."""
@@ -387,6 +436,8 @@ class _Handler(BaseHTTPRequestHandler):
             if readable:
                 try:
                     gone = self.connection.recv(1, socket.MSG_PEEK) == b""
+                except ValueError:  # TLS: no MSG_PEEK; record bytes are not a hang-up
+                    gone = False
                 except OSError:
                     gone = True
                 if gone:

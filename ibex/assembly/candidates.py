@@ -76,6 +76,7 @@ def select_candidates(
     opts = request.options
     excluded: list[MemoryUsed] = []
     best: dict[str, ScoredMemory] = {}
+    oversized: set[str] = set()
     streams: list[Sequence[MemoryHit]] = []
     for skip, hits in ((opts.skip_hot_memories, hot), (opts.skip_cold_memories, cold)):
         if skip:
@@ -86,6 +87,11 @@ def select_candidates(
         for hit in hits:
             if not is_own(hit, request.org_id, request.agent_id):
                 excluded.append(hit_used(hit, "filter"))
+                continue
+            if hit.oversized:  # content over the source's cap, dropped: never counted
+                if hit.memory_id not in oversized:  # hot and cold may both carry it
+                    oversized.add(hit.memory_id)
+                    excluded.append(hit_used(hit, "failed"))
                 continue
             scored = score_hit(hit, opts, now)
             if scored is None:
@@ -142,6 +148,8 @@ def rank_search(hits: Sequence[MemoryHit], flt: SearchFilter, now: float) -> Sea
             filtered += 1
             continue
         own += 1
+        if hit.oversized:  # its content was dropped by the source: nothing to return
+            continue
         if hit.similarity < flt.min_similarity:
             continue
         if flt.categories and hit.category not in flt.categories:

@@ -80,6 +80,9 @@ class MemoryHit(msgspec.Struct, frozen=True):
     usefulness: float | None = None
     access_count: int | None = None
     tags: tuple[str, ...] = ()
+    # Content was over the source's cap and dropped (content is ""): the
+    # pipeline excludes the hit as `failed` and never counts its tokens.
+    oversized: bool = False
 
 
 class BranchOutcome(msgspec.Struct, frozen=True):

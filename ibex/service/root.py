@@ -126,7 +126,11 @@ def memory_http_source(settings: Settings) -> MemoryHttpSource:
     if not settings.memory_base_url or not settings.memory_api_token:
         raise ValueError("memory_base_url and memory_api_token are required")
     return MemoryHttpSource(
-        settings.memory_base_url, settings.memory_api_token, pool_size=settings.memory_pool_size
+        settings.memory_base_url,
+        settings.memory_api_token,
+        pool_size=settings.memory_pool_size,
+        max_response_bytes=settings.memory_max_response_bytes,
+        max_content_bytes=settings.memory_max_content_bytes,
     )
 
 
@@ -146,7 +150,9 @@ async def open_assembler(
     redis: RedisDirectiveSource | None = None
     backend: list[str] = []
     if settings.redis_url is None and settings.memory_base_url is None:
-        local = LocalFileSource.load(settings.local_source_path)
+        local = LocalFileSource.load(
+            settings.local_source_path, max_content_bytes=settings.memory_max_content_bytes
+        )
         directive_source = memory_source = local
         backend.append(f"local:{local.origin}")
     else:

@@ -7,11 +7,15 @@ per answer within a budget of 1.5 ms. The memory service contract needs far
 less than a general client: two fixed requests, JSON bodies read whole into
 memory, keep-alive, optional TLS.
 
-Scope: one request at a time per connection (no pipelining), Content-Length,
-chunked and close-delimited bodies, `Connection: close`, interim 1xx answers
-skipped, a body size cap. Anything else the server says that is not clean
+Scope: one request at a time per connection (no pipelining). Response framing is
+`ibex.sources.http_framing` (llhttp via httptools, sans-IO); this module is
+the I/O and the pool around it. Anything the server says that is not clean
 HTTP/1.x is a `TransportError`, never a guess. No redirects, no proxies, no
 cookies, no compression (we send no Accept-Encoding).
+
+The pool opens connections through an injectable `connect` function (default:
+TCP, then TLS for https), so framing and pool tests can run on in-memory
+streams.
 
 Cancellation, which a pool here must get exactly right (encode/httpcore#1093:
 a request cancelled while waiting for or opening a connection leaked its pool
@@ -22,50 +26,72 @@ slot, and a pool that leaks slots ends up serving nothing):
 - A connection goes back to the idle list only from the `finally` of a
   complete, well-formed exchange. Cancelled or failed anywhere (connecting,
   TLS handshake, writing, reading), it is closed instead. Closing is a
-  synchronous `socket.close()`: it never awaits, so no second cancellation
-  can skip it and no shielded scope is needed.
+  synchronous `Link.close()` (`socket.close()` for real connections): it
+  never awaits, so no second cancellation can skip it and no shielded scope
+  is needed.
 - Idle connections expire after `keepalive_expiry`; one that the server closed
   (or that has unexpected bytes waiting) is seen by a zero-timeout readability
-  check and dropped before reuse. If a reused connection still fails before a
-  single response byte arrives, the server closed it under us: the request is
-  repeated once on a fresh connection. That is connection housekeeping, not a
+  check and dropped before reuse. Over TLS the check also looks inside the TLS
+  layer: bytes already read off the socket (a stray answer decrypted into the
+  SSL object, or records still encrypted in its input buffer) would otherwise
+  be delivered as the next request's answer. If a reused connection still
+  fails before a single response byte arrives, the server closed it under us:
+  the request is repeated once on a fresh connection. That is connection housekeeping, not a
   retry of a failed call (both requests are idempotent reads); a fresh
   connection that fails is an error at once.
 """
 
 from __future__ import annotations
 
-import re
 import select
 import ssl
-from collections.abc import Mapping
-from typing import Final, NamedTuple
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Final, NamedTuple, Protocol
 from urllib.parse import urlsplit
 
 import trio
 
-from ibex.sources.base import SourceError
+from ibex.sources.http_framing import (
+    Response,
+    ResponseParser,
+    ResponseTooLarge,
+    TransportError,
+    TransportTimeout,
+    transport_error,
+)
 
-MAX_HEAD_BYTES: Final = 64 * 1024
+__all__ = [
+    "Connect",
+    "HttpPool",
+    "Link",
+    "Origin",
+    "PoolStats",
+    "Response",
+    "ResponseTooLarge",
+    "SocketLink",
+    "TransportError",
+    "TransportTimeout",
+    "split_base_url",
+    "tcp_connect",
+]
+
 _RECV_BYTES: Final = 64 * 1024
-_HEX: Final = re.compile(rb"[0-9A-Fa-f]{1,15}")
 _TOKEN_SEPARATORS: Final = frozenset(b' \t"(),/:;<=>?@[\\]{}')
 
 
-class TransportError(SourceError):
-    """Connecting, sending or receiving failed, or the answer was not HTTP/1.x.
+class Link(Protocol):
+    """What the pool needs of a connection besides its stream."""
 
-    str() is `transport error (<Kind>)`, with httpx's kind names
-    (ConnectError, WriteError, ReadError, RemoteProtocolError): safe to log.
-    """
+    def close(self) -> None:
+        """Close now, synchronously: cancellation can never skip it."""
+        ...
+
+    def unusable(self) -> bool:
+        """While idle: is anything waiting (EOF, a reset, stray bytes)? Then it is not reused."""
+        ...
 
 
-class TransportTimeout(TransportError):
-    """The pool's own safety-net timeout fired (the caller's cancel scope did not)."""
-
-
-class ResponseTooLarge(TransportError):
-    """The body is over the configured cap; the connection is dropped unread."""
+Connect = Callable[[], Awaitable[tuple[trio.abc.Stream, Link]]]
 
 
 class PoolStats(NamedTuple):
@@ -78,11 +104,6 @@ class PoolStats(NamedTuple):
     waiters: int  # requests queued for a slot
     opened: int  # connections opened since the pool was created
     limit: int  # max_connections
-
-
-class Response(NamedTuple):
-    status: int
-    body: bytes
 
 
 class Origin(NamedTuple):
@@ -119,39 +140,94 @@ class _Stale(Exception):
     """A reused connection failed before any response byte: the server had closed it."""
 
 
-class _Conn:
-    __slots__ = ("idle_since", "reused", "sock", "stream")
+class SocketLink:
+    """A TCP socket, and the TLS stream over it when there is one."""
 
-    def __init__(self, stream: trio.abc.Stream, sock: trio.socket.SocketType) -> None:
-        self.stream = stream
-        self.sock = sock
-        self.reused = False
-        self.idle_since = 0.0
+    __slots__ = ("_sock", "_tls")
+
+    def __init__(
+        self, sock: trio.socket.SocketType, tls: trio.SSLStream[trio.SocketStream] | None = None
+    ) -> None:
+        self._sock = sock
+        self._tls = tls
 
     def close(self) -> None:
         """Synchronous, so cancellation can never skip it (TLS: no close_notify)."""
-        self.sock.close()
+        self._sock.close()
 
-    def dead_or_dirty(self) -> bool:
+    def unusable(self) -> bool:
         """Readable while idle means EOF, a reset or stray bytes: unusable either way.
+
+        Over TLS, bytes may already sit above the socket: plaintext decrypted
+        into the SSL object (`pending()`), or records read off the socket but
+        not yet decrypted (trio's incoming BIO). The socket then polls quiet
+        while a stray answer waits to be taken for the next request's.
 
         poll, not select: select() cannot take descriptors above 1023, which a
         daemon with many gRPC connections reaches.
         """
+        tls = self._tls
+        if tls is not None:
+            incoming = getattr(tls, "_incoming", None)
+            try:
+                if tls.pending() or (isinstance(incoming, ssl.MemoryBIO) and incoming.pending):
+                    return True
+            except (ssl.SSLError, ValueError, AttributeError):
+                return True
         try:
             poller = select.poll()
-            poller.register(self.sock.fileno(), select.POLLIN)
+            poller.register(self._sock.fileno(), select.POLLIN)
             return bool(poller.poll(0))
         except (OSError, ValueError):
             return True
 
 
-def _error(kind: str) -> TransportError:
-    return TransportError(f"transport error ({kind})")
+def tcp_connect(host: str, port: int, ssl_context: ssl.SSLContext | None) -> Connect:
+    """The default `connect`: TCP to host:port, then a TLS handshake when a context is given.
+
+    Failures are `TransportError` (ConnectError); on any failure or
+    cancellation the socket is closed before the exception leaves.
+    """
+
+    async def connect() -> tuple[trio.abc.Stream, Link]:
+        try:
+            stream = await trio.open_tcp_stream(host, port)
+        except OSError:
+            raise transport_error("ConnectError") from None
+        sock = stream.socket
+        if ssl_context is None:
+            return stream, SocketLink(sock)
+        tls = trio.SSLStream(stream, ssl_context, server_hostname=host, https_compatible=True)
+        try:
+            await tls.do_handshake()
+        except trio.BrokenResourceError:
+            sock.close()
+            raise transport_error("ConnectError") from None
+        except BaseException:
+            sock.close()
+            raise
+        return tls, SocketLink(sock, tls)
+
+    return connect
 
 
-def _malformed() -> TransportError:
-    return _error("RemoteProtocolError")
+class _Conn:
+    __slots__ = ("idle_since", "link", "reused", "stream")
+
+    def __init__(self, stream: trio.abc.Stream, link: Link) -> None:
+        self.stream = stream
+        self.link = link
+        self.reused = False
+        self.idle_since = 0.0
+
+    def close(self) -> None:
+        self.link.close()
+
+    def dead_or_dirty(self) -> bool:
+        try:
+            return self.link.unusable()
+        except Exception:
+            return True
 
 
 class HttpPool:
@@ -161,6 +237,8 @@ class HttpPool:
     to. `headers` are sent with every request (e.g. Authorization); they are
     never logged or put in an error message. `timeout` bounds a whole request
     (queueing included) for callers that set no deadline of their own.
+    `connect` opens one connection (default `tcp_connect` to the origin, with
+    `ssl_context` or the system trust for https); tests pass in-memory ones.
     """
 
     def __init__(
@@ -173,14 +251,16 @@ class HttpPool:
         timeout: float,
         max_response_bytes: int,
         ssl_context: ssl.SSLContext | None = None,
+        connect: Connect | None = None,
     ) -> None:
         origin = split_base_url(base_url)
         if max_connections < 1:
             raise ValueError("max_connections must be >= 1")
-        self._host = origin.host
-        self._port = origin.port
-        tls = origin.scheme == "https"
-        self._ssl = (ssl_context or ssl.create_default_context()) if tls else None
+        if connect is None:
+            tls = origin.scheme == "https"
+            context = (ssl_context or ssl.create_default_context()) if tls else None
+            connect = tcp_connect(origin.host, origin.port, context)
+        self._connect_fn = connect
         self._prefix = origin.prefix
         lines = [f"Host: {origin.authority}"]
         for name, value in headers.items():
@@ -255,7 +335,7 @@ class HttpPool:
         try:
             return await self._exchange(conn, data, stage)
         except _Stale:
-            raise _error("ReadError") from None
+            raise transport_error("ReadError") from None
 
     def _take_idle(self) -> _Conn | None:
         idle = self._idle
@@ -276,23 +356,11 @@ class HttpPool:
 
     async def _connect(self) -> _Conn:
         try:
-            stream = await trio.open_tcp_stream(self._host, self._port)
-        except OSError:
-            raise _error("ConnectError") from None
+            stream, link = await self._connect_fn()
+        except (OSError, trio.BrokenResourceError):
+            raise transport_error("ConnectError") from None
         self._opened += 1
-        sock = stream.socket
-        if self._ssl is None:
-            return _Conn(stream, sock)
-        tls = trio.SSLStream(stream, self._ssl, server_hostname=self._host, https_compatible=True)
-        try:
-            await tls.do_handshake()
-        except trio.BrokenResourceError:
-            sock.close()
-            raise _error("ConnectError") from None
-        except BaseException:
-            sock.close()
-            raise
-        return _Conn(tls, sock)
+        return _Conn(stream, link)
 
     async def _exchange(self, conn: _Conn, data: bytes, stage: list[str]) -> Response:
         """Send and read one answer; the connection is pooled again only if it all went well."""
@@ -305,7 +373,7 @@ class HttpPool:
             except (trio.BrokenResourceError, OSError):
                 if conn.reused:
                     raise _Stale from None
-                raise _error("WriteError") from None
+                raise transport_error("WriteError") from None
             stage[0] = "ReadTimeout"
             response, keep = await self._read_response(conn)
             return response
@@ -318,141 +386,21 @@ class HttpPool:
             else:
                 conn.close()
 
-    async def _receive(self, conn: _Conn, first: bool = False) -> bytes | bytearray:
-        try:
-            chunk = await conn.stream.receive_some(_RECV_BYTES)
-        except (trio.BrokenResourceError, OSError):
-            chunk = b""
-        if not chunk:
-            if first and conn.reused:
-                raise _Stale
-            raise _error("ReadError")
-        return chunk
-
     async def _read_response(self, conn: _Conn) -> tuple[Response, bool]:
-        buf = bytearray(await self._receive(conn, first=True))
+        """Feed the parser until the answer is complete; (answer, may the connection be reused)."""
+        parser = ResponseParser(self._max_body)
+        first = True
         while True:
-            end = buf.find(b"\r\n\r\n")
-            while end < 0:
-                if len(buf) > MAX_HEAD_BYTES:
-                    raise _malformed()
-                start = max(0, len(buf) - 3)
-                buf += await self._receive(conn)
-                end = buf.find(b"\r\n\r\n", start)
-            if end > MAX_HEAD_BYTES:
-                raise _malformed()
-            status, keep, headers = _parse_head(bytes(buf[:end]))
-            del buf[: end + 4]
-            if status >= 200:
-                break
-            if status == 101:
-                raise _malformed()  # we never asked to switch protocols
-            # an interim 1xx answer: the real one follows on the same connection
-
-        te = headers.get(b"transfer-encoding")
-        length = headers.get(b"content-length")
-        if status in (204, 304):
-            body = b""
-            leftover = bool(buf)
-        elif te is not None:
-            if length is not None or te.strip().lower() != b"chunked":
-                raise _malformed()  # TE+CL is a smuggling shape; other codings unasked for
-            body, leftover = await self._read_chunked(conn, buf)
-        elif length is not None:
-            if not length.isdigit() or len(length) > 18:
-                raise _malformed()
-            n = int(length)
-            if n > self._max_body:
-                raise ResponseTooLarge(f"response larger than {self._max_body} bytes")
-            while len(buf) < n:
-                buf += await self._receive(conn)
-            body = bytes(buf[:n])
-            leftover = len(buf) > n
-        else:  # delimited by the server closing the connection
-            while True:
-                if len(buf) > self._max_body:
-                    raise ResponseTooLarge(f"response larger than {self._max_body} bytes")
-                try:
-                    chunk = await conn.stream.receive_some(_RECV_BYTES)
-                except (trio.BrokenResourceError, OSError):
-                    raise _error("ReadError") from None
-                if not chunk:
-                    break
-                buf += chunk
-            return Response(status, bytes(buf)), False
-        # Bytes after the answer were never asked for: the connection is not clean.
-        return Response(status, body), keep and not leftover
-
-    async def _read_chunked(self, conn: _Conn, buf: bytearray) -> tuple[bytes, bool]:
-        body = bytearray()
-        pos = 0
-        while True:
-            eol = buf.find(b"\r\n", pos)
-            while eol < 0:
-                if len(buf) - pos > 1024:
-                    raise _malformed()
-                buf += await self._receive(conn)
-                eol = buf.find(b"\r\n", pos)
-            size_field = bytes(buf[pos:eol]).split(b";", 1)[0].strip(b" \t")
-            if not _HEX.fullmatch(size_field):
-                raise _malformed()
-            size = int(size_field, 16)
-            pos = eol + 2
-            if size == 0:
-                break
-            if len(body) + size > self._max_body:
-                raise ResponseTooLarge(f"response larger than {self._max_body} bytes")
-            while len(buf) < pos + size + 2:
-                buf += await self._receive(conn)
-            if buf[pos + size : pos + size + 2] != b"\r\n":
-                raise _malformed()
-            body += buf[pos : pos + size]
-            pos += size + 2
-        while True:  # trailer fields, up to the empty line
-            eol = buf.find(b"\r\n", pos)
-            while eol < 0:
-                if len(buf) - pos > MAX_HEAD_BYTES:
-                    raise _malformed()
-                buf += await self._receive(conn)
-                eol = buf.find(b"\r\n", pos)
-            if eol == pos:
-                pos += 2
-                break
-            pos = eol + 2
-        return bytes(body), len(buf) > pos
-
-
-def _parse_head(head: bytes) -> tuple[int, bool, dict[bytes, bytes]]:
-    """Status, whether the connection may be kept, and lower-cased header fields."""
-    lines = head.split(b"\r\n")
-    version, _, rest = lines[0].partition(b" ")
-    code = rest[:3]
-    if (
-        version not in (b"HTTP/1.1", b"HTTP/1.0")
-        or len(code) != 3
-        or not code.isdigit()
-        or rest[3:4] not in (b"", b" ")
-    ):
-        raise _malformed()
-    headers: dict[bytes, bytes] = {}
-    for line in lines[1:]:
-        name, sep, value = line.partition(b":")
-        # An empty or padded name, or a folded continuation line, is not HTTP/1.1.
-        if not sep or not name or name[0] in b" \t" or name[-1] in b" \t":
-            raise _malformed()
-        key = name.lower()
-        value = value.strip(b" \t")
-        seen = headers.get(key)
-        if seen is None:
-            headers[key] = value
-        elif key == b"content-length":
-            if seen != value:
-                raise _malformed()
-        else:
-            headers[key] = seen + b", " + value
-    tokens = {t.strip().lower() for t in headers.get(b"connection", b"").split(b",")}
-    if version == b"HTTP/1.1":
-        keep = b"close" not in tokens
-    else:
-        keep = b"keep-alive" in tokens and b"close" not in tokens
-    return int(code), keep, headers
+            try:
+                chunk = await conn.stream.receive_some(_RECV_BYTES)
+            except (trio.BrokenResourceError, OSError):
+                if first and conn.reused:
+                    raise _Stale from None
+                raise transport_error("ReadError") from None
+            if not chunk:
+                if first and conn.reused:
+                    raise _Stale
+                return parser.feed_eof(), False
+            first = False
+            if parser.feed(chunk):
+                return parser.response, parser.keep_alive

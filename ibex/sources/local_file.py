@@ -45,6 +45,7 @@ import trio
 from ibex.assembly.structs import Directive, InjectionMode, MemoryHit
 from ibex.errors import ConfigError
 from ibex.sources.wire import (
+    DEFAULT_MAX_CONTENT_BYTES,
     Count,
     NonEmptyStr,
     UnitFloat,
@@ -154,18 +155,25 @@ class LocalFileSource:
         memories: dict[tuple[str, str], list[WireMemory]],
         *,
         origin: str = "<memory>",
+        max_content_bytes: int = DEFAULT_MAX_CONTENT_BYTES,
     ) -> None:
+        """Memories whose content is over `max_content_bytes` are served as the HTTP
+        source serves them: content dropped, flagged, excluded as `failed`."""
         self.origin = origin
+        self._max_content_bytes = max_content_bytes
         self._directives = dict(directives)
         self._index = {key: _index(ms) for key, ms in memories.items()}
 
     @classmethod
-    def load(cls, path: str | Path | None = None) -> LocalFileSource:
+    def load(
+        cls, path: str | Path | None = None, *, max_content_bytes: int = DEFAULT_MAX_CONTENT_BYTES
+    ) -> LocalFileSource:
         """Load and validate `path` (None: the bundled sample). Raises LocalFileError."""
+        cap = max_content_bytes
         if path is None:
             ref = resources.files("ibex") / "data" / "sample_memories.json"
             name, data = "ibex/data/sample_memories.json", ref.read_bytes()
-            return cls._from_agents(_parse_json(name, data), origin=name)
+            return cls._from_agents(_parse_json(name, data), origin=name, max_content_bytes=cap)
         p = Path(path)
         try:
             data = p.read_bytes()
@@ -174,10 +182,12 @@ class LocalFileSource:
                 f"{p}: cannot read ({exc.strerror or type(exc).__name__})"
             ) from None
         agents = _parse_jsonl(str(p), data) if p.suffix == ".jsonl" else _parse_json(str(p), data)
-        return cls._from_agents(agents, origin=str(p))
+        return cls._from_agents(agents, origin=str(p), max_content_bytes=cap)
 
     @classmethod
-    def _from_agents(cls, agents: list[LocalAgent], *, origin: str) -> LocalFileSource:
+    def _from_agents(
+        cls, agents: list[LocalAgent], *, origin: str, max_content_bytes: int
+    ) -> LocalFileSource:
         directives: dict[tuple[str, str], Directive] = {}
         memories: dict[tuple[str, str], list[WireMemory]] = {}
         for n, agent in enumerate(agents):
@@ -209,7 +219,7 @@ class LocalFileSource:
             if agent.directive is not None:
                 d = agent.directive
                 directives[key] = Directive(d.content, d.injection_mode, d.version_id)
-        return cls(directives, memories, origin=origin)
+        return cls(directives, memories, origin=origin, max_content_bytes=max_content_bytes)
 
     def __repr__(self) -> str:
         return f"<LocalFileSource {self.origin} agents={len(self._index)}>"
@@ -229,7 +239,8 @@ class LocalFileSource:
             (m for m in idx.memories if m.confidence >= min_confidence),
             key=lambda m: (-m.confidence, m.id),
         )[:limit]
-        return [_hit(m, 0.0, rank, "hot") for rank, m in enumerate(chosen, start=1)]
+        cap = self._max_content_bytes
+        return [_hit(m, 0.0, rank, "hot", cap) for rank, m in enumerate(chosen, start=1)]
 
     async def cold(
         self, org_id: str, agent_id: str, query: str, *, limit: int, min_confidence: float
@@ -249,16 +260,21 @@ class LocalFileSource:
             if sim > 0.0:
                 scored.append((min(1.0, round(sim, 6)), m))
         scored.sort(key=lambda sm: (-sm[0], -sm[1].confidence, sm[1].id))
-        return [_hit(m, s, rank, "cold") for rank, (s, m) in enumerate(scored[:limit], start=1)]
+        cap = self._max_content_bytes
+        return [
+            _hit(m, s, rank, "cold", cap) for rank, (s, m) in enumerate(scored[:limit], start=1)
+        ]
 
     async def aclose(self) -> None:
         await trio.lowlevel.checkpoint()
 
 
-def _hit(m: WireMemory, similarity: float, rank: int, branch: Literal["hot", "cold"]) -> MemoryHit:
+def _hit(
+    m: WireMemory, similarity: float, rank: int, branch: Literal["hot", "cold"], cap: int
+) -> MemoryHit:
     # Built through WireResult so the local path runs the same validation as HTTP.
     return to_hit(
-        WireResult(memory=m, similarity=similarity, rank=rank, source=SOURCE_LABEL), branch
+        WireResult(memory=m, similarity=similarity, rank=rank, source=SOURCE_LABEL), branch, cap
     )
 
 
@@ -269,6 +285,8 @@ def _parse_json(name: str, data: bytes) -> list[LocalAgent]:
         raise LocalFileError(f"{name}: {_where(exc)}") from None
     except msgspec.DecodeError as exc:
         raise LocalFileError(f"{name}: not valid JSON: {exc}") from None
+    except RecursionError:
+        raise LocalFileError(f"{name}: not valid JSON: nested too deeply") from None
 
 
 def _parse_jsonl(name: str, data: bytes) -> list[LocalAgent]:
@@ -284,6 +302,8 @@ def _parse_jsonl(name: str, data: bytes) -> list[LocalAgent]:
             raise LocalFileError(f"{name}:{lineno}: {_where(exc)}") from None
         except msgspec.DecodeError as exc:
             raise LocalFileError(f"{name}:{lineno}: not valid JSON: {exc}") from None
+        except RecursionError:
+            raise LocalFileError(f"{name}:{lineno}: not valid JSON: nested too deeply") from None
     return agents
 
 

@@ -35,11 +35,13 @@ import sniffio
 from ibex.assembly.structs import MemoryHit
 from ibex.sources.base import SourceError
 from ibex.sources.http_pool import HttpPool, PoolStats, TransportError, split_base_url
-from ibex.sources.wire import decode_hits
+from ibex.sources.wire import DEFAULT_MAX_CONTENT_BYTES, decode_hits
 
 HOT_PATH = "/v1/memories/hot"
 SEARCH_PATH = "/v1/memories/search"
-DEFAULT_MAX_RESPONSE_BYTES = 8 * 1024 * 1024
+# A whole answer of the contract's largest page (100 memories at the 32 KiB
+# content cap) is about 3.3 MiB; anything longer is not an answer to our request.
+DEFAULT_MAX_RESPONSE_BYTES = 4 * 1024 * 1024
 USER_AGENT = "ibex-context"
 
 
@@ -65,8 +67,12 @@ class MemoryHttpSource:
         transport_timeout: float = 2.0,
         keepalive_expiry: float = 5.0,
         max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
+        max_content_bytes: int = DEFAULT_MAX_CONTENT_BYTES,
         ssl_context: ssl.SSLContext | None = None,
     ) -> None:
+        """`max_response_bytes` bounds a whole answer (over it the branch fails);
+        `max_content_bytes` one memory's content (over it that memory is dropped
+        and excluded as `failed`; the branch succeeds)."""
         if not base_url.startswith(("http://", "https://")):
             raise ValueError("memory base URL must start with http:// or https://")
         split_base_url(base_url)  # refuse credentials, queries or bad ports now, not at open()
@@ -80,6 +86,7 @@ class MemoryHttpSource:
         self._transport_timeout = transport_timeout
         self._keepalive_expiry = keepalive_expiry
         self._max_response_bytes = max_response_bytes
+        self._max_content_bytes = max_content_bytes
         self._ssl_context = ssl_context
         self._pool: HttpPool | None = None
 
@@ -136,7 +143,7 @@ class MemoryHttpSource:
             f"{HOT_PATH}?agent_id={quote(agent_id, safe='')}&limit={int(limit)}"
             f"&min_confidence={quote(repr(float(min_confidence)), safe='')}"
         )
-        return await self._call("hot", "GET", target, None)
+        return await self._call("hot", "GET", target, None, limit)
 
     async def cold(
         self, org_id: str, agent_id: str, query: str, *, limit: int, min_confidence: float
@@ -145,11 +152,17 @@ class MemoryHttpSource:
         body = _ENCODER.encode(
             _SearchBody(agent_id=agent_id, query=query, limit=limit, min_confidence=min_confidence)
         )
-        return await self._call("cold", "POST", SEARCH_PATH, body)
+        return await self._call("cold", "POST", SEARCH_PATH, body, limit)
 
     async def _call(
-        self, branch: Literal["hot", "cold"], method: str, target: str, body: bytes | None
+        self,
+        branch: Literal["hot", "cold"],
+        method: str,
+        target: str,
+        body: bytes | None,
+        limit: int,
     ) -> list[MemoryHit]:
+        """One call; at most `limit` hits (the number asked for), extra results dropped."""
         _require_trio()
         pool = self._open_pool()
         try:
@@ -158,7 +171,9 @@ class MemoryHttpSource:
             raise SourceError(f"{branch}: {exc}") from None
         if not 200 <= response.status < 300:
             raise SourceError(f"{branch}: HTTP {response.status}")
-        return decode_hits(response.body, branch)
+        return decode_hits(
+            response.body, branch, limit=limit, max_content_bytes=self._max_content_bytes
+        )
 
     def _open_pool(self) -> HttpPool:
         if self._pool is None:

@@ -103,6 +103,8 @@ def decode_directive(raw: bytes) -> Directive:
         env = _decode_envelope(raw)
     except msgspec.DecodeError as exc:
         raise SourceError(_decode_failure(raw, exc)) from None
+    except RecursionError:  # msgspec's depth limit, even inside an ignored key
+        raise SourceError("directive value: malformed JSON (nested too deeply)") from None
     if env.v != ENVELOPE_VERSION:
         raise SourceError(f"directive value: unsupported envelope version {env.v}")
     mode: InjectionMode = "system_first"
@@ -116,7 +118,7 @@ def _decode_failure(raw: bytes, exc: msgspec.DecodeError) -> str:
     """A short, content-free reason. msgspec's messages name only paths and types."""
     try:
         probe = _decode_probe(raw)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         return "directive value: malformed JSON or not an object"
     v = probe.v
     if isinstance(v, int) and not isinstance(v, bool) and v != ENVELOPE_VERSION:

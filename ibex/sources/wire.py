@@ -4,6 +4,14 @@ Both the HTTP source and the local file source validate through these Structs,
 so a memory reaches the pipeline only if every field is inside the contract.
 One bad item fails the whole response: silently dropping or repairing it
 would hide a confused retrieval.
+
+Bounded work (issue 11): only the first `limit` results (the number asked
+for) are validated and turned into hits; the rest are skipped as raw JSON. A
+memory whose content is over `max_content_bytes` (UTF-8) becomes a hit with
+its content dropped and `oversized` set, which the pipeline excludes as
+`failed` without ever counting its tokens: one huge memory must not fail, or
+slow down, the whole branch. JSON nested deeper than msgspec's recursion limit
+is a SourceError like any other malformed body, never a RecursionError.
 """
 
 from __future__ import annotations
@@ -11,7 +19,7 @@ from __future__ import annotations
 import math
 import re
 from datetime import datetime
-from typing import Annotated, Literal
+from typing import Annotated, Final, Literal
 
 import msgspec
 
@@ -22,6 +30,8 @@ NonEmptyStr = Annotated[str, msgspec.Meta(min_length=1)]
 UnitFloat = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
 Rank = Annotated[int, msgspec.Meta(ge=1)]
 Count = Annotated[int, msgspec.Meta(ge=0)]
+
+DEFAULT_MAX_CONTENT_BYTES: Final = 32 * 1024
 
 _RFC3339 = re.compile(
     r"^\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}:\d{2}(?:\.\d+)?(?:[Zz]|[+-]\d{2}:\d{2})$"
@@ -80,25 +90,42 @@ class WireResult(msgspec.Struct, frozen=True):
             raise ValueError("similarity must be finite")
 
 
-class WireData(msgspec.Struct, frozen=True):
-    results: list[WireResult]
+class _RawData(msgspec.Struct, frozen=True):
+    results: list[msgspec.Raw]
 
 
-class WireResponse(msgspec.Struct, frozen=True):
-    data: WireData
+class _RawResponse(msgspec.Struct, frozen=True):
+    data: _RawData
 
 
-_DECODER = msgspec.json.Decoder(WireResponse)
+_ENVELOPE = msgspec.json.Decoder(_RawResponse)
+_RESULT = msgspec.json.Decoder(WireResult)
 
 
-def to_hit(result: WireResult, branch: Literal["hot", "cold"]) -> MemoryHit:
-    """A validated wire result as the pipeline's MemoryHit, tenant fields kept."""
+def content_over(content: str, max_bytes: int) -> bool:
+    """True when content's UTF-8 encoding is longer than max_bytes (encodes only near the cap)."""
+    n = len(content)
+    if n > max_bytes:
+        return True
+    return 4 * n > max_bytes and len(content.encode("utf-8", "surrogatepass")) > max_bytes
+
+
+def to_hit(
+    result: WireResult,
+    branch: Literal["hot", "cold"],
+    max_content_bytes: int = DEFAULT_MAX_CONTENT_BYTES,
+) -> MemoryHit:
+    """A validated wire result as the pipeline's MemoryHit, tenant fields kept.
+
+    Content over `max_content_bytes` is dropped and the hit flagged `oversized`.
+    """
     m = result.memory
+    oversized = content_over(m.content, max_content_bytes)
     return MemoryHit(
         memory_id=m.id,
         org_id=m.org_id,
         agent_id=m.agent_id,
-        content=m.content,
+        content="" if oversized else m.content,
         category=m.category,
         confidence=float(m.confidence),
         similarity=float(result.similarity),
@@ -109,22 +136,52 @@ def to_hit(result: WireResult, branch: Literal["hot", "cold"]) -> MemoryHit:
         usefulness=None if m.usefulness is None else float(m.usefulness),
         access_count=m.access_count,
         tags=m.tags,
+        oversized=oversized,
     )
 
 
-def decode_hits(body: bytes, branch: Literal["hot", "cold"]) -> list[MemoryHit]:
-    """Decode a whole response body or raise SourceError; never a partial list.
+def decode_hits(
+    body: bytes,
+    branch: Literal["hot", "cold"],
+    *,
+    limit: int | None = None,
+    max_content_bytes: int = DEFAULT_MAX_CONTENT_BYTES,
+) -> list[MemoryHit]:
+    """Decode a response body into at most `limit` hits, or raise SourceError; never partial.
 
     msgspec's messages name the JSON path and expected type, never the value,
     so they are safe to carry in the branch detail.
     """
     try:
-        response = _DECODER.decode(body)
+        results = _ENVELOPE.decode(body).data.results
+        if limit is not None:
+            results = results[: max(0, limit)]
+        hits: list[MemoryHit] = []
+        for i, raw in enumerate(results):
+            try:
+                result = _RESULT.decode(raw)
+            except msgspec.ValidationError as exc:
+                text, at = str(exc), f"$.data.results[{i}]"
+                where = (
+                    text.replace("- at `$", f"- at `{at}")
+                    if "- at `$" in text
+                    else f"{text} - at `{at}`"
+                )
+                raise msgspec.ValidationError(where) from None
+            hits.append(to_hit(result, branch, max_content_bytes))
     except msgspec.ValidationError as exc:
         raise SourceError(_detail(f"{branch}: bad response shape: {exc}")) from None
     except msgspec.DecodeError as exc:
         raise SourceError(_detail(f"{branch}: invalid JSON: {exc}")) from None
-    return [to_hit(r, branch) for r in response.data.results]
+    except RecursionError:
+        raise SourceError(f"{branch}: invalid JSON: nested too deeply") from None
+    return hits
+
+
+def _at_item(text: str, i: int) -> str:
+    """An item's error path (`$.memory.id`) as the response's (`$.data.results[i].memory.id`)."""
+    at = f"$.data.results[{i}]"
+    return text.replace("- at `$", f"- at `{at}") if "- at `$" in text else f"{text} - at `{at}`"
 
 
 def _detail(text: str) -> str:

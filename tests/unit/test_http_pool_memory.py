@@ -1,0 +1,215 @@
+"""HttpPool over in-memory streams through its injectable `connect`.
+
+No sockets: each connection is a `trio.testing.memory_stream_pair`, the server
+end answered by a scripted task. What is checked is the pool's side of the
+framing: reuse only after a clean, complete answer; anything else closes the
+connection (synchronously) and never pools it; a reused connection the server
+dropped is re-sent once on a fresh one.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import pytest
+import trio
+import trio.testing
+
+from ibex.sources.http_pool import HttpPool, Link, TransportError
+
+OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+CAP = 10.0
+MemoryStream = trio.StapledStream[trio.testing.MemorySendStream, trio.testing.MemoryReceiveStream]
+
+
+class FlagLink:
+    """Link for a stream without a synchronous close: records that the pool closed it."""
+
+    closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+    def unusable(self) -> bool:
+        return self.closed
+
+
+class MemoryLink:
+    """Link for an in-memory stream: memory streams close synchronously too."""
+
+    def __init__(self, stream: MemoryStream) -> None:
+        self.stream = stream
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+        self.stream.send_stream.close()
+        self.stream.receive_stream.close()
+
+    def unusable(self) -> bool:
+        return self.closed
+
+
+class Harness:
+    """Scripted replies, one per request, on fresh in-memory connections."""
+
+    def __init__(self, nursery: trio.Nursery) -> None:
+        self.nursery = nursery
+        self.replies: deque[bytes | None] = deque()  # None: close without answering
+        self.requests: list[bytes] = []
+        self.links: list[MemoryLink] = []
+
+    async def connect(self) -> tuple[trio.abc.Stream, Link]:
+        client, server = trio.testing.memory_stream_pair()
+        self.nursery.start_soon(self._serve, server)
+        link = MemoryLink(client)
+        self.links.append(link)
+        return client, link
+
+    async def _serve(self, stream: trio.abc.Stream) -> None:
+        buf = b""
+        try:
+            while True:
+                while b"\r\n\r\n" not in buf:
+                    chunk = await stream.receive_some()
+                    if not chunk:
+                        return
+                    buf += chunk
+                head, _, buf = buf.partition(b"\r\n\r\n")
+                self.requests.append(head.split(b"\r\n", 1)[0])
+                reply = self.replies.popleft()
+                if reply is None:
+                    return
+                await stream.send_all(reply)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            return
+        finally:
+            await trio.aclose_forcefully(stream)
+
+    def pool(self, **kw: object) -> HttpPool:
+        args: dict[str, object] = {
+            "headers": {},
+            "max_connections": 2,
+            "keepalive_expiry": 60.0,
+            "timeout": 30.0,
+            "max_response_bytes": 1000,
+        }
+        args.update(kw)
+        return HttpPool("http://memory.test", connect=self.connect, **args)  # type: ignore[arg-type]
+
+
+async def test_a_clean_answer_keeps_the_connection(nursery: trio.Nursery) -> None:
+    h = Harness(nursery)
+    h.replies.extend([OK, OK])
+    pool = h.pool()
+    with trio.fail_after(CAP):
+        assert await pool.request("GET", "/a") == (200, b"ok")
+        assert await pool.request("GET", "/b") == (200, b"ok")
+    assert len(h.links) == 1 and not h.links[0].closed
+    assert h.requests == [b"GET /a HTTP/1.1", b"GET /b HTTP/1.1"]
+    await pool.aclose()
+    assert h.links[0].closed
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nokEXTRA",
+        b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nok",
+    ],
+    ids=["leftover", "connection-close"],
+)
+async def test_an_answer_that_is_not_clean_closes_the_connection(
+    nursery: trio.Nursery, reply: bytes
+) -> None:
+    h = Harness(nursery)
+    h.replies.extend([reply, OK])
+    pool = h.pool()
+    with trio.fail_after(CAP):
+        assert await pool.request("GET", "/a") == (200, b"ok")
+        assert h.links[0].closed and pool.stats().connections == 0
+        assert await pool.request("GET", "/b") == (200, b"ok")
+    assert len(h.links) == 2
+
+
+async def test_protocol_error_closes_and_frees_the_slot(nursery: trio.Nursery) -> None:
+    h = Harness(nursery)
+    h.replies.extend([b"HTTP/1.1 200 OK\r\nX: a\x00\r\nContent-Length: 2\r\n\r\nok", OK])
+    pool = h.pool(max_connections=1)
+    with trio.fail_after(CAP):
+        with pytest.raises(TransportError, match=r"\(RemoteProtocolError\)"):
+            await pool.request("GET", "/a")
+        assert h.links[0].closed
+        assert (pool.stats().connections, pool.stats().leases) == (0, 0)
+        assert await pool.request("GET", "/b") == (200, b"ok")
+
+
+async def test_cancelled_mid_answer_closes_and_never_pools(nursery: trio.Nursery) -> None:
+    h = Harness(nursery)
+    h.replies.extend([b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nhalf", OK])
+    pool = h.pool()
+    with trio.fail_after(CAP):
+        with trio.move_on_after(0.05) as scope:
+            await pool.request("GET", "/a")
+        assert scope.cancelled_caught
+        assert h.links[0].closed
+        stats = pool.stats()
+        assert (stats.connections, stats.leases, stats.in_use) == (0, 0, 0)
+        assert await pool.request("GET", "/b") == (200, b"ok")
+    assert len(h.links) == 2
+
+
+async def test_a_reused_connection_dropped_by_the_server_is_resent_once(
+    nursery: trio.Nursery,
+) -> None:
+    h = Harness(nursery)
+    h.replies.extend([OK, None, OK])
+    pool = h.pool()
+    with trio.fail_after(CAP):
+        assert await pool.request("GET", "/a") == (200, b"ok")
+        assert await pool.request("GET", "/b") == (200, b"ok")
+    assert h.requests == [b"GET /a HTTP/1.1", b"GET /b HTTP/1.1", b"GET /b HTTP/1.1"]
+    assert len(h.links) == 2 and h.links[0].closed
+
+
+async def test_a_fresh_connection_dropped_is_an_error_not_resent(nursery: trio.Nursery) -> None:
+    h = Harness(nursery)
+    h.replies.extend([None, OK])
+    pool = h.pool()
+    with trio.fail_after(CAP):
+        with pytest.raises(TransportError, match=r"\(ReadError\)"):
+            await pool.request("GET", "/a")
+    assert h.requests == [b"GET /a HTTP/1.1"]
+    assert pool.stats().connections == 0
+
+
+async def test_answers_split_anywhere_arrive_whole(nursery: trio.Nursery) -> None:
+    answer = (
+        b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n"
+    )
+    client, server = trio.testing.lockstep_stream_pair()  # every send meets one receive
+
+    link = FlagLink()
+
+    async def connect() -> tuple[trio.abc.Stream, Link]:
+        return client, link
+
+    async def serve() -> None:
+        await server.receive_some()
+        for i in range(len(answer)):
+            await server.send_all(answer[i : i + 1])
+
+    pool = HttpPool(
+        "http://memory.test",
+        headers={},
+        max_connections=1,
+        keepalive_expiry=60.0,
+        timeout=30.0,
+        max_response_bytes=1000,
+        connect=connect,
+    )
+    nursery.start_soon(serve)
+    with trio.fail_after(CAP):
+        assert await pool.request("GET", "/a") == (200, b"hello world")
+    assert pool.stats().idle == 1 and not link.closed

@@ -1,0 +1,217 @@
+"""Bounded work on memory answers (issue 11 items 3 and 8), at the decode and selection level.
+
+- at most `limit` results become hits; the rest are never validated;
+- content over the cap (UTF-8 bytes) is dropped and the hit flagged, and the
+  pipeline excludes it as `failed` without scoring or counting it;
+- JSON nested past msgspec's depth limit, from any source, is a source error.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ibex.assembly.candidates import SearchFilter, rank_search, select_candidates
+from ibex.assembly.structs import AssemblyOptions, AssemblyRequest, MemoryHit
+from ibex.config import Settings, load_settings
+from ibex.sources.base import SourceError
+from ibex.sources.local_file import LocalFileError, LocalFileSource
+from ibex.sources.memory_http import DEFAULT_MAX_RESPONSE_BYTES
+from ibex.sources.redis_directive import decode_directive
+from ibex.sources.wire import DEFAULT_MAX_CONTENT_BYTES, decode_hits
+
+ORG = "00000000-0000-4000-8000-000000000001"
+AGENT = "00000000-0000-4000-8000-0000000000a1"
+NOW = 1_760_000_000.0
+NESTED = b"[" * 100_000
+
+
+def _result(i: int, content: str = "text", **memory: Any) -> dict[str, Any]:
+    m = {
+        "id": f"m{i}",
+        "org_id": ORG,
+        "agent_id": AGENT,
+        "content": content,
+        "category": "factual",
+        "confidence": 0.5,
+        **memory,
+    }
+    return {"memory": m, "similarity": 0.5, "rank": i + 1, "source": "vector"}
+
+
+def _body(*results: dict[str, Any]) -> bytes:
+    return json.dumps({"data": {"results": list(results)}}, ensure_ascii=False).encode()
+
+
+def test_only_the_requested_number_of_results_become_hits() -> None:
+    results = [_result(i) for i in range(50)]
+    results[30]["memory"]["confidence"] = 7.0  # invalid, but past the limit: never looked at
+    hits = decode_hits(_body(*results), "hot", limit=20)
+    assert [h.memory_id for h in hits] == [f"m{i}" for i in range(20)]
+    assert decode_hits(_body(*results), "hot", limit=0) == []
+
+
+def test_a_bad_item_within_the_limit_still_fails_the_answer_naming_its_path() -> None:
+    results = [_result(i) for i in range(5)]
+    results[2]["memory"]["confidence"] = 7.0
+    with pytest.raises(SourceError, match=r"\$\.data\.results\[2\]\.memory\.confidence"):
+        decode_hits(_body(*results), "cold", limit=5)
+    results[2] = _result(2)
+    del results[2]["memory"]["id"]
+    with pytest.raises(SourceError, match=r"missing required field `id`.*results\[2\]"):
+        decode_hits(_body(*results), "cold", limit=5)
+
+
+@pytest.mark.parametrize(
+    ("content", "oversized"),
+    [
+        ("a" * 100, False),
+        ("a" * 101, True),
+        ("é" * 50, False),  # 100 bytes in UTF-8
+        ("é" * 50 + "a", True),
+        ("😀" * 25, False),  # 4 bytes each
+        ("😀" * 25 + "a", True),
+    ],
+)
+def test_content_cap_is_in_utf8_bytes(content: str, oversized: bool) -> None:
+    (hit,) = decode_hits(_body(_result(0, content)), "hot", limit=1, max_content_bytes=100)
+    assert hit.oversized is oversized
+    assert hit.content == ("" if oversized else content)
+    assert hit.memory_id == "m0"
+
+
+def test_a_huge_memory_is_flagged_and_its_neighbours_kept() -> None:
+    body = _body(_result(0), _result(1, "x" * 4_000_000), _result(2))
+    hits = decode_hits(body, "hot", limit=20)
+    assert [(h.memory_id, h.oversized, len(h.content)) for h in hits] == [
+        ("m0", False, 4),
+        ("m1", True, 0),
+        ("m2", False, 4),
+    ]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        NESTED,
+        b'{"data": {"results": []}, "extra": ' + NESTED,
+        b'{"data": {"results": [' + NESTED,
+        b'{"data": {"results": [{"memory": {"tags": ' + NESTED,
+    ],
+    ids=["top", "ignored key", "inside results", "inside a memory"],
+)
+def test_deeply_nested_json_is_a_source_error(body: bytes) -> None:
+    with pytest.raises(SourceError, match=r"^hot: (invalid JSON|bad response shape)"):
+        decode_hits(body, "hot", limit=20)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        NESTED,
+        b'{"v": 1, "content": "x", "extra": ' + NESTED,
+        b'{"v": ' + NESTED,
+        b'{"content": 5, "v": ' + NESTED,
+    ],
+    ids=["top", "ignored key", "version", "version on the error path"],
+)
+def test_deeply_nested_directive_is_a_source_error(raw: bytes) -> None:
+    with pytest.raises(SourceError, match=r"^directive value: malformed JSON"):
+        decode_directive(raw)
+
+
+@pytest.mark.parametrize(
+    ("name", "data"),
+    [
+        ("mem.json", NESTED),
+        ("mem.json", b'{"version": 1, "agents": [], "x": ' + NESTED),
+        ("mem.json", b'{"version": 1, "agents": [{"memories": [{"tags": ' + NESTED),
+        ("mem.jsonl", b'{"org_id": "o", "agent_id": "a", "memories": ' + NESTED + b"\n"),
+    ],
+)
+def test_deeply_nested_local_file_is_a_load_error(tmp_path: Path, name: str, data: bytes) -> None:
+    # The local file's types are closed (unknown keys refused), so msgspec stops
+    # at the first wrong shape; the RecursionError guard is there all the same.
+    path = tmp_path / name
+    path.write_bytes(data)
+    with pytest.raises(LocalFileError, match=name.replace(".", r"\.")):
+        LocalFileSource.load(path)
+
+
+async def test_local_file_applies_the_content_cap(tmp_path: Path) -> None:
+    agent = {
+        "org_id": ORG,
+        "agent_id": AGENT,
+        "memories": [
+            {"id": "small", "content": "deploy billing", "category": "factual", "confidence": 0.9},
+            {"id": "big", "content": "deploy " * 40, "category": "factual", "confidence": 0.8},
+        ],
+    }
+    path = tmp_path / "mem.json"
+    path.write_text(json.dumps({"version": 1, "agents": [agent]}))
+    source = LocalFileSource.load(path, max_content_bytes=100)
+    hot = await source.hot(ORG, AGENT, limit=10, min_confidence=0.0)
+    assert [(h.memory_id, h.oversized, h.content) for h in hot] == [
+        ("small", False, "deploy billing"),
+        ("big", True, ""),
+    ]
+    cold = await source.cold(ORG, AGENT, "deploy", limit=10, min_confidence=0.0)
+    assert {h.memory_id: h.oversized for h in cold} == {"small": False, "big": True}
+    assert len(await source.hot(ORG, AGENT, limit=1, min_confidence=0.0)) == 1
+
+
+def _hit(mid: str, *, oversized: bool = False, branch: str = "hot", org: str = ORG) -> MemoryHit:
+    return MemoryHit(
+        memory_id=mid,
+        org_id=org,
+        agent_id=AGENT,
+        content="" if oversized else "The billing service deploys from main.",
+        category="factual",
+        confidence=0.9,
+        similarity=0.9,
+        rank=1,
+        branch=branch,  # type: ignore[arg-type]
+        oversized=oversized,
+    )
+
+
+def test_an_oversized_hit_is_excluded_failed_once_and_never_scored() -> None:
+    request = AssemblyRequest(
+        agent_id=AGENT, org_id=ORG, query="deploy", model="gpt-4o", options=AssemblyOptions()
+    )
+    hot = [_hit("big", oversized=True), _hit("ok")]
+    cold = [_hit("big", oversized=True, branch="cold"), _hit("other", org="someone-else")]
+    ranked, excluded = select_candidates(request, hot, cold, NOW)
+    assert [m.memory_id for m in ranked] == ["ok"]
+    assert sorted((m.memory_id, m.exclusion) for m in excluded) == [
+        ("big", "failed"),
+        ("other", "filter"),
+    ]
+    big = next(m for m in excluded if m.memory_id == "big")
+    assert big.composite_score == 0.0
+
+
+def test_search_never_returns_an_oversized_hit() -> None:
+    flt = SearchFilter(org_id=ORG, agent_id=AGENT, limit=10)
+    found = rank_search([_hit("big", oversized=True), _hit("ok")], flt, NOW)
+    assert [h.hit.memory_id for h in found.hits] == ["ok"]
+    assert found.own_candidates == 2
+
+
+def test_settings_for_the_caps() -> None:
+    assert Settings().memory_max_content_bytes == DEFAULT_MAX_CONTENT_BYTES == 32 * 1024
+    assert Settings().memory_max_response_bytes == DEFAULT_MAX_RESPONSE_BYTES == 4 * 1024 * 1024
+    s = load_settings(
+        {
+            "IBEX_CONTEXT_MEMORY_MAX_CONTENT_BYTES": "1000",
+            "IBEX_CONTEXT_MEMORY_MAX_RESPONSE_BYTES": "2048",
+        }
+    )
+    assert (s.memory_max_content_bytes, s.memory_max_response_bytes) == (1000, 2048)
+    with pytest.raises(Exception, match="IBEX_CONTEXT_MEMORY_MAX_CONTENT_BYTES"):
+        load_settings({"IBEX_CONTEXT_MEMORY_MAX_CONTENT_BYTES": "0"})
+    with pytest.raises(Exception, match="IBEX_CONTEXT_MEMORY_MAX_RESPONSE_BYTES"):
+        load_settings({"IBEX_CONTEXT_MEMORY_MAX_RESPONSE_BYTES": "lots"})
