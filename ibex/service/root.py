@@ -30,6 +30,7 @@ from ibex.ops.metrics import Metrics
 from ibex.service.admission import AdmissionConfig
 from ibex.service.assembler import Assembler
 from ibex.service.auth import Authenticator, is_loopback, split_addr
+from ibex.service.connections import ConnectionsConfig, default_max_connections
 from ibex.service.daemon import Daemon, DaemonConfig
 from ibex.service.handlers import EdgeConfig
 from ibex.sources.base import DirectiveSource, MemorySource
@@ -89,6 +90,20 @@ def admission_config(settings: Settings) -> AdmissionConfig:
 def edge_config(settings: Settings) -> EdgeConfig:
     return EdgeConfig(
         max_message_bytes=settings.max_message_bytes, max_text_bytes=settings.max_text_bytes
+    )
+
+
+def connections_config(settings: Settings) -> ConnectionsConfig:
+    """Connection limits; the cap's default is computed from RLIMIT_NOFILE at start-up."""
+    return ConnectionsConfig(
+        max_connections=settings.max_connections or default_max_connections(),
+        idle_timeout=settings.connection_idle_timeout,
+        max_age=settings.max_connection_age,
+        age_grace=(
+            settings.max_connection_age_grace
+            if settings.max_connection_age_grace is not None
+            else settings.drain_grace
+        ),
     )
 
 
@@ -212,7 +227,13 @@ def make_daemon(
     """A serving process built from settings; `Daemon.serve` loads and opens everything."""
     host, port = split_addr(settings.grpc_addr)
     return Daemon(
-        DaemonConfig(host=host, port=port, reuse_port=reuse_port, drain_grace=settings.drain_grace),
+        DaemonConfig(
+            host=host,
+            port=port,
+            reuse_port=reuse_port,
+            drain_grace=settings.drain_grace,
+            connections=connections_config(settings),
+        ),
         open_assembler=lambda: open_assembler(settings),
         authenticator=authenticator(settings),
         admission=admission_config(settings),
