@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import ipaddress
 import math
 import os
 import re
@@ -181,6 +182,27 @@ def _list(raw: str) -> tuple[str, ...]:
     return tuple(p.strip() for p in raw.split(",") if p.strip())
 
 
+_SAN_PREFIX = re.compile(r"^(dns|uri|email|ip):(.+)$", re.IGNORECASE | re.DOTALL)
+
+
+def _sans(name: str, raw: str) -> tuple[str, ...]:
+    """`DNS:name`, `URI:...`, `email:...`, `IP:addr` or a bare DNS name, comma-separated."""
+    entries = _list(raw)
+    for entry in entries:
+        m = _SAN_PREFIX.match(entry)
+        if m is None and ":" in entry:
+            raise ConfigError(
+                f"{name}: {entry!r}: prefix the type (DNS:, URI:, email: or IP:); "
+                "a bare entry is a DNS name"
+            )
+        if m is not None and m.group(1).lower() == "ip":
+            try:
+                ipaddress.ip_address(m.group(2).strip())
+            except ValueError:
+                raise ConfigError(f"{name}: {entry!r} is not an IP address") from None
+    return entries
+
+
 def _url(name: str, raw: str, schemes: tuple[str, ...]) -> str:
     value = raw.strip()
     scheme = value.split("://", 1)[0].lower() if "://" in value else ""
@@ -300,7 +322,7 @@ def load_settings(
                 )
         kw["auth_tokens_sha256"] = hashes
     if (raw := get("TLS_ALLOWED_SANS")) is not None:
-        kw["tls_allowed_sans"] = _list(raw)
+        kw["tls_allowed_sans"] = _sans(PREFIX + "TLS_ALLOWED_SANS", raw)
     if (raw := get("ALLOW_INSECURE")) is not None:
         kw["allow_insecure"] = _bool(PREFIX + "ALLOW_INSECURE", raw)
     if (raw := get("LOG_LEVEL")) is not None:
