@@ -26,9 +26,7 @@ import trio
 import trio_asyncio
 from grpclib.health.check import ServiceStatus
 from grpclib.health.service import Health
-from grpclib.reflection.service import ServerReflection
 
-from ibex._proto.google_proto_descriptor_pool import default_google_proto_descriptor_pool
 from ibex.assembly.tokens import Tokenizers
 from ibex.ops.metrics import Metrics
 from ibex.ops.sdnotify import Notifier, run_watchdog
@@ -38,6 +36,7 @@ from ibex.service.auth import Authenticator
 from ibex.service.connections import Connections, ConnectionsConfig, LoopErrorHandler
 from ibex.service.grpc_shim import bound_port, stop_accepting, track_connections
 from ibex.service.handlers import ContextService, EdgeConfig
+from ibex.service.reflection import with_reflection
 
 log = logging.getLogger(__name__)
 
@@ -88,9 +87,7 @@ class Daemon:
             config=self.edge,
         )
         health = Health({service: [self.health_status]})
-        services: list[Any] = [service, health]
-        services = ServerReflection.extend(services, pool=default_google_proto_descriptor_pool)
-        return grpclib.server.Server(services)
+        return grpclib.server.Server(with_reflection([service, health], self.auth))
 
     async def serve(
         self,
