@@ -131,7 +131,14 @@ def redact_url(value: str) -> str:
                 f"{k}=<redacted>" if _SECRET_QUERY.search(k) else urllib.parse.urlencode({k: v})
                 for k, v in pairs
             )
-        return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+        # Not urlunsplit: it drops the empty authority of `unix:///path`.
+        head = f"{parts.scheme}://{netloc}" if "://" in value else netloc
+        return (
+            head
+            + parts.path
+            + (f"?{query}" if query else "")
+            + (f"#{parts.fragment}" if parts.fragment else "")
+        )
     except ValueError:
         return "<redacted>"
 
