@@ -19,8 +19,18 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import hpack
 import pytest
 import trio
+from hyperframe.frame import (
+    DataFrame,
+    Frame,
+    GoAwayFrame,
+    HeadersFrame,
+    PingFrame,
+    RstStreamFrame,
+    SettingsFrame,
+)
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.grpcio_stubs import context_pb2, context_pb2_grpc
@@ -354,3 +364,86 @@ def wait_for_served(metrics_port: int, timeout: float = 20.0) -> None:
     while count_served(metrics_port) == 0:
         assert time.monotonic() < deadline
         time.sleep(0.05)
+
+
+async def test_after_the_final_goaway_new_streams_are_refused_and_taken_ones_finish() -> None:
+    """Raw HTTP/2 (a client that ignores GOAWAY): the two-step GOAWAY on the wire, a stream
+    opened after the final one gets REFUSED_STREAM, the stream taken before it completes."""
+    async with running_daemon() as d:
+
+        def client() -> dict[str, Any]:
+            encoder, decoder = hpack.Encoder(), hpack.Decoder()
+            sock = socket.create_connection(("127.0.0.1", d.port), timeout=20)
+            reader = FrameReader(sock)
+            sock.sendall(PREFACE + SettingsFrame(0).serialize())
+
+            def open_stream(stream_id: int) -> None:
+                block = encoder.encode(
+                    [
+                        (":method", "POST"),
+                        (":scheme", "http"),
+                        (":path", "/grpc.health.v1.Health/Check"),
+                        (":authority", "localhost"),
+                        ("content-type", "application/grpc"),
+                        ("te", "trailers"),
+                    ]
+                )
+                sock.sendall(HeadersFrame(stream_id, block, flags=["END_HEADERS"]).serialize())
+
+            open_stream(1)  # the request message is held back: the call stays in flight
+            while not any(c.open_streams() for c in list(d.daemon.connections._conns)):
+                time.sleep(0.01)
+            trio.from_thread.run_sync(d.daemon.connections.goaway_all, 10.0)
+            seen: dict[str, Any] = {"goaways": [], "rst": {}, "status": {}}
+            while len(seen["goaways"]) < 2:
+                frame = reader.next()
+                if isinstance(frame, GoAwayFrame):
+                    seen["goaways"].append(frame.last_stream_id)
+                elif isinstance(frame, PingFrame) and "ACK" not in frame.flags:
+                    seen["ping"] = frame.opaque_data
+                    sock.sendall(PingFrame(0, frame.opaque_data, flags=["ACK"]).serialize())
+            open_stream(3)  # after the final GOAWAY
+            sock.sendall(DataFrame(1, b"\x00" * 5, flags=["END_STREAM"]).serialize())
+            while (frame := reader.next()) is not None:
+                if isinstance(frame, RstStreamFrame):
+                    seen["rst"][frame.stream_id] = frame.error_code
+                elif isinstance(frame, HeadersFrame):
+                    headers = dict(decoder.decode(frame.data))
+                    if "grpc-status" in headers:
+                        seen["status"][frame.stream_id] = headers["grpc-status"]
+            sock.close()
+            return seen
+
+        with trio.fail_after(60):
+            seen = await in_thread(client)
+            await d.daemon.connections.wait_closed()
+    assert seen["goaways"] == [2**31 - 1, 1]
+    assert seen["ping"] == b"ibex-bye"
+    assert seen["rst"] == {3: 7}  # REFUSED_STREAM: safe for the client to retry elsewhere
+    assert seen["status"] == {1: "0"}  # the call taken before the final GOAWAY finished OK
+
+
+class FrameReader:
+    """HTTP/2 frames from a socket, one at a time; None at EOF."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buf = b""
+
+    def _fill(self, n: int) -> bool:
+        while len(self.buf) < n:
+            chunk = self.sock.recv(65536)
+            if not chunk:
+                return False
+            self.buf += chunk
+        return True
+
+    def next(self) -> Any:
+        if not self._fill(9):
+            return None
+        frame, length = Frame.parse_frame_header(memoryview(self.buf[:9]))
+        if not self._fill(9 + length):
+            return None
+        frame.parse_body(memoryview(self.buf[9 : 9 + length]))
+        self.buf = self.buf[9 + length :]
+        return frame
