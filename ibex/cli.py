@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from ibex.config import ConfigError, Settings, load_settings
+from ibex.config import ConfigError, Settings, load_settings, unknown_variables
 
 SAMPLE_ORG = "00000000-0000-4000-8000-000000000001"
 SAMPLE_AGENT = "00000000-0000-4000-8000-0000000000a1"
@@ -39,6 +39,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             return 2
         settings = _replace(settings, workers=args.workers)
     configure_logging(settings.log_level)
+    if not args.worker:  # the supervisor already said it for its workers
+        _warn_unknown_variables()
     # /metrics exposition is ~1.25 ms of pure Python per scrape: served by a supervisor
     # process (multiprocess mode) whenever it is on, so a scrape never pauses calls.
     if (settings.workers > 1 or settings.metrics_addr) and not args.worker:
@@ -66,6 +68,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"ibex: configuration error: {error}", file=sys.stderr)
         return 2
     return 0
+
+
+def _warn_unknown_variables() -> None:
+    """A typo in a setting's name would otherwise leave that setting at its default unseen."""
+    for name, closest in unknown_variables():
+        log.warning("unknown_setting", extra={"variable": name, "closest": closest})
 
 
 def _startup_error(exc: BaseException) -> BaseException | None:
@@ -192,8 +200,13 @@ def cmd_check(args: argparse.Namespace) -> int:
     from ibex.sources.local_file import LocalFileError, LocalFileSource
 
     settings = _settings()
-    ok = True
-    print("settings: ok")
+    unknown = unknown_variables()
+    ok = not unknown
+    for name, closest in unknown:
+        hint = f" (did you mean {closest}?)" if closest else ""
+        print(f"settings: warning: unknown variable {name}{hint}")
+    if not unknown:
+        print("settings: ok")
     try:
         warning = check_bind_policy(settings)
         server_ssl_context(settings)

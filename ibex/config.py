@@ -6,9 +6,13 @@ reading code; secret values are never echoed back.
 
 from __future__ import annotations
 
+import contextlib
+import difflib
+import ipaddress
 import math
 import os
 import re
+import urllib.parse
 from collections.abc import Mapping
 from typing import Any
 
@@ -16,10 +20,23 @@ import msgspec
 
 from ibex.errors import ConfigError
 
-__all__ = ["PREFIX", "ConfigError", "Settings", "load_settings", "parse_duration"]
+__all__ = [
+    "PREFIX",
+    "ConfigError",
+    "Settings",
+    "known_variables",
+    "load_settings",
+    "parse_duration",
+    "redact_url",
+    "unknown_variables",
+]
 
 PREFIX = "IBEX_CONTEXT_"
 SECRET_FIELDS = frozenset({"memory_api_token", "auth_tokens_sha256"})
+# Variables read outside `load_settings` (the CLI client's token).
+EXTRA_KNOWN = frozenset({"CLIENT_TOKEN"})
+# Query parameters of a URL that carry a secret (redis-py reads `password`).
+_SECRET_QUERY = re.compile(r"pass|secret|token|key|auth", re.IGNORECASE)
 _DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*(ms|s)?\s*$")
 
 
@@ -70,23 +87,69 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     max_text_bytes: int = 1024 * 1024
     max_tool_schemas: int = 128
     drain_grace: float = 10.0
+    max_connections: int | None = None  # None: min(1024, RLIMIT_NOFILE soft - 64) at start-up
+    connection_idle_timeout: float = 300.0
+    max_connection_age: float | None = None
+    max_connection_age_grace: float | None = None  # None: DRAIN_GRACE
     workers: int = 1
     metrics_addr: str | None = None
     log_level: str = "info"
 
     def redacted(self) -> dict[str, Any]:
-        """The settings as a dict with secrets replaced, for `ibex config` and logs."""
+        """The settings as a dict with secrets replaced, for `ibex config` and logs.
+
+        Besides the secret fields, every URL-valued setting loses its userinfo
+        and any password-like query parameter (`redis://:pw@host`,
+        `?password=...`).
+        """
         out: dict[str, Any] = msgspec.structs.asdict(self)
-        for name in SECRET_FIELDS:
-            value = out.get(name)
-            if value:
+        for name, value in out.items():
+            if not value:
+                continue
+            if name in SECRET_FIELDS or "password" in name or name.endswith("_token"):
                 out[name] = "<redacted>" if isinstance(value, str) else ["<redacted>"] * len(value)
+            elif isinstance(value, str) and "://" in value:
+                out[name] = redact_url(value)
+            elif isinstance(value, (tuple, list)):
+                out[name] = [redact_url(v) if isinstance(v, str) else v for v in value]
         return out
 
     @property
     def wall(self) -> float:
         """The server-side retrieval wall: min(TIMEOUT, DEADLINE_MS)."""
         return min(self.timeout, self.deadline)
+
+
+def redact_url(value: str) -> str:
+    """`value` with userinfo and password-like query parameters replaced by `<redacted>`.
+
+    Works on strings that are not URLs too (`host:port` comes back unchanged);
+    anything unparseable is redacted whole rather than echoed.
+    """
+    if "@" not in value and "?" not in value:
+        return value
+    try:
+        parts = urllib.parse.urlsplit(value)
+        netloc = parts.netloc
+        if "@" in netloc:
+            netloc = "<redacted>@" + netloc.rsplit("@", 1)[1]
+        query = parts.query
+        if query:
+            pairs = urllib.parse.parse_qsl(query, keep_blank_values=True)
+            query = "&".join(
+                f"{k}=<redacted>" if _SECRET_QUERY.search(k) else urllib.parse.urlencode({k: v})
+                for k, v in pairs
+            )
+        # Not urlunsplit: it drops the empty authority of `unix:///path`.
+        head = f"{parts.scheme}://{netloc}" if "://" in value else netloc
+        return (
+            head
+            + parts.path
+            + (f"?{query}" if query else "")
+            + (f"#{parts.fragment}" if parts.fragment else "")
+        )
+    except ValueError:
+        return "<redacted>"
 
 
 def parse_duration(name: str, raw: str, *, bare_unit: str = "ms") -> float:
@@ -135,6 +198,27 @@ def _list(raw: str) -> tuple[str, ...]:
     return tuple(p.strip() for p in raw.split(",") if p.strip())
 
 
+_SAN_PREFIX = re.compile(r"^(dns|uri|email|ip):(.+)$", re.IGNORECASE | re.DOTALL)
+
+
+def _sans(name: str, raw: str) -> tuple[str, ...]:
+    """`DNS:name`, `URI:...`, `email:...`, `IP:addr` or a bare DNS name, comma-separated."""
+    entries = _list(raw)
+    for entry in entries:
+        m = _SAN_PREFIX.match(entry)
+        if m is None and ":" in entry:
+            raise ConfigError(
+                f"{name}: {entry!r}: prefix the type (DNS:, URI:, email: or IP:); "
+                "a bare entry is a DNS name"
+            )
+        if m is not None and m.group(1).lower() == "ip":
+            try:
+                ipaddress.ip_address(m.group(2).strip())
+            except ValueError:
+                raise ConfigError(f"{name}: {entry!r} is not an IP address") from None
+    return entries
+
+
 def _url(name: str, raw: str, schemes: tuple[str, ...]) -> str:
     value = raw.strip()
     scheme = value.split("://", 1)[0].lower() if "://" in value else ""
@@ -161,12 +245,22 @@ def _file(name: str, raw: str) -> str:
 _LEVELS = ("debug", "info", "warning", "error")
 
 
-def load_settings(env: Mapping[str, str] | None = None) -> Settings:
-    """Build Settings from the environment, raising ConfigError on the first bad value."""
+def load_settings(
+    env: Mapping[str, str] | None = None, *, _read: set[str] | None = None
+) -> Settings:
+    """Build Settings from the environment, raising ConfigError on the first bad value.
+
+    Every variable is read through `get`, which registers its name: that
+    register is the table of known settings (`known_variables`), so a setting
+    added here is known to the typo check without a second list. Call `get`
+    unconditionally for each variable (validate combinations afterwards).
+    """
     env = os.environ if env is None else env
     kw: dict[str, Any] = {}
 
     def get(suffix: str) -> str | None:
+        if _read is not None:
+            _read.add(suffix)
         value = env.get(PREFIX + suffix)
         return None if value is None or value.strip() == "" else value
 
@@ -189,6 +283,9 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         "DRAIN_GRACE": "drain_grace",
         "REQUEST_READ_TIMEOUT": "request_read_timeout",
         "DIRECTIVE_CACHE_TTL": "directive_cache_ttl",
+        "CONNECTION_IDLE_TIMEOUT": "connection_idle_timeout",
+        "MAX_CONNECTION_AGE": "max_connection_age",
+        "MAX_CONNECTION_AGE_GRACE": "max_connection_age_grace",
     }.items():
         if (raw := get(suffix)) is not None:
             kw[field] = parse_duration(PREFIX + suffix, raw, bare_unit="s")
@@ -212,6 +309,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         "MAX_TEXT_BYTES": ("max_text_bytes", 1, 64 * 1024 * 1024),
         "MAX_TOOL_SCHEMAS": ("max_tool_schemas", 0, 10_000),
         "WORKERS": ("workers", 1, 256),
+        "MAX_CONNECTIONS": ("max_connections", 1, 1_000_000),
     }
     for suffix, (field, lo, hi) in ints.items():
         if (raw := get(suffix)) is not None:
@@ -249,7 +347,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
                 )
         kw["auth_tokens_sha256"] = hashes
     if (raw := get("TLS_ALLOWED_SANS")) is not None:
-        kw["tls_allowed_sans"] = _list(raw)
+        kw["tls_allowed_sans"] = _sans(PREFIX + "TLS_ALLOWED_SANS", raw)
     if (raw := get("ALLOW_INSECURE")) is not None:
         kw["allow_insecure"] = _bool(PREFIX + "ALLOW_INSECURE", raw)
     if (raw := get("LOG_LEVEL")) is not None:
@@ -265,3 +363,25 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     if kw.get("memory_base_url") and not kw.get("memory_api_token"):
         raise ConfigError(f"{PREFIX}MEMORY_API_TOKEN: required when {PREFIX}MEMORY_BASE_URL is set")
     return Settings(**kw)
+
+
+def known_variables(env: Mapping[str, str] | None = None) -> frozenset[str]:
+    """Every `IBEX_CONTEXT_*` name the daemon or the CLI reads."""
+    read: set[str] = set(EXTRA_KNOWN)
+    for probe in ({}, os.environ if env is None else env):
+        # The names read before a bad value still count; the bad value is reported elsewhere.
+        with contextlib.suppress(ConfigError):
+            load_settings(probe, _read=read)
+    return frozenset(PREFIX + suffix for suffix in read)
+
+
+def unknown_variables(env: Mapping[str, str] | None = None) -> list[tuple[str, str | None]]:
+    """`IBEX_CONTEXT_*` variables nothing reads (likely typos), each with the closest known name."""
+    env = os.environ if env is None else env
+    known = known_variables(env)
+    out: list[tuple[str, str | None]] = []
+    for name in sorted(env):
+        if name.startswith(PREFIX) and name not in known:
+            close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
+            out.append((name, close[0] if close else None))
+    return out

@@ -91,7 +91,7 @@ STATUSES: Final = ("success", "timeout", "error", "skipped")
 STAGES: Final = ("budget", "ranking", "packing", "formatting", "total")
 LEVELS: Final = ("L0", "L1", "L2")
 PACK_PATHS: Final = ("dp", "greedy")
-SHED_REASONS: Final = ("in_flight", "queue", "lag", "deadline")
+SHED_REASONS: Final = ("in_flight", "queue")
 
 # Stage work is sub-millisecond to tens of ms; branch latency is bounded by the
 # retrieval wall (~45 ms) but a misconfigured wall should still land in a bucket.
@@ -426,6 +426,30 @@ def _answer(head: bytes, registry: CollectorRegistry) -> bytes:
     )
 
 
+def _capped(
+    handle: Callable[[trio.SocketStream], Awaitable[None]], limit: int
+) -> Callable[[trio.SocketStream], Awaitable[None]]:
+    """`handle` for at most `limit` connections at once; the others are closed unanswered."""
+    open_now = 0
+    refused = 0
+
+    async def capped(stream: trio.SocketStream) -> None:
+        nonlocal open_now, refused
+        if open_now >= limit:
+            refused += 1
+            if refused == 1 or refused % 1000 == 0:
+                log.warning("metrics_connections_refused", extra={"refused": refused})
+            await trio.aclose_forcefully(stream)
+            return
+        open_now += 1
+        try:
+            await handle(stream)
+        finally:
+            open_now -= 1
+
+    return capped
+
+
 def _connection_handler(
     registry: CollectorRegistry, timeout: float
 ) -> Callable[[trio.SocketStream], Awaitable[None]]:
@@ -456,13 +480,17 @@ async def serve_metrics(
     port: int,
     *,
     connection_timeout: float = 10.0,
+    max_connections: int = 16,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``GET /metrics`` over HTTP/1.1 until cancelled; `task_status` gets the bound port.
 
     One request per connection, answered from the Trio loop (no threads);
     `connection_timeout` bounds each connection from accept to the last byte sent, so a
-    stalled client cannot pin a task. Port 0 binds a free port.
+    stalled client cannot pin a task. At most `max_connections` are served at once:
+    a connection past that is closed at once, so idle sockets cannot use up the
+    process's file descriptors; should `accept` still fail (EMFILE), trio's
+    `serve_listeners` logs it and retries after a pause. Port 0 binds a free port.
     """
     registry = metrics.registry if isinstance(metrics, Metrics) else metrics
     listeners = await trio.open_tcp_listeners(port, host=host.strip("[]"))
@@ -474,6 +502,6 @@ async def serve_metrics(
         listeners = listeners[:1]
     bound: int = listeners[0].socket.getsockname()[1]
     log.info("metrics_listening", extra={"host": host, "port": bound})
-    handler = _connection_handler(registry, connection_timeout)
+    handler = _capped(_connection_handler(registry, connection_timeout), max_connections)
     task_status.started(bound)
     await trio.serve_listeners(handler, listeners)

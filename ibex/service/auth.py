@@ -4,7 +4,9 @@ Bearer tokens are configured as SHA-256 hashes (the daemon never holds the
 tokens themselves) and compared in constant time. Mutual TLS is enforced by
 the TLS handshake (CERT_REQUIRED against the client CA); an optional allow-list
 of subject alternative names narrows which client certificates are accepted.
-When both are configured, both are required.
+A SAN matches an entry only when both type and value match (`DNS:` names
+case-insensitively): an email or URI SAN spelled like an allowed DNS name is
+someone else. When both are configured, both are required.
 """
 
 from __future__ import annotations
@@ -30,6 +32,37 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+# Entry prefixes of IBEX_CONTEXT_TLS_ALLOWED_SANS -> the type names `ssl.getpeercert` reports.
+SAN_TYPES = {"dns": "DNS", "uri": "URI", "email": "email", "ip": "IP Address"}
+
+
+def parse_allowed_san(entry: str) -> tuple[str, str]:
+    """`DNS:name`, `URI:...`, `email:...`, `IP:addr` or a bare DNS name -> (type, key)."""
+    kind, sep, value = entry.partition(":")
+    if sep and kind.strip().lower() in SAN_TYPES:
+        san_type = SAN_TYPES[kind.strip().lower()]
+    elif not sep:
+        san_type, value = "DNS", entry
+    else:
+        raise ValueError(f"unknown SAN type {kind!r} (expected DNS:, URI:, email: or IP:)")
+    value = value.strip()
+    if not value:
+        raise ValueError(f"empty SAN value in {entry!r}")
+    return san_type, _san_key(san_type, value)
+
+
+def _san_key(san_type: str, value: str) -> str:
+    """The comparable form of a SAN value of this type."""
+    if san_type == "DNS":
+        return value.strip().rstrip(".").lower()
+    if san_type == "IP Address":
+        return str(ipaddress.ip_address(value.strip()))
+    if san_type == "email":
+        local, at, domain = value.partition("@")
+        return f"{local}{at}{domain.lower()}"
+    return value
+
+
 def split_addr(addr: str) -> tuple[str, int]:
     host, _, port = addr.rpartition(":")
     return host.strip("[]"), int(port)
@@ -46,7 +79,7 @@ class Authenticator:
         mtls: bool = False,
     ) -> None:
         self._hashes = tuple(bytes.fromhex(h) for h in token_hashes)
-        self._sans = frozenset(allowed_sans)
+        self._sans = frozenset(parse_allowed_san(s) for s in allowed_sans)
         self.mtls = mtls
 
     @property
@@ -61,7 +94,11 @@ class Authenticator:
                 raise AuthError("a client certificate is required")
             sans = [v for _, v in peer_cert.get("subjectAltName", ())]
             if self._sans:
-                allowed = [s for s in sans if s in self._sans]
+                allowed = [
+                    v
+                    for t, v in peer_cert.get("subjectAltName", ())
+                    if _san_allowed(t, v, self._sans)
+                ]
                 if not allowed:
                     raise AuthError("client certificate identity is not allowed")
                 identity = f"san:{allowed[0]}"
@@ -78,6 +115,13 @@ class Authenticator:
                 raise AuthError("invalid bearer token")
             identity = f"token:{self._hashes[matched.index(True)].hex()[:12]}"
         return identity
+
+
+def _san_allowed(san_type: str, value: str, allowed: frozenset[tuple[str, str]]) -> bool:
+    try:
+        return (san_type, _san_key(san_type, value)) in allowed
+    except ValueError:
+        return False  # a malformed IP SAN matches nothing
 
 
 def check_principal(principal: Any, org_id: str, agent_id: str, now: float | None = None) -> None:

@@ -1,8 +1,9 @@
 """One serving process: grpclib on a trio-asyncio loop, health, reflection, drain.
 
-Shutdown drains: stop listening, mark health NOT_SERVING, refuse new RPCs on
-open connections with UNAVAILABLE, let in-flight calls finish within the grace
-period, then close. `Server.close()` alone would cancel in-flight calls.
+Shutdown drains: stop listening, mark health NOT_SERVING, send every open
+connection GOAWAY (grpc-go's two-step form: the client moves new calls to
+another connection, see `connections`), let in-flight calls finish within the
+grace period, then close. `Server.close()` alone would cancel in-flight calls.
 
 The daemon is assembled by the composition root (`ibex.service.root`); it
 reads no settings itself.
@@ -24,17 +25,22 @@ import trio
 import trio_asyncio
 from grpclib.health.check import ServiceStatus
 from grpclib.health.service import Health
-from grpclib.reflection.service import ServerReflection
 
-from ibex._proto.google_proto_descriptor_pool import default_google_proto_descriptor_pool
 from ibex.assembly.tokens import Tokenizers
 from ibex.ops.metrics import Metrics
 from ibex.ops.sdnotify import Notifier, run_watchdog
 from ibex.service.admission import Admission, AdmissionConfig
 from ibex.service.assembler import Assembler
 from ibex.service.auth import Authenticator
-from ibex.service.grpc_shim import answer_expired_deadlines, bound_port, stop_accepting
+from ibex.service.connections import Connections, ConnectionsConfig, LoopErrorHandler
+from ibex.service.grpc_shim import (
+    answer_expired_deadlines,
+    bound_port,
+    stop_accepting,
+    track_connections,
+)
 from ibex.service.handlers import ContextService, EdgeConfig
+from ibex.service.reflection import with_reflection
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +50,7 @@ class DaemonConfig(msgspec.Struct, frozen=True):
     port: int = 9092
     reuse_port: bool = False
     drain_grace: float = 10.0
+    connections: ConnectionsConfig = ConnectionsConfig()
 
 
 class Daemon:
@@ -70,6 +77,8 @@ class Daemon:
         self._ssl_context = ssl_context
         self._startup_warning = startup_warning
         self.health_status = ServiceStatus()
+        self.connections = Connections(config.connections)
+        self.loop_errors = LoopErrorHandler()
         self.server: grpclib.server.Server | None = None
         self.port: int | None = None
 
@@ -82,9 +91,7 @@ class Daemon:
             config=self.edge,
         )
         health = Health({service: [self.health_status]})
-        services: list[Any] = [service, health]
-        services = ServerReflection.extend(services, pool=default_google_proto_descriptor_pool)
-        return grpclib.server.Server(services)
+        return grpclib.server.Server(with_reflection([service, health], self.auth))
 
     async def serve(
         self,
@@ -118,11 +125,13 @@ class Daemon:
         answer_expired_deadlines()
         notifier = notifier or Notifier.from_env()
         shutdown = shutdown if shutdown is not None else trio.Event()
-        async with trio_asyncio.open_loop(), self._open_assembler() as assembler:
+        async with trio_asyncio.open_loop() as loop, self._open_assembler() as assembler:
+            loop.set_exception_handler(self.loop_errors)
             tokenizers = assembler.tokenizers
             self.metrics.set_token_cache_source(lambda: _cache_totals(tokenizers))
             server = self.build_server(assembler)
             self.server = server
+            track_connections(server, self.connections)
             # Start-up objects (catalog, rank tables, modules) live for the process:
             # move them out of the collector's reach so a full collection cannot
             # stall the loop for tens of milliseconds inside a 5 ms branch budget.
@@ -150,6 +159,7 @@ class Daemon:
             task_status.started(self.port)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(run_watchdog, notifier)
+                nursery.start_soon(self.connections.run)
                 nursery.start_soon(_wait_signal, signals, shutdown)
                 await shutdown.wait()
                 notifier.stopping()
@@ -159,15 +169,28 @@ class Daemon:
             log.info("stopped", extra={"in_flight": self.state.in_flight})
 
     async def drain(self, server: grpclib.server.Server) -> None:
-        """Stop listening, refuse new RPCs, wait for in-flight ones, then close."""
-        self.state.draining = True
+        """Stop listening, GOAWAY every connection, wait for in-flight calls, then close.
+
+        Calls that reach a connection before its final GOAWAY are served;
+        later streams are refused with REFUSED_STREAM, which clients retry on
+        another connection. Only calls still running at the grace are cut.
+        """
         self.health_status.set(False)
-        log.info("draining", extra={"in_flight": self.state.in_flight})
+        log.info(
+            "draining",
+            extra={"in_flight": self.state.in_flight, "connections": self.connections.count},
+        )
         stop_accepting(server)
+        self.connections.goaway_all(self.config.drain_grace)
         with trio.move_on_after(self.config.drain_grace) as scope:
+            await self.connections.wait_closed()
             await trio_asyncio.aio_as_trio(self.state.idle.wait)()
         if scope.cancelled_caught:
-            log.warning("drain_grace_expired", extra={"in_flight": self.state.in_flight})
+            log.warning(
+                "drain_grace_expired",
+                extra={"in_flight": self.state.in_flight, "connections": self.connections.count},
+            )
+        self.state.draining = True
         server.close()
         await trio_asyncio.aio_as_trio(server.wait_closed)()
 

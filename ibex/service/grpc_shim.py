@@ -1,10 +1,11 @@
 """Everything that touches grpclib's private attributes, in one module.
 
 grpclib (0.4) has no public way to bound a request's size before it is
-buffered, to learn the bound port, or to stop accepting connections while
-existing ones keep serving. Each of those reaches into a private attribute;
-they live here so a grpclib upgrade is checked in one place
-(tests/integration/test_grpc_ops.py exercises every function below).
+buffered, to learn the bound port, to stop accepting connections while
+existing ones keep serving, or to see and close its connections. Each of
+those reaches into a private attribute; they live here so a grpclib upgrade
+is checked in one place (tests/integration/test_grpc_ops.py and
+test_connections.py exercise every function below).
 """
 
 from __future__ import annotations
@@ -14,13 +15,22 @@ import struct
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import grpclib.server
 import grpclib.utils
 from grpclib.metadata import Deadline
+from grpclib.protocol import H2Protocol
+from h2.errors import ErrorCodes
+from h2.events import PingAckReceived, RequestReceived
+from h2.exceptions import ProtocolError
+from hyperframe.frame import GoAwayFrame
 
 from ibex.errors import InputError, TooLargeError, Unimplemented
+from ibex.service.connections import Connections
+
+MAX_STREAM_ID = 2**31 - 1
+GOAWAY_PING = b"ibex-bye"  # 8 bytes of PING payload marking the drain's heads-up
 
 
 async def recv_bounded(stream: grpclib.server.Stream[Any, Any], limit: int) -> Any:
@@ -88,3 +98,108 @@ def _deadline_start(self: grpclib.utils.DeadlineWrapper, deadline: Deadline) -> 
 def answer_expired_deadlines() -> None:
     """Install `_deadline_start` (idempotent; grpclib 0.4's DeadlineWrapper)."""
     grpclib.utils.DeadlineWrapper.start = _deadline_start  # type: ignore[method-assign]
+
+
+def track_connections(server: grpclib.server.Server, connections: Connections) -> None:
+    """Route every connection `server` accepts through `connections` (call before `start`).
+
+    `Server.start` builds protocols with `self._protocol_factory`; an instance
+    attribute of that name wins over the method, so each accepted socket gets a
+    `_TrackedProtocol` carrying the same grpclib handler.
+    """
+    original = server._protocol_factory
+
+    def factory() -> H2Protocol:
+        base = original()
+        return _TrackedProtocol(base.handler, base.config, base.h2_config, connections)
+
+    server._protocol_factory = factory  # type: ignore[method-assign]
+
+
+class _TrackedProtocol(H2Protocol):
+    """grpclib's protocol plus admission, activity reports and a two-step GOAWAY."""
+
+    _refused = False
+    _last_stream_id: int | None = None  # set by the final GOAWAY: later streams are refused
+
+    def __init__(self, handler: Any, config: Any, h2_config: Any, connections: Connections):
+        super().__init__(handler, config, h2_config)
+        self._connections = connections
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if not self._connections.admit(self):
+            # Over the cap: release the fd at once, before any HTTP/2 work.
+            self._refused = True
+            self.handler.close()  # lets grpclib forget the handler
+            cast(asyncio.Transport, transport).abort()
+            return
+        super().connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
+        # grpclib's own body, with two hooks on the events (see its H2Protocol.data_received).
+        try:
+            events = self.connection.feed(data)
+        except ProtocolError:
+            self.processor.close("Protocol error")
+            return
+        self.connection.flush()
+        h2 = self.connection._connection
+        for event in events:
+            if isinstance(event, RequestReceived) and self._refuse(event.stream_id):
+                h2.reset_stream(event.stream_id, ErrorCodes.REFUSED_STREAM)
+                continue
+            if isinstance(event, PingAckReceived) and event.ping_data == GOAWAY_PING:
+                self._connections.acked(self)
+            self.processor.process(event)
+        self.connection.flush()
+        self._connections.active(self)
+
+    def _refuse(self, stream_id: int | None) -> bool:
+        return (
+            self._last_stream_id is not None
+            and stream_id is not None
+            and stream_id > self._last_stream_id
+        )
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if self._refused:
+            return
+        self._connections.closed(self)
+        super().connection_lost(exc)
+
+    # -- the `connections.Conn` interface ------------------------------------------------------
+
+    def open_streams(self) -> int:
+        processor = getattr(self, "processor", None)
+        return len(processor.streams) if processor is not None else 0
+
+    def _write_goaway(self, last_stream_id: int) -> None:
+        # Not h2's close_connection: that moves h2 to CLOSED, after which the
+        # in-flight streams could not send their responses.
+        if self.connection.is_closing():
+            return
+        self.connection.flush()
+        frame = GoAwayFrame(stream_id=0, last_stream_id=last_stream_id, error_code=0)
+        self.connection._transport.write(frame.serialize())
+
+    def goaway_heads_up(self) -> None:
+        self._write_goaway(MAX_STREAM_ID)
+        if not self.connection.is_closing():
+            self.connection._connection.ping(GOAWAY_PING)
+            self.connection.flush()
+
+    def goaway_final(self) -> None:
+        self._last_stream_id = self.connection._connection.highest_inbound_stream_id
+        self._write_goaway(self._last_stream_id)
+
+    def close_idle(self) -> None:
+        if not self.connection.is_closing():
+            self.connection._connection.close_connection()
+            self.connection.flush()
+        self.close()
+
+    def close(self) -> None:
+        if not self.connection.is_closing():
+            self.connection._transport.close()

@@ -30,6 +30,7 @@ from ibex.ops.metrics import Metrics
 from ibex.service.admission import AdmissionConfig
 from ibex.service.assembler import Assembler
 from ibex.service.auth import Authenticator, is_loopback, split_addr
+from ibex.service.connections import ConnectionsConfig, default_max_connections
 from ibex.service.daemon import Daemon, DaemonConfig
 from ibex.service.handlers import EdgeConfig
 from ibex.sources.base import DirectiveSource, MemorySource
@@ -102,6 +103,20 @@ def directive_cache_config(settings: Settings) -> DirectiveCacheConfig:
         max_entries=settings.directive_cache_entries,
         max_bytes=settings.directive_cache_bytes,
         ttl=settings.directive_cache_ttl,
+    )
+
+
+def connections_config(settings: Settings) -> ConnectionsConfig:
+    """Connection limits; the cap's default is computed from RLIMIT_NOFILE at start-up."""
+    return ConnectionsConfig(
+        max_connections=settings.max_connections or default_max_connections(),
+        idle_timeout=settings.connection_idle_timeout,
+        max_age=settings.max_connection_age,
+        age_grace=(
+            settings.max_connection_age_grace
+            if settings.max_connection_age_grace is not None
+            else settings.drain_grace
+        ),
     )
 
 
@@ -233,7 +248,13 @@ def make_daemon(
     """A serving process built from settings; `Daemon.serve` loads and opens everything."""
     host, port = split_addr(settings.grpc_addr)
     return Daemon(
-        DaemonConfig(host=host, port=port, reuse_port=reuse_port, drain_grace=settings.drain_grace),
+        DaemonConfig(
+            host=host,
+            port=port,
+            reuse_port=reuse_port,
+            drain_grace=settings.drain_grace,
+            connections=connections_config(settings),
+        ),
         open_assembler=lambda: open_assembler(settings),
         authenticator=authenticator(settings),
         admission=admission_config(settings),

@@ -144,7 +144,13 @@ def run_cli(
 class DaemonProcess:
     """`python -m ibex serve` on a free loopback port; stderr (JSON log lines) kept in a file."""
 
-    def __init__(self, env: Mapping[str, str], log_path: Path, host: str = "127.0.0.1") -> None:
+    def __init__(
+        self,
+        env: Mapping[str, str],
+        log_path: Path,
+        host: str = "127.0.0.1",
+        preexec_fn: Callable[[], Any] | None = None,
+    ) -> None:
         self.port = free_port()
         self.env = {"IBEX_CONTEXT_GRPC_ADDR": f"{host}:{self.port}", **env}
         self.log_path = log_path
@@ -155,6 +161,7 @@ class DaemonProcess:
             env=child_env(self.env),
             stdout=subprocess.DEVNULL,
             stderr=self._log,
+            preexec_fn=preexec_fn,  # e.g. a lower RLIMIT_NOFILE for the fd-exhaustion tests
         )
 
     @property
@@ -198,10 +205,15 @@ class DaemonProcess:
 
 @contextlib.contextmanager
 def daemon_process(
-    env: Mapping[str, str], log_path: Path, *, host: str = "127.0.0.1", ready: bool = True
+    env: Mapping[str, str],
+    log_path: Path,
+    *,
+    host: str = "127.0.0.1",
+    ready: bool = True,
+    preexec_fn: Callable[[], Any] | None = None,
 ) -> Iterator[DaemonProcess]:
     """A `DaemonProcess` for the block; stopped (SIGTERM, then kill) on exit."""
-    proc = DaemonProcess(env, log_path, host)
+    proc = DaemonProcess(env, log_path, host, preexec_fn)
     try:
         if ready:
             proc.wait_ready()

@@ -7,7 +7,9 @@ that a non-loopback bind without authentication refuses to start.
 
 from __future__ import annotations
 
+import datetime
 import hashlib
+import ipaddress
 import json
 import time
 from collections.abc import Iterator
@@ -19,10 +21,14 @@ import grpc
 import pytest
 import trio_asyncio
 import trustme
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from ibex.client import ContextClient
-from ibex.config import ConfigError
+from ibex.config import ConfigError, load_settings
 from ibex.service.root import make_daemon
 from tests.grpcio_stubs import context_pb2, context_pb2_grpc, principal_context_pb2
 
@@ -256,6 +262,86 @@ async def test_mutual_tls_requires_an_allowed_client_certificate(pki: Pki) -> No
             finally:
                 client.close()
         assert result.status == "OK"
+
+
+def client_with_sans(ca: trustme.CA, sans: list[x509.GeneralName]) -> tuple[bytes, bytes]:
+    """(key, chain) PEM for a client certificate with exactly these SANs, signed by `ca`.
+
+    trustme issues DNS, IP and email SANs but not URIs, so this signs with the
+    test CA's key (a private attribute of trustme's CA) through `cryptography`.
+    """
+    key = ec.generate_private_key(ec.SECP256R1())
+    ca_cert = x509.load_pem_x509_certificate(ca.cert_pem.bytes())
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "client")]))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(hours=1))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(
+            x509.ExtendedKeyUsage([x509.ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False
+        )
+        .sign(ca._private_key, hashes.SHA256())
+    )
+    key_pem = key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+    return key_pem, cert.public_bytes(serialization.Encoding.PEM)
+
+
+async def test_san_allow_list_matches_type_and_value(pki: Pki) -> None:
+    """An email or URI SAN spelled like an allowed DNS name is refused; DNS ignores case."""
+    settings = test_settings(
+        tls_cert=str(pki.server_cert),
+        tls_key=str(pki.server_key),
+        tls_client_ca=str(pki.ca_file),
+        tls_allowed_sans=(
+            ALLOWED_SAN,
+            "URI:spiffe://ibex.test/proxy",
+            "email:ops@Ibex.Test",
+            "IP:10.0.0.7",
+        ),
+    )
+    refused = (grpc.StatusCode.UNAUTHENTICATED, "client certificate identity is not allowed")
+    cases: dict[str, tuple[list[x509.GeneralName], Any]] = {
+        "email spelled as the DNS name": ([x509.RFC822Name(ALLOWED_SAN)], refused),
+        "URI spelled as the DNS name": ([x509.UniformResourceIdentifier(ALLOWED_SAN)], refused),
+        "DNS spelled as the URI": ([x509.DNSName("spiffe://ibex.test/proxy")], refused),
+        "DNS spelled as the IP": ([x509.DNSName("10.0.0.7")], refused),
+        "DNS, other case": ([x509.DNSName(ALLOWED_SAN.upper())], grpc.StatusCode.OK),
+        "URI": ([x509.UniformResourceIdentifier("spiffe://ibex.test/proxy")], grpc.StatusCode.OK),
+        "URI, other case": (
+            [x509.UniformResourceIdentifier("spiffe://ibex.test/PROXY")],
+            refused,
+        ),
+        "email, domain case": ([x509.RFC822Name("ops@ibex.test")], grpc.StatusCode.OK),
+        "IP": ([x509.IPAddress(ipaddress.ip_address("10.0.0.7"))], grpc.StatusCode.OK),
+    }
+    seen = {}
+    async with running_daemon(settings) as daemon:
+        for name, (sans, _) in cases.items():
+            creds = pki.credentials(client_with_sans(pki.ca, sans))
+            code, details = await status_of(daemon, request(), credentials=creds)
+            seen[name] = code if code == grpc.StatusCode.OK else (code, details)
+    assert seen == {name: expected for name, (_, expected) in cases.items()}
+
+
+def test_allowed_san_entries_are_validated() -> None:
+    with pytest.raises(ConfigError, match="IBEX_CONTEXT_TLS_ALLOWED_SANS"):
+        load_settings({"IBEX_CONTEXT_TLS_ALLOWED_SANS": "otherName:x"})
+    with pytest.raises(ConfigError, match="IBEX_CONTEXT_TLS_ALLOWED_SANS"):
+        load_settings({"IBEX_CONTEXT_TLS_ALLOWED_SANS": "IP:not-an-ip"})
+    sans = "proxy.ibex.test, DNS:b.test, uri:spiffe://x/y, email:a@b.test, IP:::1"
+    assert load_settings({"IBEX_CONTEXT_TLS_ALLOWED_SANS": sans}).tls_allowed_sans == (
+        "proxy.ibex.test", "DNS:b.test", "uri:spiffe://x/y", "email:a@b.test", "IP:::1"
+    )  # fmt: skip
 
 
 async def test_mutual_tls_and_token_are_both_required(pki: Pki) -> None:

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from ibex.config import ConfigError, load_settings, parse_duration
+from ibex.config import (
+    PREFIX,
+    ConfigError,
+    known_variables,
+    load_settings,
+    parse_duration,
+    redact_url,
+    unknown_variables,
+)
 
 
 @pytest.mark.parametrize(
@@ -61,3 +69,90 @@ def test_secret_is_never_in_errors_or_redacted_output() -> None:
     assert s.memory_base_url == "http://mem:8080"
     assert secret not in repr(s.redacted())
     assert s.redacted()["memory_api_token"] == "<redacted>"
+
+
+# -- URL credentials and unknown variables (issue 11 item 8) -----------------------------------
+
+
+@pytest.mark.parametrize(
+    "url,shown",
+    [
+        ("redis://:hunter2@cache:6379/0", "redis://<redacted>@cache:6379/0"),
+        ("rediss://user:hunter2@cache:6380/1", "rediss://<redacted>@cache:6380/1"),
+        (
+            "redis://cache:6379/0?password=hunter2&db=1",
+            "redis://cache:6379/0?password=<redacted>&db=1",
+        ),
+        (
+            "unix:///run/redis.sock?db=2&password=hunter2",
+            "unix:///run/redis.sock?db=2&password=<redacted>",
+        ),
+        ("https://svc:hunter2@memory:8443/base", "https://<redacted>@memory:8443/base"),
+        ("http://memory:8080", "http://memory:8080"),
+        ("127.0.0.1:9092", "127.0.0.1:9092"),
+    ],
+)
+def test_url_credentials_are_redacted(url: str, shown: str) -> None:
+    assert redact_url(url) == shown
+    assert "hunter2" not in redact_url(url)
+
+
+def test_every_url_setting_is_redacted() -> None:
+    s = load_settings(
+        {
+            "IBEX_CONTEXT_REDIS_URL": "redis://default:hunter2@cache:6379/0?password=hunter3",
+            "IBEX_CONTEXT_MEMORY_BASE_URL": "https://svc:hunter4@memory:8443",
+            "IBEX_CONTEXT_MEMORY_API_TOKEN": "hunter5",
+        }
+    )
+    shown = repr(s.redacted())
+    for secret in ("hunter2", "hunter3", "hunter4", "hunter5"):
+        assert secret not in shown
+    assert s.redacted()["redis_url"] == "redis://<redacted>@cache:6379/0?password=<redacted>"
+    assert s.redis_url == "redis://default:hunter2@cache:6379/0?password=hunter3"  # unchanged
+
+
+def test_unknown_variables_name_the_closest_known_one() -> None:
+    env = {
+        "IBEX_CONTEXT_MAX_INFLIGHT": "8",
+        "IBEX_CONTEXT_REDIS_ULR": "redis://x",
+        "IBEX_CONTEXT_ZZZZZZZZZZZZ": "1",
+        "IBEX_CONTEXT_CLIENT_TOKEN": "used by the CLI client",
+        "IBEX_CONTEXT_TIMEOUT": "45ms",
+        "IBEX_CONTEXT_MAX_CONNECTION_AGE": "1800",
+        "OTHER_VARIABLE": "ignored",
+    }
+    assert unknown_variables(env) == [
+        ("IBEX_CONTEXT_MAX_INFLIGHT", "IBEX_CONTEXT_MAX_IN_FLIGHT"),
+        ("IBEX_CONTEXT_REDIS_ULR", "IBEX_CONTEXT_REDIS_URL"),
+        ("IBEX_CONTEXT_ZZZZZZZZZZZZ", None),
+    ]
+
+
+def test_known_variables_come_from_the_parser_itself() -> None:
+    """Every variable `load_settings` reads is known, with no second list to keep in step."""
+    known = known_variables({})
+    for field in ("TIMEOUT", "REDIS_URL", "MAX_CONNECTIONS", "MAX_CONNECTION_AGE_GRACE", "WORKERS"):
+        assert PREFIX + field in known
+    # A bad value stops the parse early; the names are still all known.
+    assert known_variables({"IBEX_CONTEXT_TIMEOUT": "bad"}) == known
+
+
+def test_connection_settings() -> None:
+    s = load_settings({})
+    assert (s.max_connections, s.connection_idle_timeout) == (None, 300.0)
+    assert (s.max_connection_age, s.max_connection_age_grace) == (None, None)
+    s = load_settings(
+        {
+            "IBEX_CONTEXT_MAX_CONNECTIONS": "100",
+            "IBEX_CONTEXT_CONNECTION_IDLE_TIMEOUT": "90",
+            "IBEX_CONTEXT_MAX_CONNECTION_AGE": "600",
+            "IBEX_CONTEXT_MAX_CONNECTION_AGE_GRACE": "500ms",
+        }
+    )
+    assert (s.max_connections, s.connection_idle_timeout) == (100, 90.0)
+    assert (s.max_connection_age, s.max_connection_age_grace) == (600.0, 0.5)
+    with pytest.raises(ConfigError, match="IBEX_CONTEXT_MAX_CONNECTION_AGE"):
+        load_settings({"IBEX_CONTEXT_MAX_CONNECTION_AGE": "0"})
+    with pytest.raises(ConfigError, match="IBEX_CONTEXT_MAX_CONNECTIONS"):
+        load_settings({"IBEX_CONTEXT_MAX_CONNECTIONS": "0"})

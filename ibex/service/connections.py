@@ -1,0 +1,286 @@
+"""Connection bookkeeping for the gRPC port: a cap, idle close, age rotation, a polite drain.
+
+grpclib keeps every accepted connection until the peer leaves and never says
+goodbye, so idle sockets pile up (each an fd: past RLIMIT_NOFILE `accept`
+fails) and a long-lived HTTP/2 connection never moves to a new replica. This
+module decides *what* happens to each connection; `grpc_shim` does the
+HTTP/2 part on grpclib's protocol objects (the `Conn` methods below).
+
+Goodbye follows grpc-go's `MaxConnectionAge` convention: a first GOAWAY with
+last-stream-id 2^31-1 and a PING (the client stops opening streams here);
+once the PING is answered, or after `goaway_ack_timeout`, the final GOAWAY
+names the last stream the server took. Streams up to it finish (within the
+grace); later ones are refused (REFUSED_STREAM, which clients retry
+elsewhere); the connection closes when its last stream ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import random
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import msgspec
+import trio
+
+log = logging.getLogger(__name__)
+
+NOFILE_HEADROOM = 64  # fds kept for listeners, Redis, the memory pool, logs, /metrics
+MAX_CONNECTIONS_CEILING = 1024
+REFUSAL_LOG_INTERVAL = 10.0  # seconds between two `connections_refused` lines during a flood
+
+
+def default_max_connections(soft_limit: int | None = None) -> int:
+    """min(1024, RLIMIT_NOFILE soft limit - 64), at least 1: room for every other fd."""
+    if soft_limit is None:
+        import resource
+
+        soft_limit, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft_limit == resource.RLIM_INFINITY:
+            return MAX_CONNECTIONS_CEILING
+    return max(1, min(MAX_CONNECTIONS_CEILING, soft_limit - NOFILE_HEADROOM))
+
+
+_RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+
+
+class LoopErrorHandler:
+    """The asyncio loop's exception handler: log, never end the process.
+
+    trio-asyncio's default handler re-raises into the loop's nursery, so one
+    `accept()` failing with EMFILE took the daemon down. asyncio's accept loop
+    already stops reading the listener for a second after such an error and
+    then resumes; this handler only logs (at most once per `interval` for accept
+    errors, which come in floods).
+    """
+
+    def __init__(self, interval: float = REFUSAL_LOG_INTERVAL) -> None:
+        self.accept_errors = 0
+        self._interval = interval
+        self._logged_at = -interval
+        self._logged = 0
+
+    def __call__(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        exc = context.get("exception")
+        if isinstance(exc, OSError) and exc.errno in _RESOURCE_ERRNOS:
+            self.accept_errors += 1
+            now = time.monotonic()
+            if now - self._logged_at >= self._interval:
+                log.warning(
+                    "accept_failed",
+                    extra={
+                        "error": errno.errorcode.get(exc.errno or 0, str(exc.errno)),
+                        "count": self.accept_errors - self._logged,
+                        "detail": str(context.get("message", "")),
+                    },
+                )
+                self._logged_at = now
+                self._logged = self.accept_errors
+            return
+        log.error(
+            "loop_error",
+            extra={
+                "detail": str(context.get("message", "")),
+                "error": repr(exc) if exc is not None else None,
+            },
+        )
+
+
+class ConnectionsConfig(msgspec.Struct, frozen=True):
+    """Connection limits (seconds). None turns the idle close or the age rotation off."""
+
+    max_connections: int = MAX_CONNECTIONS_CEILING
+    idle_timeout: float | None = 300.0
+    max_age: float | None = None
+    age_grace: float = 10.0
+    goaway_ack_timeout: float = 1.0
+
+
+class Conn(Protocol):
+    """One HTTP/2 connection as the shim exposes it."""
+
+    def open_streams(self) -> int: ...
+
+    def goaway_heads_up(self) -> None:
+        """GOAWAY(last-stream-id 2^31-1) then a PING whose ack calls `Connections.acked`."""
+
+    def goaway_final(self) -> None:
+        """GOAWAY(highest stream taken); streams opened after it are refused."""
+
+    def close_idle(self) -> None:
+        """GOAWAY (h2 close_connection) and close: nothing is in flight."""
+
+    def close(self) -> None:
+        """Close the transport (pending writes are flushed first)."""
+
+
+class _Phase:
+    OPEN = 0
+    HEADS_UP = 1  # first GOAWAY + PING sent, waiting for the ack
+    FINAL = 2  # final GOAWAY sent, waiting for the last stream
+
+
+class _State:
+    __slots__ = ("age_deadline", "grace_deadline", "heads_up_at", "last_active", "phase", "reason")
+
+    def __init__(self, now: float, age_deadline: float | None) -> None:
+        self.last_active = now
+        self.age_deadline = age_deadline
+        self.phase = _Phase.OPEN
+        self.heads_up_at = 0.0
+        self.grace_deadline = 0.0
+        self.reason = ""
+
+
+class Connections:
+    """The open connections of one server and what is due for each."""
+
+    def __init__(
+        self,
+        config: ConnectionsConfig,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        jitter: Callable[[], float] = random.random,
+    ) -> None:
+        self.config = config
+        self._clock = clock
+        self._jitter = jitter
+        self._conns: dict[Conn, _State] = {}
+        self.refused = 0  # connections closed at once because the cap was reached
+        self._refused_logged = 0
+        self._refusal_logged_at = -REFUSAL_LOG_INTERVAL
+        self.closed_idle = 0
+        self.rotated = 0
+        self._draining = False
+        self._wake = trio.Event()
+
+    @property
+    def count(self) -> int:
+        return len(self._conns)
+
+    # -- called by the shim from the asyncio loop's callbacks ------------------------------
+
+    def admit(self, conn: Conn) -> bool:
+        """False when the cap is reached (or draining): the shim closes the socket at once."""
+        now = self._clock()
+        if self._draining or len(self._conns) >= self.config.max_connections:
+            self.refused += 1
+            if now - self._refusal_logged_at >= REFUSAL_LOG_INTERVAL:
+                log.warning(
+                    "connections_refused",
+                    extra={
+                        "refused": self.refused - self._refused_logged,
+                        "open": len(self._conns),
+                        "max_connections": self.config.max_connections,
+                        "draining": self._draining,
+                    },
+                )
+                self._refusal_logged_at = now
+                self._refused_logged = self.refused
+            return False
+        age = self.config.max_age
+        # +-10% jitter, as grpc-go, so connections opened together do not all rotate together.
+        deadline = None if age is None else now + age * (0.9 + 0.2 * self._jitter())
+        self._conns[conn] = _State(now, deadline)
+        return True
+
+    def active(self, conn: Conn) -> None:
+        """Data arrived: a stream may have started."""
+        state = self._conns.get(conn)
+        if state is not None and conn.open_streams():
+            state.last_active = self._clock()
+
+    def acked(self, conn: Conn) -> None:
+        """The heads-up PING came back: the client has seen the first GOAWAY."""
+        state = self._conns.get(conn)
+        if state is not None and state.phase == _Phase.HEADS_UP:
+            self._final(conn, state)
+
+    def closed(self, conn: Conn) -> None:
+        self._conns.pop(conn, None)
+
+    # -- policy ------------------------------------------------------------------------------
+
+    def goaway_all(self, grace: float) -> None:
+        """Drain: every connection gets the two-step GOAWAY; new ones are refused."""
+        self._draining = True
+        now = self._clock()
+        for conn, state in list(self._conns.items()):
+            if state.phase == _Phase.OPEN:
+                self._heads_up(conn, state, now, grace, "drain")
+            else:
+                state.grace_deadline = min(state.grace_deadline, now + grace)
+        self._wake.set()
+
+    def sweep(self) -> None:
+        """Apply what is due to every connection; cheap enough to run often."""
+        now = self._clock()
+        cfg = self.config
+        for conn, state in list(self._conns.items()):
+            if state.phase == _Phase.OPEN:
+                if conn.open_streams():
+                    state.last_active = now
+                elif cfg.idle_timeout is not None and now - state.last_active >= cfg.idle_timeout:
+                    self.closed_idle += 1
+                    self._conns.pop(conn, None)
+                    conn.close_idle()
+                    continue
+                if state.age_deadline is not None and now >= state.age_deadline:
+                    self.rotated += 1
+                    self._heads_up(conn, state, now, cfg.age_grace, "max_age")
+            elif (
+                state.phase == _Phase.HEADS_UP and now - state.heads_up_at >= cfg.goaway_ack_timeout
+            ):
+                self._final(conn, state)
+            if state.phase == _Phase.FINAL:
+                if not conn.open_streams():
+                    self._conns.pop(conn, None)
+                    conn.close()
+                elif now >= state.grace_deadline:
+                    log.warning(
+                        "connection_grace_expired",
+                        extra={"reason": state.reason, "streams": conn.open_streams()},
+                    )
+                    self._conns.pop(conn, None)
+                    conn.close()
+
+    def _heads_up(self, conn: Conn, state: _State, now: float, grace: float, reason: str) -> None:
+        state.phase = _Phase.HEADS_UP
+        state.heads_up_at = now
+        state.grace_deadline = now + grace
+        state.reason = reason
+        conn.goaway_heads_up()
+
+    def _final(self, conn: Conn, state: _State) -> None:
+        state.phase = _Phase.FINAL
+        conn.goaway_final()
+
+    def _tick(self) -> float:
+        """How long until the next sweep is worth doing."""
+        if any(s.phase != _Phase.OPEN for s in self._conns.values()):
+            return 0.01
+        cfg = self.config
+        tick = 1.0
+        if cfg.idle_timeout is not None:
+            tick = min(tick, cfg.idle_timeout / 10)
+        if cfg.max_age is not None:
+            tick = min(tick, cfg.max_age / 20)
+        return max(tick, 0.01)
+
+    async def run(self) -> None:
+        """Sweep for the serving life (a task in the daemon's nursery)."""
+        while True:
+            with trio.move_on_after(self._tick()):
+                await self._wake.wait()
+            self._wake = trio.Event()
+            self.sweep()
+
+    async def wait_closed(self) -> None:
+        """Until every connection has gone (after `goaway_all`)."""
+        while self._conns:
+            self.sweep()
+            await trio.sleep(0.01)
