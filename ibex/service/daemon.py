@@ -23,6 +23,7 @@ import grpclib.server
 import msgspec
 import trio
 import trio_asyncio
+from grpclib.events import SendTrailingMetadata, listen
 from grpclib.health.check import ServiceStatus
 from grpclib.health.service import Health
 from grpclib.reflection.service import ServerReflection
@@ -34,7 +35,7 @@ from ibex.ops.sdnotify import Notifier, run_watchdog
 from ibex.service.admission import Admission, AdmissionConfig
 from ibex.service.assembler import Assembler
 from ibex.service.auth import Authenticator
-from ibex.service.grpc_shim import bound_port, stop_accepting
+from ibex.service.grpc_shim import bound_port, listen_also, stop_accepting
 from ibex.service.handlers import ContextService, EdgeConfig
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,11 @@ class DaemonConfig(msgspec.Struct, frozen=True):
     port: int = 9092
     reuse_port: bool = False
     drain_grace: float = 10.0
+    # This process's own ports besides `port` (a worker's WORKER_PORT_BASE + i), so a
+    # client can balance calls over workers; and its worker slot, sent to callers
+    # in the `x-ibex-worker` trailer.
+    own_ports: tuple[int, ...] = ()
+    worker: int | None = None
 
 
 class Daemon:
@@ -85,7 +91,10 @@ class Daemon:
         health = Health({service: [self.health_status]})
         services: list[Any] = [service, health]
         services = ServerReflection.extend(services, pool=default_google_proto_descriptor_pool)
-        return grpclib.server.Server(services)
+        server = grpclib.server.Server(services)
+        if self.config.worker is not None:
+            listen(server, SendTrailingMetadata, _worker_trailer(str(self.config.worker)))
+        return server
 
     async def serve(
         self,
@@ -136,11 +145,15 @@ class Daemon:
                     host, self.config.port, ssl=ssl_ctx, reuse_port=self.config.reuse_port or None
                 )
             self.port = bound_port(server)
+            for own in self.config.own_ports:
+                await trio_asyncio.aio_as_trio(listen_also)(server, host, own, ssl=ssl_ctx)
             self.health_status.set(True)
             log.info(
                 "serving",
                 extra={
                     "addr": f"{host}:{self.port}",
+                    "own_ports": list(self.config.own_ports),
+                    "worker": self.config.worker,
                     "backend": assembler.backend,
                     "tls": ssl_ctx is not None,
                     "auth": self.auth.enabled,
@@ -189,6 +202,15 @@ async def _probe_asyncio_lag(state: Admission, interval: float) -> None:
         await asyncio.sleep(interval)
         lag = max(0.0, loop.time() - start - interval)
         state.loop_lag = LAG_SMOOTHING * state.loop_lag + (1 - LAG_SMOOTHING) * lag
+
+
+def _worker_trailer(worker: str) -> Callable[[SendTrailingMetadata], Any]:
+    """Tag every response with the worker that served it (all statuses, sheds too)."""
+
+    async def tag(event: SendTrailingMetadata) -> None:
+        event.metadata["x-ibex-worker"] = worker
+
+    return tag
 
 
 def _cache_totals(tokenizers: Tokenizers) -> tuple[int, int]:

@@ -207,12 +207,32 @@ def check_bind_policy(settings: Settings) -> str | None:
 
 
 def make_daemon(
-    settings: Settings, *, metrics: Metrics | None = None, reuse_port: bool = False
+    settings: Settings,
+    *,
+    metrics: Metrics | None = None,
+    reuse_port: bool = False,
+    worker_index: int | None = None,
 ) -> Daemon:
-    """A serving process built from settings; `Daemon.serve` loads and opens everything."""
+    """A serving process built from settings; `Daemon.serve` loads and opens everything.
+
+    `worker_index` is the supervisor's slot for this worker: with
+    WORKER_PORT_BASE set, the process also listens on base + index (a single
+    process, index 0, on the base itself) so clients can balance per call.
+    """
     host, port = split_addr(settings.grpc_addr)
+    own: tuple[int, ...] = ()
+    if settings.worker_port_base is not None:
+        own = (settings.worker_port_base + (worker_index or 0),)
+    config = DaemonConfig(
+        host=host,
+        port=port,
+        reuse_port=reuse_port,
+        drain_grace=settings.drain_grace,
+        own_ports=own,
+        worker=worker_index,
+    )
     return Daemon(
-        DaemonConfig(host=host, port=port, reuse_port=reuse_port, drain_grace=settings.drain_grace),
+        config,
         open_assembler=lambda: open_assembler(settings),
         authenticator=authenticator(settings),
         admission=admission_config(settings),

@@ -313,3 +313,14 @@ def test_network_policy_ports() -> None:
         ("UDP", 53),
         ("TCP", 53),
     }
+
+
+def test_unit_sets_up_per_worker_ports() -> None:
+    service = parse_unit(UNIT.read_text())["Service"]
+    env = dict(e.split("=", 1) for e in service["Environment"])
+    settings = load_settings({**env, "IBEX_CONTEXT_WORKERS": "8"})
+    assert settings.worker_ports() == tuple(range(9100, 9108))
+    # Room for the largest worker count below the default metrics port, away from gRPC's.
+    load_settings(
+        {**env, "IBEX_CONTEXT_WORKERS": "256", "IBEX_CONTEXT_METRICS_ADDR": "127.0.0.1:9464"}
+    )

@@ -1,0 +1,60 @@
+"""`ContextClient(addresses=[...])`: calls spread round robin; an address that is down is skipped."""
+
+from __future__ import annotations
+
+import trio_asyncio
+
+from ibex.client import ContextClient, parse_address
+from tests.integration.grpc_harness import AGENT, ORG, RunningDaemon, free_port, running_daemon
+
+CALLS = 30
+
+
+def answered(d: RunningDaemon) -> float:
+    value = d.daemon.metrics.registry.get_sample_value(
+        "ibex_grpc_requests_total", {"method": "AssembleContext", "code": "OK"}
+    )
+    return value or 0.0
+
+
+async def test_client_balances_calls_over_addresses_and_skips_a_dead_one() -> None:
+    # shed_lag high: shedding is not under test, and a loaded machine must not trigger it.
+    async with (
+        running_daemon(shed_lag=2.0) as a,
+        running_daemon(shed_lag=2.0) as b,
+        trio_asyncio.open_loop(),
+    ):
+        dead = f"127.0.0.1:{free_port()}"
+        client = ContextClient(addresses=[a.target, dead, ("127.0.0.1", b.port)], deadline=5.0)
+        try:
+            results = [
+                await client.assemble_trio(
+                    org_id=ORG, agent_id=AGENT, model="gpt-4o", query="deploy"
+                )
+                for _ in range(CALLS)
+            ]
+        finally:
+            client.close()
+    # Fail-open never had to happen: every call found a live daemon.
+    assert {(r.status, r.degraded) for r in results} == {("OK", False)}
+    # The two live addresses share the calls (the dead one's turns go to the next address).
+    assert answered(a) + answered(b) == CALLS
+    assert min(answered(a), answered(b)) >= CALLS / 3
+
+
+async def test_client_fails_open_when_no_address_answers() -> None:
+    async with trio_asyncio.open_loop():
+        client = ContextClient(
+            addresses=[f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"], deadline=2.0
+        )
+        try:
+            result = await client.assemble_trio(org_id=ORG, agent_id=AGENT)
+        finally:
+            client.close()
+    assert (result.status, result.degraded, result.degradation_level) == ("UNAVAILABLE", True, "L2")
+
+
+def test_parse_address() -> None:
+    assert parse_address("10.0.0.5:9100") == ("10.0.0.5", 9100)
+    assert parse_address("[::1]:9100") == ("::1", 9100)
+    assert parse_address(("h", 1)) == ("h", 1)
