@@ -1,4 +1,4 @@
-"""`ContextClient(addresses=[...])`: calls spread round robin; an address that is down is skipped."""
+"""`ContextClient(addresses=[...])`: calls go round robin; an address that is down is skipped."""
 
 from __future__ import annotations
 
