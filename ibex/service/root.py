@@ -117,6 +117,24 @@ def memory_http_source(settings: Settings) -> MemoryHttpSource:
     )
 
 
+def redis_directive_source(settings: Settings) -> tuple[RedisDirectiveSource, str]:
+    """The directive source for the configured Redis topology, and its backend name."""
+    if settings.redis_sentinels:
+        assert settings.redis_sentinel_master is not None  # load_settings requires it
+        sentinels = [split_addr(a) for a in settings.redis_sentinels]
+        source = RedisDirectiveSource.sentinel(
+            sentinels,
+            settings.redis_sentinel_master,
+            url=settings.redis_url,
+            sentinel_password=settings.redis_sentinel_password,
+        )
+        return source, "redis-sentinel"
+    assert settings.redis_url is not None
+    if settings.redis_cluster:
+        return RedisDirectiveSource.cluster(settings.redis_url), "redis-cluster"
+    return RedisDirectiveSource(settings.redis_url), "redis"
+
+
 @asynccontextmanager
 async def open_assembler(
     settings: Settings,
@@ -132,15 +150,15 @@ async def open_assembler(
     http: MemoryHttpSource | None = None
     redis: RedisDirectiveSource | None = None
     backend: list[str] = []
-    if settings.redis_url is None and settings.memory_base_url is None:
+    if not settings.redis_configured and settings.memory_base_url is None:
         local = LocalFileSource.load(settings.local_source_path)
         directive_source = memory_source = local
         backend.append(f"local:{local.origin}")
     else:
-        if settings.redis_url is not None:
-            redis = RedisDirectiveSource(settings.redis_url)
+        if settings.redis_configured:
+            redis, kind = redis_directive_source(settings)
             directive_source = redis
-            backend.append("redis")
+            backend.append(kind)
         if settings.memory_base_url is not None:
             http = memory_http_source(settings)
             await http.open()
