@@ -23,6 +23,8 @@ import trio
 import trio.lowlevel
 import trio_asyncio
 
+from ibex.config import load_settings
+from ibex.service.root import redis_directive_source
 from ibex.sources.base import SourceError
 from ibex.sources.redis_directive import (
     RedisDirectiveSource,
@@ -167,6 +169,21 @@ async def test_sentinel_passwords_and_db_from_the_settings(
                 await source.aclose()
 
         assert await read(url=url, sentinel_password="sentinel-pw") == content(1)
+        # The same through the settings and the composition root.
+        settings = load_settings(
+            {
+                "IBEX_CONTEXT_REDIS_SENTINELS": ",".join(f"{h}:{p}" for h, p in setup.sentinels),
+                "IBEX_CONTEXT_REDIS_SENTINEL_MASTER": MASTER_NAME,
+                "IBEX_CONTEXT_REDIS_SENTINEL_PASSWORD": "sentinel-pw",
+                "IBEX_CONTEXT_REDIS_URL": url,
+            }
+        )
+        source, kind = redis_directive_source(settings)
+        try:
+            got = await source.get_directive(*TENANTS[1])
+            assert kind == "redis-sentinel" and got is not None and got.content == content(1)
+        finally:
+            await source.aclose()
         # db 0 of the same master has no such key: the db came from the URL.
         assert await read(url=url.replace("/3", "/0"), sentinel_password="sentinel-pw") is None
         for wrong in (
