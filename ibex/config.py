@@ -77,6 +77,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             value = out.get(name)
             if value:
                 out[name] = "<redacted>" if isinstance(value, str) else ["<redacted>"] * len(value)
+        if self.redis_url:
+            out["redis_url"] = _redact_userinfo(self.redis_url)
         return out
 
     @property
@@ -111,6 +113,17 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     def wall(self) -> float:
         """The server-side retrieval wall: min(TIMEOUT, DEADLINE_MS)."""
         return min(self.timeout, self.deadline)
+
+
+def _redact_userinfo(url: str) -> str:
+    """A URL with its password (the part after `user:` before `@`) replaced."""
+    scheme, sep, rest = url.partition("://")
+    authority, slash, tail = rest.partition("/")
+    userinfo, at, host = authority.rpartition("@")
+    if not sep or not at or ":" not in userinfo:
+        return url
+    user = userinfo.split(":", 1)[0]
+    return f"{scheme}://{user}:<redacted>@{host}{slash}{tail}"
 
 
 def parse_duration(name: str, raw: str, *, bare_unit: str = "ms") -> float:

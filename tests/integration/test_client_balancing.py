@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+import trio
 import trio_asyncio
 
 from ibex.client import ContextClient, parse_address
@@ -58,3 +60,27 @@ def test_parse_address() -> None:
     assert parse_address("10.0.0.5:9100") == ("10.0.0.5", 9100)
     assert parse_address("[::1]:9100") == ("::1", 9100)
     assert parse_address(("h", 1)) == ("h", 1)
+
+
+async def test_single_process_also_serves_on_the_worker_port_base_until_drained() -> None:
+    """Without --workers the lone process is worker 0: it listens on WORKER_PORT_BASE too."""
+    base = free_port()
+    async with running_daemon(worker_port_base=base, shed_lag=2.0) as d:
+        assert d.port != base
+        async with trio_asyncio.open_loop():
+            client = ContextClient("127.0.0.1", base, deadline=5.0)
+            try:
+                result = await client.assemble_trio(
+                    org_id=ORG, agent_id=AGENT, model="gpt-4o", query="deploy"
+                )
+            finally:
+                client.close()
+        assert (result.status, result.degraded) == ("OK", False)
+        assert answered(d) == 1
+        d.shutdown.set()
+        with trio.fail_after(10):
+            while d.daemon.state.draining is False:  # noqa: ASYNC110  (daemon state flag)
+                await trio.sleep(0.01)
+        # Draining: the worker port stops accepting with the shared one.
+        with pytest.raises(OSError):
+            await trio.open_tcp_stream("127.0.0.1", base)

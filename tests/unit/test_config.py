@@ -137,3 +137,18 @@ def test_cluster_setting() -> None:
         {"IBEX_CONTEXT_REDIS_CLUSTER": "true", "IBEX_CONTEXT_REDIS_URL": "redis://10.0.0.1:7000"}
     )
     assert s.redis_cluster and s.redis_configured
+
+
+@pytest.mark.parametrize(
+    "url,shown",
+    [
+        ("redis://:p4ss@redis:6379/0", "redis://:<redacted>@redis:6379/0"),
+        ("rediss://ibex:p4ss@redis:6380/1?x=1", "rediss://ibex:<redacted>@redis:6380/1?x=1"),
+        ("redis://redis:6379/0", "redis://redis:6379/0"),
+        ("unix:///run/redis.sock", "unix:///run/redis.sock"),
+    ],
+)
+def test_redis_url_password_is_redacted(url: str, shown: str) -> None:
+    s = load_settings({"IBEX_CONTEXT_REDIS_URL": url})
+    assert s.redacted()["redis_url"] == shown
+    assert "p4ss" not in repr(s.redacted())
