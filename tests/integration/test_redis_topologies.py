@@ -95,16 +95,21 @@ async def reader(source: RedisDirectiveSource, tally: Tally, tenants: list[int],
         await trio.lowlevel.checkpoint()
 
 
-async def until(predicate: Callable[[], bool]) -> None:
+async def until(predicate: Callable[[], bool], tally: Tally, what: str) -> None:
     """Poll the readers' tally (they update it between reads) until `predicate` holds."""
-    with trio.fail_after(RECOVERY):
+    with trio.move_on_after(RECOVERY):
         while not predicate():  # noqa: ASYNC110  (a tally, not an event)
             await trio.sleep(0.01)
+        return
+    raise AssertionError(
+        f"no {what} within {RECOVERY}s: ok={tally.total_ok} errors={dict(tally.errors)} "
+        f"cancelled={tally.cancelled} wrong={tally.wrong[:3]}"
+    )
 
 
-async def more_ok(tally: Tally, n: int) -> None:
+async def more_ok(tally: Tally, n: int, what: str) -> None:
     target = tally.total_ok + n
-    await until(lambda: tally.total_ok >= target)
+    await until(lambda: tally.total_ok >= target, tally, what)
 
 
 # -- Sentinel ----------------------------------------------------------------------------------
@@ -123,7 +128,7 @@ async def test_sentinel_failover_during_traffic(
             async with trio.open_nursery() as nursery:
                 for k in range(READERS):
                     nursery.start_soon(reader, source, tally, list(range(len(TENANTS))), k)
-                await more_ok(tally, 100)  # before
+                await more_ok(tally, 100, "answers before the failover")
 
                 old = setup.master
                 await trio.to_thread.run_sync(setup.failover)  # during traffic
@@ -135,10 +140,10 @@ async def test_sentinel_failover_during_traffic(
                     "the old master to become a replica",
                 )
                 old.kill()
-                await more_ok(tally, 100)  # recovered by itself
+                await more_ok(tally, 100, "recovery after the failover")
 
                 steady_errors = tally.total_errors
-                await more_ok(tally, 300)  # after: every read answers again
+                await more_ok(tally, 300, "steady answers after the failover")
                 assert tally.total_errors == steady_errors
                 nursery.cancel_scope.cancel()
         finally:
@@ -216,7 +221,7 @@ async def test_cluster_tenants_resharding_and_a_failed_master(
             async with trio.open_nursery() as nursery:
                 for k in range(READERS):
                     nursery.start_soon(reader, source, tally, everyone, k)
-                await more_ok(tally, 200)
+                await more_ok(tally, 200, "answers from the cluster")
                 # Node connections are the guarded kind (the cancel-safety of this module).
                 cluster = source._cluster
                 assert cluster is not None
@@ -226,9 +231,9 @@ async def test_cluster_tenants_resharding_and_a_failed_master(
                 # Resharding during traffic: MOVED and ASK, keys migrating under the reads.
                 a, b, c = setup.nodes
                 await trio.to_thread.run_sync(setup.reshard, a, b, 1000)
-                await more_ok(tally, 200)
+                await more_ok(tally, 200, "answers after the resharding")
                 steady_errors = tally.total_errors
-                await more_ok(tally, 300)
+                await more_ok(tally, 300, "steady answers after the resharding")
                 assert tally.total_errors == steady_errors
                 nursery.cancel_scope.cancel()
 
@@ -242,9 +247,11 @@ async def test_cluster_tenants_resharding_and_a_failed_master(
             async with trio.open_nursery() as nursery:
                 for k in range(READERS):
                     nursery.start_soon(reader, source, during, everyone, 100 + k)
-                await until(lambda: all(during.ok[i] >= 2 for i in healthy))
+                await until(
+                    lambda: all(during.ok[i] >= 2 for i in healthy), during, "healthy answers"
+                )
                 mark = {i: during.errors[i] for i in healthy}
-                await more_ok(during, 300)
+                await more_ok(during, 300, "steady healthy answers")
                 nursery.cancel_scope.cancel()
             # Healthy tenants recovered and stay served; the victims never got an answer.
             assert {i: during.errors[i] for i in healthy} == mark
