@@ -5,7 +5,7 @@ buffered, to learn the bound port, or to stop accepting connections while
 existing ones keep serving, nor to listen on a second port with the same
 connection bookkeeping (so drain and close cover both). Each of those reaches
 into a private attribute; they live here so a grpclib upgrade is checked in one place
-(tests/integration/test_grpc_ops.py exercises every function below).
+(tests/integration/test_grpc_ops.py and test_client_balancing.py exercise them all).
 """
 
 from __future__ import annotations

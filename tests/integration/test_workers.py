@@ -221,3 +221,20 @@ def test_round_robin_over_worker_ports_spreads_calls_over_both_workers(
     ]
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0
+
+
+def test_worker_ports_overlapping_the_grpc_port_refuse_to_start(tmp_path: Path) -> None:
+    """--workers 3 from base 9100 would take 9100..9102: the gRPC port 9102 is among them."""
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("IBEX_CONTEXT_", "PROMETHEUS_"))
+    }
+    env.update(IBEX_CONTEXT_GRPC_ADDR="127.0.0.1:9102", IBEX_CONTEXT_WORKER_PORT_BASE="9100")
+    proc = subprocess.run(
+        [sys.executable, "-m", "ibex", "serve", "--workers", "3"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert "IBEX_CONTEXT_WORKER_PORT_BASE" in proc.stderr
