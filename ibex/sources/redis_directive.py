@@ -262,35 +262,32 @@ class RedisDirectiveSource:
         """
         if not sentinels:
             raise SourceError("redis sentinel: no sentinel addresses")
-        options: dict[str, Any] = _options(connect_timeout, socket_timeout, health_check_interval)
-        connection_class: type[AbstractConnection] = SentinelManagedConnection
+        options: dict[str, Any] = {
+            **_options(connect_timeout, socket_timeout, health_check_interval),
+            "connection_class": SentinelManagedConnection,
+            "retry": Retry(NoBackoff(), 0),
+            "max_connections": max_connections,
+        }
         if url is not None:
             try:
                 from_url: dict[str, Any] = dict(parse_url(url))
             except ValueError:
                 raise _malformed_url() from None
             if from_url.pop("connection_class", None) is SSLConnection:
-                connection_class = SentinelManagedSSLConnection
+                options["connection_class"] = SentinelManagedSSLConnection
             for endpoint in ("host", "port", "path"):
                 from_url.pop(endpoint, None)
-            options.update(from_url)
+            options.update(from_url)  # URL query options override the defaults
         sentinel_options = {
             **_options(connect_timeout, socket_timeout, 0),
             "retry": Retry(NoBackoff(), 0),
             "password": sentinel_password,
         }
         manager = Sentinel(list(sentinels), sentinel_kwargs=sentinel_options)
-        pool = SentinelConnectionPool(
-            master,
-            manager,
-            connection_class=connection_class,
-            retry=Retry(NoBackoff(), 0),
-            max_connections=max_connections,
-            **{**options, **pool_kwargs},
-        )
-        self = cls.__new__(cls)
-        self._setup(pool, None, manager, retries, max_value_bytes)
-        return self
+        pool = SentinelConnectionPool(master, manager, **{**options, **pool_kwargs})
+        source = cls.__new__(cls)
+        source._setup(pool, None, manager, retries, max_value_bytes)
+        return source
 
     @classmethod
     def cluster(
@@ -330,9 +327,9 @@ class RedisDirectiveSource:
         except (ValueError, RedisClusterException):
             raise _malformed_url() from None
         _guard_cluster_connections(client)
-        self = cls.__new__(cls)
-        self._setup(None, client, None, 0, max_value_bytes)
-        return self
+        source = cls.__new__(cls)
+        source._setup(None, client, None, 0, max_value_bytes)
+        return source
 
     async def get_directive(self, org_id: str, agent_id: str) -> Directive | None:
         """The directive, or None when the key is missing. Trio-async; cancel freely."""
