@@ -25,6 +25,19 @@ redis:
     fi
     redis-server --version
 
+# Install promtool (Debian package prometheus) when missing: the alert-rule tests use it.
+promtool:
+    #!/usr/bin/env bash
+    set -euo pipefail
+    if ! command -v promtool >/dev/null 2>&1; then
+        if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+        export DEBIAN_FRONTEND=noninteractive
+        $SUDO apt-get update -qq
+        # About 30 s; the package's own service is not started (nor needed).
+        $SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+    fi
+    promtool --version | head -1
+
 # Run the daemon (embedded sample data unless Redis / memory service are configured).
 run *ARGS:
     {{py}} -m ibex serve {{ARGS}}
@@ -32,8 +45,8 @@ run *ARGS:
 # Everything CI checks: lint, generated-code drift, the whole suite.
 test: lint proto-check pytest
 
-# The test suite alone (installs redis-server when missing; tests start their own servers).
-pytest *ARGS: redis
+# The test suite alone (installs redis-server and promtool when missing; tests start servers).
+pytest *ARGS: redis promtool
     {{py}} -m pytest -q {{ARGS}}
 
 # ruff, mypy and the layer contracts (import-linter, see pyproject.toml)

@@ -38,6 +38,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
             print("ibex serve: --workers must be >= 1", file=sys.stderr)
             return 2
         settings = _replace(settings, workers=args.workers)
+        try:
+            settings.check_worker_ports()
+        except ConfigError as exc:
+            print(f"ibex: configuration error: {exc}", file=sys.stderr)
+            return 2
     configure_logging(settings.log_level)
     if not args.worker:  # the supervisor already said it for its workers
         _warn_unknown_variables()
@@ -57,7 +62,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ibex.service.root import make_daemon
 
     metrics = Metrics()
-    daemon = make_daemon(settings, metrics=metrics, reuse_port=args.worker)
+    daemon = make_daemon(
+        settings, metrics=metrics, reuse_port=args.worker, worker_index=args.worker_index
+    )
 
     try:
         trio.run(daemon.serve)
@@ -226,7 +233,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     except TokenizerError as exc:
         ok = False
         print(f"tokenizer: ERROR {exc}")
-    if settings.redis_url is None and settings.memory_base_url is None:
+    if not settings.redis_configured and settings.memory_base_url is None:
         try:
             src = LocalFileSource.load(settings.local_source_path)
             print(f"local source: ok ({src.origin})")
@@ -242,6 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="run the daemon (settings from IBEX_CONTEXT_*)")
     s.add_argument("--workers", type=int, default=None, help="worker processes (default 1)")
     s.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    # Set by the supervisor (ibex/ops/workers.py): this worker's slot, for its own
+    # port (IBEX_CONTEXT_WORKER_PORT_BASE + index) and the x-ibex-worker trailer.
+    s.add_argument("--worker-index", type=int, default=None, help=argparse.SUPPRESS)
     s.set_defaults(func=cmd_serve)
 
     a = sub.add_parser("assemble", help="ask a running daemon for a context block")

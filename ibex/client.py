@@ -6,11 +6,20 @@ slow, down or shedding (DEADLINE_EXCEEDED, UNAVAILABLE, RESOURCE_EXHAUSTED) the
 client does not raise: it returns an `Assembled` marked degraded whose context
 is the history alone, so the proxy can go on with the call. Input and auth
 errors still raise: they are bugs to fix, not load to ride out.
+
+Several addresses (`addresses=["10.0.0.5:9100", "10.0.0.5:9101", ...]`, e.g. one
+per worker port, see README "Scaling") are balanced per call, round robin, the
+way gRPC's `round_robin` policy does it: one HTTP/2 connection per address, each
+call on the next one. An address whose connection cannot be made is skipped for
+`DOWN_FOR` seconds and the call goes to the next address at once (nothing was
+sent, so nothing runs twice); only when no address answers does the call fail
+(open).
 """
 
 from __future__ import annotations
 
 import ssl
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,6 +28,7 @@ import trio_asyncio
 from grpclib.client import Channel
 from grpclib.const import Cardinality, Status
 from grpclib.exceptions import GRPCError, StreamTerminatedError
+from grpclib.metadata import Deadline
 
 from ibex.assembly import formatter
 from ibex.assembly.structs import Message
@@ -27,6 +37,19 @@ from ibex.service import wire
 DEFAULT_DEADLINE = 0.045
 FAIL_OPEN = frozenset({Status.DEADLINE_EXCEEDED, Status.UNAVAILABLE, Status.RESOURCE_EXHAUSTED})
 _PATH = "/ibex.context.v1.ContextAssemblyService/"
+DOWN_FOR = 1.0  # seconds an address that refused a connection is passed over (gRPC: 1 s backoff)
+
+Address = str | tuple[str, int]
+
+
+def parse_address(address: Address) -> tuple[str, int]:
+    """`host:port`, `[v6]:port` or a (host, port) pair."""
+    if isinstance(address, tuple):
+        return address[0], int(address[1])
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"expected host:port, got {address!r}")
+    return host.strip("[]"), int(port)
 
 
 class Assembled(msgspec.Struct, frozen=True):
@@ -53,11 +76,16 @@ class ContextClient:
         host: str = "127.0.0.1",
         port: int = 9092,
         *,
+        addresses: Sequence[Address] | None = None,
         token: str | None = None,
         ssl_context: ssl.SSLContext | None = None,
         deadline: float = DEFAULT_DEADLINE,
     ) -> None:
-        self._channel = Channel(host, port, ssl=ssl_context)
+        """One address (`host`, `port`), or several (`addresses`) balanced per call."""
+        targets = [parse_address(a) for a in addresses] if addresses else [(host, port)]
+        self._channels = [Channel(h, p, ssl=ssl_context) for h, p in targets]
+        self._down_until = [0.0] * len(self._channels)
+        self._next = 0
         self._metadata = {"authorization": f"Bearer {token}"} if token else None
         self.deadline = deadline
 
@@ -73,7 +101,16 @@ class ContextClient:
         return ctx
 
     def close(self) -> None:
-        self._channel.close()
+        for channel in self._channels:
+            channel.close()
+
+    def _rotation(self) -> list[int]:
+        """Channel indexes for one call: round robin, addresses marked down last."""
+        n = len(self._channels)
+        start, self._next = self._next, (self._next + 1) % n
+        order = [(start + i) % n for i in range(n)]
+        now = time.monotonic()
+        return sorted(order, key=lambda i: self._down_until[i] > now)
 
     async def __aenter__(self) -> ContextClient:
         return self
@@ -88,18 +125,32 @@ class ContextClient:
         reply: Any,
         timeout: float | None,  # noqa: ASYNC109  (a gRPC deadline, sent as grpc-timeout)
     ) -> Any:
-        async with self._channel.request(
-            _PATH + method,
-            Cardinality.UNARY_UNARY,
-            type(request),
-            reply,
-            timeout=self.deadline if timeout is None else timeout,
-            metadata=self._metadata,
-        ) as stream:
-            await stream.send_message(request, end=True)
-            message = await stream.recv_message()
-            await stream.recv_trailing_metadata()
-            return message, dict(stream.initial_metadata or {})
+        deadline = Deadline.from_timeout(self.deadline if timeout is None else timeout)
+        refused: OSError | None = None
+        for index in self._rotation():
+            async with self._channels[index].request(
+                _PATH + method,
+                Cardinality.UNARY_UNARY,
+                type(request),
+                reply,
+                deadline=deadline,
+                metadata=self._metadata,
+            ) as stream:
+                try:
+                    await stream.send_request()
+                except TimeoutError:
+                    raise
+                except OSError as exc:
+                    # No connection, so the request never left: try the next address.
+                    self._down_until[index] = time.monotonic() + DOWN_FOR
+                    refused = exc
+                    continue
+                await stream.send_message(request, end=True)
+                message = await stream.recv_message()
+                await stream.recv_trailing_metadata()
+                return message, dict(stream.initial_metadata or {})
+        assert refused is not None
+        raise refused
 
     async def assemble(
         self,

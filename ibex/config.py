@@ -32,7 +32,7 @@ __all__ = [
 ]
 
 PREFIX = "IBEX_CONTEXT_"
-SECRET_FIELDS = frozenset({"memory_api_token", "auth_tokens_sha256"})
+SECRET_FIELDS = frozenset({"memory_api_token", "auth_tokens_sha256", "redis_sentinel_password"})
 # Variables read outside `load_settings` (the CLI client's token).
 EXTRA_KNOWN = frozenset({"CLIENT_TOKEN"})
 # Query parameters of a URL that carry a secret (redis-py reads `password`).
@@ -66,6 +66,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     directive_cache_entries: int = 10_000
     directive_cache_bytes: int = 16 * 1024 * 1024
     directive_cache_ttl: float = 1.0
+    redis_sentinels: tuple[str, ...] = ()
+    redis_sentinel_master: str | None = None
+    redis_sentinel_password: str | None = None
+    redis_cluster: bool = False
     local_source_path: str | None = None
     grpc_addr: str = "127.0.0.1:9092"
     packer_dp_cell_ceiling: int = 70 * 6251
@@ -92,6 +96,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     max_connection_age: float | None = None
     max_connection_age_grace: float | None = None  # None: DRAIN_GRACE
     workers: int = 1
+    worker_port_base: int | None = None
     metrics_addr: str | None = None
     log_level: str = "info"
 
@@ -113,6 +118,34 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             elif isinstance(value, (tuple, list)):
                 out[name] = [redact_url(v) if isinstance(v, str) else v for v in value]
         return out
+
+    @property
+    def redis_configured(self) -> bool:
+        """Directives come from Redis (one endpoint, Sentinel or Cluster)."""
+        return self.redis_url is not None or bool(self.redis_sentinels)
+
+    def worker_ports(self) -> tuple[int, ...]:
+        """Worker i's own port, WORKER_PORT_BASE + i (empty when the base is unset)."""
+        if self.worker_port_base is None:
+            return ()
+        return tuple(self.worker_port_base + i for i in range(self.workers))
+
+    def check_worker_ports(self) -> None:
+        """ConfigError when the per-worker ports leave the port range or hit another port."""
+        ports = self.worker_ports()
+        if not ports:
+            return
+        name = PREFIX + "WORKER_PORT_BASE"
+        if ports[-1] > 65535:
+            raise ConfigError(f"{name}: {ports[0]} + {len(ports)} workers passes port 65535")
+        taken = {"GRPC_ADDR": self.grpc_addr, "METRICS_ADDR": self.metrics_addr}
+        for setting, addr in taken.items():
+            port = int(addr.rpartition(":")[2]) if addr else None
+            if port in ports:
+                raise ConfigError(
+                    f"{name}: worker ports {ports[0]}..{ports[-1]} include "
+                    f"{PREFIX}{setting}'s port {port}"
+                )
 
     @property
     def wall(self) -> float:
@@ -310,6 +343,7 @@ def load_settings(
         "MAX_TOOL_SCHEMAS": ("max_tool_schemas", 0, 10_000),
         "WORKERS": ("workers", 1, 256),
         "MAX_CONNECTIONS": ("max_connections", 1, 1_000_000),
+        "WORKER_PORT_BASE": ("worker_port_base", 1, 65535),
     }
     for suffix, (field, lo, hi) in ints.items():
         if (raw := get(suffix)) is not None:
@@ -323,6 +357,14 @@ def load_settings(
         kw["memory_api_token"] = raw.strip()
     if (raw := get("REDIS_URL")) is not None:
         kw["redis_url"] = _url(PREFIX + "REDIS_URL", raw, ("redis", "rediss", "unix"))
+    if (raw := get("REDIS_SENTINELS")) is not None:
+        kw["redis_sentinels"] = tuple(_addr(PREFIX + "REDIS_SENTINELS", a) for a in _list(raw))
+    if (raw := get("REDIS_SENTINEL_MASTER")) is not None:
+        kw["redis_sentinel_master"] = raw.strip()
+    if (raw := get("REDIS_SENTINEL_PASSWORD")) is not None:
+        kw["redis_sentinel_password"] = raw.strip()
+    if (raw := get("REDIS_CLUSTER")) is not None:
+        kw["redis_cluster"] = _bool(PREFIX + "REDIS_CLUSTER", raw)
     if (raw := get("LOCAL_SOURCE_PATH")) is not None:
         kw["local_source_path"] = _file(PREFIX + "LOCAL_SOURCE_PATH", raw)
     if (raw := get("GRPC_ADDR")) is not None:
@@ -362,7 +404,39 @@ def load_settings(
         raise ConfigError(f"{PREFIX}TLS_CLIENT_CA requires {PREFIX}TLS_CERT and {PREFIX}TLS_KEY")
     if kw.get("memory_base_url") and not kw.get("memory_api_token"):
         raise ConfigError(f"{PREFIX}MEMORY_API_TOKEN: required when {PREFIX}MEMORY_BASE_URL is set")
-    return Settings(**kw)
+    _check_redis(kw)
+    settings = Settings(**kw)
+    settings.check_worker_ports()
+    return settings
+
+
+def _check_redis(kw: Mapping[str, Any]) -> None:
+    """Sentinel and Cluster settings that only make sense together."""
+    sentinels, master = kw.get("redis_sentinels"), kw.get("redis_sentinel_master")
+    if sentinels and not master:
+        raise ConfigError(
+            f"{PREFIX}REDIS_SENTINEL_MASTER: required when {PREFIX}REDIS_SENTINELS is set"
+        )
+    if (master or kw.get("redis_sentinel_password")) and not sentinels:
+        raise ConfigError(
+            f"{PREFIX}REDIS_SENTINELS: required with {PREFIX}REDIS_SENTINEL_MASTER/_PASSWORD"
+        )
+    url = kw.get("redis_url")
+    if sentinels and url is not None and url.split("://", 1)[0].lower() == "unix":
+        raise ConfigError(
+            f"{PREFIX}REDIS_URL: with {PREFIX}REDIS_SENTINELS it gives the data nodes' "
+            "password, db and TLS (redis:// or rediss://), not a unix socket"
+        )
+    if kw.get("redis_cluster"):
+        if sentinels:
+            raise ConfigError(
+                f"{PREFIX}REDIS_CLUSTER: a cluster has no sentinels; unset {PREFIX}REDIS_SENTINELS"
+            )
+        if url is None or url.split("://", 1)[0].lower() not in ("redis", "rediss"):
+            raise ConfigError(
+                f"{PREFIX}REDIS_CLUSTER: needs {PREFIX}REDIS_URL naming a seed node "
+                "(redis:// or rediss://)"
+            )
 
 
 def known_variables(env: Mapping[str, str] | None = None) -> frozenset[str]:

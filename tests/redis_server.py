@@ -17,7 +17,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -46,9 +46,17 @@ def _resp(*parts: str | bytes) -> bytes:
 class RedisServer:
     """One redis-server process: start, pause, kill and restart it on the same port."""
 
-    def __init__(self, executable: str, workdir: Path, *, tls: bool = False) -> None:
+    def __init__(
+        self,
+        executable: str,
+        workdir: Path,
+        *,
+        tls: bool = False,
+        extra_args: Sequence[str] = (),
+    ) -> None:
         self.executable = executable
         self.workdir = workdir
+        self.extra_args = list(extra_args)  # e.g. --replicaof, --cluster-enabled
         self.port = _free_port()
         self.tls_port = _free_port() if tls else None
         self.ca_path = workdir / "ca.pem"
@@ -93,13 +101,15 @@ class RedisServer:
         ]  # fmt: skip
         if self.tls_port is not None:
             args += self._tls_args(self.tls_port)
+        args += self.extra_args
         self._proc = subprocess.Popen(args, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + _START_TIMEOUT
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
                 break
             with contextlib.suppress(OSError):
-                if self.command("PING", timeout=0.2) == b"+PONG":
+                # -NOAUTH: up, with a password (extra_args=["--requirepass", ...]).
+                if self.command("PING", timeout=0.2).startswith((b"+PONG", b"-NOAUTH")):
                     return
             time.sleep(0.005)
         self.stop()

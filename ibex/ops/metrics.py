@@ -20,10 +20,13 @@ ibex_context_memories_included         H                      memories packed in
 ibex_tenant_filtered_hits_total        C                      hits dropped for another org/agent
 ibex_token_cache_hits_total            C                      token-count cache hits
 ibex_token_cache_misses_total          C                      token-count cache misses
+ibex_worker_restarts_total             C      reason          workers restarted by the supervisor
 =====================================  =====  ==============  ====================================
 
 C counter, G gauge, H histogram. ``code`` is the gRPC status name (``OK``,
 ``INVALID_ARGUMENT``, ...); ``method`` the short RPC name (``AssembleContext``).
+``ibex_worker_restarts_total`` comes from the supervisor of ``--workers N``
+(``reason``: ``exited`` or ``unresponsive``).
 
 Token-cache hit rate: ``rate(ibex_token_cache_hits_total[5m]) /
 (rate(ibex_token_cache_hits_total[5m]) + rate(ibex_token_cache_misses_total[5m]))``.
@@ -92,6 +95,7 @@ STAGES: Final = ("budget", "ranking", "packing", "formatting", "total")
 LEVELS: Final = ("L0", "L1", "L2")
 PACK_PATHS: Final = ("dp", "greedy")
 SHED_REASONS: Final = ("in_flight", "queue")
+RESTART_REASONS: Final = ("exited", "unresponsive")
 
 # Stage work is sub-millisecond to tens of ms; branch latency is bounded by the
 # retrieval wall (~45 ms) but a misconfigured wall should still land in a bucket.
@@ -167,6 +171,34 @@ def exposition_registry(path: str | None = None) -> CollectorRegistry:
     registry = CollectorRegistry()
     multiprocess.MultiProcessCollector(registry, path=target)
     return registry
+
+
+class WorkerRestarts(Collector):
+    """The supervisor's ``ibex_worker_restarts_total{reason}``, kept as plain counts.
+
+    A collector rather than a `Counter`: the supervisor may have imported
+    prometheus_client before choosing multiprocess mode, and its own value
+    must not also appear through the workers' files. Register it on the
+    exposition registry; `inc` counts one restart.
+    """
+
+    def __init__(self) -> None:
+        self.counts = dict.fromkeys(RESTART_REASONS, 0)
+
+    def inc(self, reason: str) -> None:
+        self.counts[reason] = self.counts.get(reason, 0) + 1
+
+    def describe(self) -> Iterable[Metric]:
+        return ()
+
+    def collect(self) -> Iterable[Metric]:
+        family = CounterMetricFamily(
+            "ibex_worker_restarts", "Workers restarted by the supervisor, by reason.",
+            labels=["reason"],
+        )  # fmt: skip
+        for reason, count in self.counts.items():
+            family.add_metric([reason], count)
+        yield family
 
 
 class _TokenCacheCollector(Collector):

@@ -10,7 +10,14 @@ spreads connections across them. The supervisor:
 - restarts a worker that exits or stops pinging, with a short backoff;
 - forwards SIGTERM/SIGINT to every worker (each drains) and exits when all
   have, escalating to SIGKILL after the drain grace;
-- serves /metrics aggregated over all workers (prometheus multiprocess mode).
+- serves /metrics aggregated over all workers (prometheus multiprocess mode),
+  plus its own `ibex_worker_restarts_total{reason}`;
+- tells worker i its slot with the hidden `--worker-index i` option: with
+  IBEX_CONTEXT_WORKER_PORT_BASE=P the worker also listens on port P+i (its own
+  port, no SO_REUSEPORT), so a client can balance calls, not just connections,
+  across workers with gRPC's round_robin over P..P+N-1; the worker also names
+  its slot in the `x-ibex-worker` trailer of every response. (An option, not
+  an IBEX_CONTEXT_* variable: it is not a setting an operator may set.)
 
 Everything is structured: one nursery holds a task per worker plus the
 metrics server and the watchdog; nothing outlives `supervise`.
@@ -48,6 +55,7 @@ class Worker:
         self.ready = trio.Event()
         self.last_ping = 0.0
         self.restarts = 0
+        self.unresponsive = False
 
 
 class Supervisor:
@@ -58,6 +66,11 @@ class Supervisor:
         self.stopping = False
         self.workers: list[Worker] = []
         self.all_ready = trio.Event()
+        # Imported here, not at the top: supervise() may still have to choose
+        # multiprocess mode before prometheus_client is first imported.
+        from ibex.ops.metrics import WorkerRestarts
+
+        self.restart_metric = WorkerRestarts()
 
     def _env(self, worker: Worker) -> dict[str, str]:
         env = dict(os.environ)
@@ -67,6 +80,9 @@ class Supervisor:
         env.pop("WATCHDOG_PID", None)
         env.pop("IBEX_CONTEXT_METRICS_ADDR", None)  # the supervisor serves the aggregate
         return env
+
+    def _argv(self, worker: Worker) -> list[str]:
+        return [*self.argv, "--worker-index", str(worker.index)]
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         runtime = Path(tempfile.mkdtemp(prefix="ibex-workers-"))
@@ -82,8 +98,10 @@ class Supervisor:
                 if self.settings.metrics_addr and os.environ.get(MULTIPROC_ENV):
                     from ibex.ops.metrics import exposition_registry, serve_metrics
 
+                    registry = exposition_registry()
+                    registry.register(self.restart_metric)
                     host, _, port = self.settings.metrics_addr.rpartition(":")
-                    await nursery.start(serve_metrics, exposition_registry(), host, int(port))
+                    await nursery.start(serve_metrics, registry, host, int(port))
                 task_status.started()
                 with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
                     async for signum in signals:
@@ -127,6 +145,9 @@ class Supervisor:
                 break
             delay = RESTART_BACKOFF[min(worker.restarts, len(RESTART_BACKOFF) - 1)]
             worker.restarts += 1
+            reason = "unresponsive" if worker.unresponsive else "exited"
+            worker.unresponsive = False
+            self.restart_metric.inc(reason)
             log.error(
                 "worker_exited",
                 extra={"worker": worker.index, "returncode": code, "restart_in_s": delay},
@@ -140,7 +161,7 @@ class Supervisor:
         await sock.bind(str(worker.notify_path))
         try:
             process = await trio.lowlevel.open_process(
-                self.argv, env=self._env(worker), stdin=subprocess.DEVNULL
+                self._argv(worker), env=self._env(worker), stdin=subprocess.DEVNULL
             )
             worker.process = process
             worker.last_ping = trio.current_time()
@@ -172,6 +193,7 @@ class Supervisor:
             silent = trio.current_time() - worker.last_ping
             if silent > interval * WATCHDOG_MISSES and worker.process is not None:
                 log.error("worker_unresponsive", extra={"worker": worker.index, "silent_s": silent})
+                worker.unresponsive = True
                 worker.process.kill()
                 return
 

@@ -23,6 +23,7 @@ import grpclib.server
 import msgspec
 import trio
 import trio_asyncio
+from grpclib.events import SendTrailingMetadata, listen
 from grpclib.health.check import ServiceStatus
 from grpclib.health.service import Health
 
@@ -36,6 +37,7 @@ from ibex.service.connections import Connections, ConnectionsConfig, LoopErrorHa
 from ibex.service.grpc_shim import (
     answer_expired_deadlines,
     bound_port,
+    listen_also,
     stop_accepting,
     track_connections,
 )
@@ -51,6 +53,11 @@ class DaemonConfig(msgspec.Struct, frozen=True):
     reuse_port: bool = False
     drain_grace: float = 10.0
     connections: ConnectionsConfig = ConnectionsConfig()
+    # This process's own ports besides `port` (a worker's WORKER_PORT_BASE + i), so a
+    # client can balance calls over workers; and its worker slot, sent to callers
+    # in the `x-ibex-worker` trailer.
+    own_ports: tuple[int, ...] = ()
+    worker: int | None = None
 
 
 class Daemon:
@@ -91,7 +98,10 @@ class Daemon:
             config=self.edge,
         )
         health = Health({service: [self.health_status]})
-        return grpclib.server.Server(with_reflection([service, health], self.auth))
+        server = grpclib.server.Server(with_reflection([service, health], self.auth))
+        if self.config.worker is not None:
+            listen(server, SendTrailingMetadata, _worker_trailer(str(self.config.worker)))
+        return server
 
     async def serve(
         self,
@@ -145,11 +155,15 @@ class Daemon:
                     host, self.config.port, ssl=ssl_ctx, reuse_port=self.config.reuse_port or None
                 )
             self.port = bound_port(server)
+            for own in self.config.own_ports:
+                await trio_asyncio.aio_as_trio(listen_also)(server, host, own, ssl=ssl_ctx)
             self.health_status.set(True)
             log.info(
                 "serving",
                 extra={
                     "addr": f"{host}:{self.port}",
+                    "own_ports": list(self.config.own_ports),
+                    "worker": self.config.worker,
                     "backend": assembler.backend,
                     "tls": ssl_ctx is not None,
                     "auth": self.auth.enabled,
@@ -193,6 +207,15 @@ class Daemon:
         self.state.draining = True
         server.close()
         await trio_asyncio.aio_as_trio(server.wait_closed)()
+
+
+def _worker_trailer(worker: str) -> Callable[[SendTrailingMetadata], Any]:
+    """Tag every response with the worker that served it (all statuses, sheds too)."""
+
+    async def tag(event: SendTrailingMetadata) -> None:
+        event.metadata["x-ibex-worker"] = worker
+
+    return tag
 
 
 def _cache_totals(tokenizers: Tokenizers) -> tuple[int, int]:

@@ -2,17 +2,20 @@
 
 grpclib (0.4) has no public way to bound a request's size before it is
 buffered, to learn the bound port, to stop accepting connections while
-existing ones keep serving, or to see and close its connections. Each of
-those reaches into a private attribute; they live here so a grpclib upgrade
-is checked in one place (tests/integration/test_grpc_ops.py and
-test_connections.py exercise every function below).
+existing ones keep serving, to see and close its connections, or to listen on a
+second port with the same connection bookkeeping (so drain and close cover both).
+Each of those reaches into a private attribute; they live here so a grpclib
+upgrade is checked in one place (tests/integration/test_grpc_ops.py,
+test_connections.py and test_client_balancing.py exercise every function below).
 """
 
 from __future__ import annotations
 
 import asyncio
+import ssl as _ssl
 import struct
 import time
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, cast
@@ -70,10 +73,32 @@ def bound_port(server: grpclib.server.Server) -> int:
     return int(server._server.sockets[0].getsockname()[1])  # type: ignore[attr-defined]
 
 
+_EXTRA_LISTENERS: weakref.WeakKeyDictionary[grpclib.server.Server, list[asyncio.Server]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+async def listen_also(
+    server: grpclib.server.Server, host: str, port: int, *, ssl: _ssl.SSLContext | None = None
+) -> int:
+    """Accept connections on another port too (asyncio side), served like the first.
+
+    The listener uses the server's own protocol factory, so its connections are
+    tracked by `server.close()`/`wait_closed()` like any other; `stop_accepting`
+    closes it with the main one. Returns the bound port.
+    """
+    loop = asyncio.get_running_loop()
+    listener = await loop.create_server(server._protocol_factory, host, port, ssl=ssl)
+    _EXTRA_LISTENERS.setdefault(server, []).append(listener)
+    return int(listener.sockets[0].getsockname()[1])
+
+
 def stop_accepting(server: grpclib.server.Server) -> None:
     """Close the listening sockets; established connections keep serving."""
     if server._server is not None:
         server._server.close()
+    for listener in _EXTRA_LISTENERS.pop(server, []):
+        listener.close()
 
 
 @contextmanager

@@ -149,6 +149,24 @@ def memory_http_source(settings: Settings) -> MemoryHttpSource:
     )
 
 
+def redis_directive_source(settings: Settings) -> tuple[RedisDirectiveSource, str]:
+    """The directive source for the configured Redis topology, and its backend name."""
+    if settings.redis_sentinels:
+        assert settings.redis_sentinel_master is not None  # load_settings requires it
+        sentinels = [split_addr(a) for a in settings.redis_sentinels]
+        source = RedisDirectiveSource.sentinel(
+            sentinels,
+            settings.redis_sentinel_master,
+            url=settings.redis_url,
+            sentinel_password=settings.redis_sentinel_password,
+        )
+        return source, "redis-sentinel"
+    assert settings.redis_url is not None
+    if settings.redis_cluster:
+        return RedisDirectiveSource.cluster(settings.redis_url), "redis-cluster"
+    return RedisDirectiveSource(settings.redis_url), "redis"
+
+
 @asynccontextmanager
 async def open_assembler(
     settings: Settings,
@@ -164,17 +182,17 @@ async def open_assembler(
     http: MemoryHttpSource | None = None
     redis: RedisDirectiveSource | None = None
     backend: list[str] = []
-    if settings.redis_url is None and settings.memory_base_url is None:
+    if not settings.redis_configured and settings.memory_base_url is None:
         local = LocalFileSource.load(
             settings.local_source_path, max_content_bytes=settings.memory_max_content_bytes
         )
         directive_source = memory_source = local
         backend.append(f"local:{local.origin}")
     else:
-        if settings.redis_url is not None:
-            redis = RedisDirectiveSource(settings.redis_url)
+        if settings.redis_configured:
+            redis, kind = redis_directive_source(settings)
             directive_source = redis
-            backend.append("redis")
+            backend.append(kind)
             if settings.directive_cache_entries > 0:
                 directive_source = DirectiveCache(redis, directive_cache_config(settings))
         if settings.memory_base_url is not None:
@@ -243,18 +261,33 @@ def check_bind_policy(settings: Settings) -> str | None:
 
 
 def make_daemon(
-    settings: Settings, *, metrics: Metrics | None = None, reuse_port: bool = False
+    settings: Settings,
+    *,
+    metrics: Metrics | None = None,
+    reuse_port: bool = False,
+    worker_index: int | None = None,
 ) -> Daemon:
-    """A serving process built from settings; `Daemon.serve` loads and opens everything."""
+    """A serving process built from settings; `Daemon.serve` loads and opens everything.
+
+    `worker_index` is the supervisor's slot for this worker: with
+    WORKER_PORT_BASE set, the process also listens on base + index (a single
+    process, index 0, on the base itself) so clients can balance per call.
+    """
     host, port = split_addr(settings.grpc_addr)
+    own: tuple[int, ...] = ()
+    if settings.worker_port_base is not None:
+        own = (settings.worker_port_base + (worker_index or 0),)
+    config = DaemonConfig(
+        host=host,
+        port=port,
+        reuse_port=reuse_port,
+        drain_grace=settings.drain_grace,
+        own_ports=own,
+        worker=worker_index,
+        connections=connections_config(settings),
+    )
     return Daemon(
-        DaemonConfig(
-            host=host,
-            port=port,
-            reuse_port=reuse_port,
-            drain_grace=settings.drain_grace,
-            connections=connections_config(settings),
-        ),
+        config,
         open_assembler=lambda: open_assembler(settings),
         authenticator=authenticator(settings),
         admission=admission_config(settings),

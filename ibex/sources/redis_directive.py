@@ -17,21 +17,58 @@ connection went back to the pool, the next lease would read the previous
 tenant's directive. redis-py 8 closes the socket on BaseException inside
 `read_response`/`send_packed_command`, but this module does not rely on it: the
 lease below closes the connection on any BaseException *before* releasing it.
+
+Topologies: one endpoint (`RedisDirectiveSource(url)`), Redis Sentinel
+(`RedisDirectiveSource.sentinel`) and Redis Cluster
+(`RedisDirectiveSource.cluster`), all with redis-py's own asyncio clients.
+Sentinel uses redis-py's `SentinelConnectionPool`, a `ConnectionPool` whose
+connections ask the sentinels for the master when they connect, so the same
+lease (and its close-before-release) applies; after a failover the sentinels
+kill the old master's client connections, the pool reconnects to the new
+master and directives flow again within seconds. Cluster routes each GET by
+its key's slot (MOVED/ASK and topology refreshes are redis-py's); its node
+connections are pooled inside `ClusterNode`, out of reach of a lease, so every
+connection it makes is a `_CloseOnInterrupt` subclass: a read or write that
+ends without a whole reply (cancellation, timeout, I/O error) closes the
+connection before the exception leaves it, and `ClusterNode` reconnects it on
+its next use. The key stays `<org_id>:directive:<agent_id>` (no hash tag):
+every read is one single-key GET, so keys may live on any master.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import uuid
+from collections.abc import Sequence
 from typing import Any, Final, cast
 
 import msgspec
 import redis.asyncio as aredis
 import trio_asyncio
+from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.connection import (
+    AbstractConnection,
+    Connection,
+    SSLConnection,
+    parse_url,
+)
 from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import (
+    MasterNotFoundError,
+    Sentinel,
+    SentinelConnectionPool,
+    SentinelManagedConnection,
+    SentinelManagedSSLConnection,
+)
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import MaxConnectionsError, RedisError, ResponseError
+from redis.exceptions import (
+    MaxConnectionsError,
+    RedisClusterException,
+    RedisError,
+    ResponseError,
+)
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ibex.assembly.structs import Directive, InjectionMode
@@ -60,6 +97,7 @@ DEFAULT_RETRIES: Final = 1
 DEFAULT_HEALTH_CHECK_INTERVAL: Final = 30.0
 DEFAULT_MAX_CONNECTIONS: Final = 64
 DEFAULT_MAX_VALUE_BYTES: Final = 1024 * 1024
+CLIENT_NAME: Final = "ibex-directive"
 
 
 class _Envelope(msgspec.Struct, frozen=True):
@@ -129,12 +167,33 @@ def _decode_failure(raw: bytes, exc: msgspec.DecodeError) -> str:
     return "directive value: malformed JSON"
 
 
+def _options(
+    connect_timeout: float, socket_timeout: float, health_check_interval: float
+) -> dict[str, Any]:
+    """Connection options shared by every topology (see the time policy above)."""
+    return {
+        "socket_connect_timeout": connect_timeout,
+        "socket_timeout": socket_timeout,
+        "health_check_interval": health_check_interval,
+        # Named in CLIENT LIST for operators; CLIENT SETINFO skipped (one less
+        # round trip per new connection, and Redis < 7.2 rejects it anyway).
+        "client_name": CLIENT_NAME,
+        "driver_info": None,
+    }
+
+
+def _malformed_url() -> SourceError:
+    # The URL may hold a password: never echo it.
+    return SourceError("redis url: malformed (expected redis://, rediss:// or unix://)")
+
+
 class RedisDirectiveSource:
     """DirectiveSource over a Redis (or Redis-compatible) server, read-only.
 
     `url` may be `redis://`, `rediss://` or `unix://`; URL query options (for
     example `?socket_timeout=0.5`) override the keyword defaults. Extra keyword
-    arguments go to `redis.asyncio.ConnectionPool` (e.g. TLS CA files).
+    arguments go to `redis.asyncio.ConnectionPool` (e.g. TLS CA files). For
+    Sentinel and Cluster use the `sentinel` and `cluster` constructors.
     """
 
     def __init__(
@@ -150,27 +209,129 @@ class RedisDirectiveSource:
         **pool_kwargs: Any,
     ) -> None:
         options: dict[str, Any] = {
-            "socket_connect_timeout": connect_timeout,
-            "socket_timeout": socket_timeout,
+            **_options(connect_timeout, socket_timeout, health_check_interval),
             "retry": Retry(NoBackoff(), 0),
-            "health_check_interval": health_check_interval,
             "max_connections": max_connections,
-            # Named in CLIENT LIST for operators; CLIENT SETINFO skipped (one less
-            # round trip per new connection, and Redis < 7.2 rejects it anyway).
-            "client_name": "ibex-directive",
-            "driver_info": None,
             **pool_kwargs,
         }
         try:
-            self._pool: aredis.ConnectionPool = aredis.ConnectionPool.from_url(url, **options)
+            pool: aredis.ConnectionPool = aredis.ConnectionPool.from_url(url, **options)
         except ValueError:
-            # The URL may hold a password: never echo it.
-            raise SourceError(
-                "redis url: malformed (expected redis://, rediss:// or unix://)"
-            ) from None
+            raise _malformed_url() from None
+        self._setup(pool, None, None, retries, max_value_bytes)
+
+    def _setup(
+        self,
+        pool: aredis.ConnectionPool | None,
+        cluster: RedisCluster | None,
+        sentinel: Sentinel | None,
+        retries: int,
+        max_value_bytes: int,
+    ) -> None:
+        self._pool = pool
+        self._cluster = cluster
+        self._sentinel = sentinel
         self._retries = retries
         self._max_value_bytes = max_value_bytes
         self._closed = False
+        # Cluster only: a topology read is due (at start, and after a failed GET),
+        # and the task doing it (owned here, cancelled by aclose).
+        self._refresh_due = cluster is not None
+        self._refresh: asyncio.Future[Any] | None = None
+
+    @classmethod
+    def sentinel(
+        cls,
+        sentinels: Sequence[tuple[str, int]],
+        master: str,
+        *,
+        url: str | None = None,
+        sentinel_password: str | None = None,
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        socket_timeout: float = DEFAULT_SOCKET_TIMEOUT,
+        retries: int = DEFAULT_RETRIES,
+        health_check_interval: float = DEFAULT_HEALTH_CHECK_INTERVAL,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES,
+        **pool_kwargs: Any,
+    ) -> RedisDirectiveSource:
+        """The master named `master`, found through `sentinels`, followed across failovers.
+
+        `url` (optional, `redis://` or `rediss://`) gives the data nodes'
+        username, password, db, TLS and URL options; its host and port are
+        ignored. The sentinels are reached over plain TCP with
+        `sentinel_password` (their `requirepass`), if any.
+        """
+        if not sentinels:
+            raise SourceError("redis sentinel: no sentinel addresses")
+        options: dict[str, Any] = {
+            **_options(connect_timeout, socket_timeout, health_check_interval),
+            "connection_class": SentinelManagedConnection,
+            "retry": Retry(NoBackoff(), 0),
+            "max_connections": max_connections,
+        }
+        if url is not None:
+            try:
+                from_url: dict[str, Any] = dict(parse_url(url))
+            except ValueError:
+                raise _malformed_url() from None
+            if from_url.pop("connection_class", None) is SSLConnection:
+                options["connection_class"] = SentinelManagedSSLConnection
+            for endpoint in ("host", "port", "path"):
+                from_url.pop(endpoint, None)
+            options.update(from_url)  # URL query options override the defaults
+        sentinel_options = {
+            **_options(connect_timeout, socket_timeout, 0),
+            "retry": Retry(NoBackoff(), 0),
+            "password": sentinel_password,
+        }
+        manager = Sentinel(list(sentinels), sentinel_kwargs=sentinel_options)
+        pool = SentinelConnectionPool(master, manager, **{**options, **pool_kwargs})
+        source = cls.__new__(cls)
+        source._setup(pool, None, manager, retries, max_value_bytes)
+        return source
+
+    @classmethod
+    def cluster(
+        cls,
+        url: str,
+        *,
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        socket_timeout: float = DEFAULT_SOCKET_TIMEOUT,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES,
+        **cluster_kwargs: Any,
+    ) -> RedisDirectiveSource:
+        """A Redis Cluster discovered from the seed node `url` (`redis://` or `rediss://`).
+
+        Slots, MOVED/ASK and topology reads are redis-py's. A GET that fails to
+        connect or times out is an error of that read; the next GET first
+        re-reads the topology (CLUSTER SLOTS) in a task the source owns and
+        shields from the caller's cancellation, because redis-py drops every
+        node connection when a topology read is interrupted. Slots without a live
+        master answer errors while every other slot keeps answering.
+        """
+        options = {
+            **_options(connect_timeout, socket_timeout, DEFAULT_HEALTH_CHECK_INTERVAL),
+            # No retry inside redis-py: a retry re-reads the topology inline, where a
+            # cancellation makes redis-py close every node connection (other GETs'
+            # too). The next GET refreshes it instead, shielded (see `_cluster_get`).
+            "retry": Retry(NoBackoff(), 0),
+            # MOVED patches the slot map; a full refresh after N MOVED would close
+            # every node connection, in-flight ones included.
+            "reinitialize_steps": 0,
+            "max_connections": max_connections,
+            "require_full_coverage": False,
+            **cluster_kwargs,
+        }
+        try:
+            client = RedisCluster.from_url(url, **options)
+        except (ValueError, RedisClusterException):
+            raise _malformed_url() from None
+        _guard_cluster_connections(client)
+        source = cls.__new__(cls)
+        source._setup(None, client, None, 0, max_value_bytes)
+        return source
 
     async def get_directive(self, org_id: str, agent_id: str) -> Directive | None:
         """The directive, or None when the key is missing. Trio-async; cancel freely."""
@@ -191,30 +352,78 @@ class RedisDirectiveSource:
         self._closed = True
         # A dead or paused server cannot stop the close: the sockets are ours to drop.
         with contextlib.suppress(RedisError, OSError):
-            await trio_asyncio.aio_as_trio(self._pool.disconnect)()
+            await trio_asyncio.aio_as_trio(self._disconnect)()
+
+    async def _disconnect(self) -> None:
+        if self._refresh is not None and not self._refresh.done():
+            self._refresh.cancel()
+            with contextlib.suppress(BaseException):
+                await self._refresh
+        try:
+            if self._pool is not None:
+                await self._pool.disconnect()
+            if self._cluster is not None:
+                await self._cluster.aclose()
+        finally:
+            if self._sentinel is not None:
+                await self._sentinel.aclose()
 
     async def _get(self, key: str) -> bytes | None:
         """asyncio side: one GET on a leased connection, errors mapped to SourceError."""
         try:
+            if self._cluster is not None:
+                return await self._cluster_get(self._cluster, key)
             return await self._get_re_leasing_broken(key)
         except RedisTimeoutError:
             raise SourceError("redis: timed out") from None
         except MaxConnectionsError:
             raise SourceError("redis: connection pool exhausted") from None
+        except MasterNotFoundError:
+            raise SourceError("redis: no master found by the sentinels") from None
         except RedisConnectionError:
             raise SourceError("redis: connection failed") from None
         except ResponseError as exc:
             # The server's error prefix (e.g. WRONGTYPE) says enough; the rest may echo input.
             prefix = str(exc).split(" ", 1)[0][:32]
             raise SourceError(f"redis: error reply {prefix}") from None
+        except RedisClusterException as exc:
+            raise SourceError(f"redis cluster: {type(exc).__name__}") from None
         except (RedisError, OSError) as exc:
             raise SourceError(f"redis: {type(exc).__name__}") from None
 
+    async def _cluster_get(self, cluster: RedisCluster, key: str) -> bytes | None:
+        if self._refresh_due:
+            task = self._refresh
+            if task is None or (task.done() and (task.cancelled() or task.exception())):
+                task = self._refresh = asyncio.ensure_future(cluster.initialize())
+            # Shielded: a GET cancelled here stops waiting; the refresh goes on, and
+            # the next GET finds it done (or waits for it).
+            await asyncio.shield(task)
+            self._refresh_due = False
+        try:
+            reply = await cluster.get(key)
+        except (RedisConnectionError, RedisTimeoutError):
+            self._refresh_due, self._refresh = True, None
+            raise
+        except (RedisError, RedisClusterException, OSError):
+            raise
+        except Exception as exc:
+            # redis-py's cluster client closes every node connection when a topology
+            # refresh is interrupted, including connections other GETs are using;
+            # those then fail inside redis-py (e.g. AttributeError on a closed
+            # writer). They are errors of this read, never a reply, so they stay
+            # inside the directive branch like any other Redis failure.
+            raise SourceError(f"redis cluster: {type(exc).__name__}") from None
+        if reply is not None and not isinstance(reply, bytes):
+            raise SourceError(f"redis: unexpected reply type {type(reply).__name__}")
+        return reply
+
     async def _get_re_leasing_broken(self, key: str) -> bytes | None:
+        assert self._pool is not None
         retries = self._retries
         while True:
             try:
-                return await self._leased_get(key)
+                return await self._leased_get(self._pool, key)
             except _BrokenConnection:
                 if retries <= 0:
                     raise
@@ -224,8 +433,7 @@ class RedisDirectiveSource:
                 with contextlib.suppress(RedisError, OSError):
                     await self._pool.disconnect(inuse_connections=False)
 
-    async def _leased_get(self, key: str) -> bytes | None:
-        pool = self._pool
+    async def _leased_get(self, pool: aredis.ConnectionPool, key: str) -> bytes | None:
         conn = await pool.get_connection()
         try:
             try:
@@ -245,6 +453,64 @@ class RedisDirectiveSource:
         if reply is not None and not isinstance(reply, bytes):
             raise SourceError(f"redis: unexpected reply type {type(reply).__name__}")
         return reply
+
+
+class _CloseOnInterrupt(AbstractConnection):
+    """A connection that closes itself when a command's write or read ends early.
+
+    A reply left unread on the wire would be read by the connection's next
+    user: another tenant's GET. A whole error reply (`ResponseError`: MOVED,
+    ASK, WRONGTYPE, ...) leaves the connection in step and keeps it open.
+    """
+
+    async def send_packed_command(self, *args: Any, **kwargs: Any) -> None:
+        try:
+            await super().send_packed_command(*args, **kwargs)
+        except BaseException:
+            await self.disconnect(nowait=True)
+            raise
+
+    async def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await super().read_response(*args, **kwargs)
+        except ResponseError:
+            raise
+        except BaseException:
+            await self.disconnect(nowait=True)
+            raise
+
+
+class _GuardedConnection(_CloseOnInterrupt, Connection):
+    pass
+
+
+class _GuardedSSLConnection(_CloseOnInterrupt, SSLConnection):
+    pass
+
+
+_GUARDED: Final[dict[type[AbstractConnection], type[Connection]]] = {
+    Connection: _GuardedConnection,
+    SSLConnection: _GuardedSSLConnection,
+}
+
+
+def _guard_cluster_connections(client: RedisCluster) -> None:
+    """Make every node connection the cluster opens a `_CloseOnInterrupt` one.
+
+    RedisCluster picks Connection or SSLConnection itself and keeps the choice in
+    `connection_kwargs`, which its NodesManager shares for every node it creates
+    (startup nodes were created already and are patched too). Checked, so a
+    redis-py change fails loudly instead of silently losing the guard.
+    """
+    kwargs = client.connection_kwargs
+    if client.nodes_manager.connection_kwargs is not kwargs:
+        raise RuntimeError("redis-py's RedisCluster layout changed; cannot guard connections")
+    guarded = _GUARDED.get(kwargs["connection_class"])
+    if guarded is None:
+        raise RuntimeError(f"unexpected cluster connection class {kwargs['connection_class']}")
+    kwargs["connection_class"] = guarded
+    for node in client.nodes_manager.startup_nodes.values():
+        node.connection_class = guarded
 
 
 class _BrokenConnection(RedisConnectionError):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+import json
 import os
 import signal
 import socket
@@ -12,7 +14,11 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
+
+from ibex.cli import SAMPLE_AGENT, SAMPLE_ORG
+from tests.grpcio_stubs import context_pb2, context_pb2_grpc
 
 
 def free_port() -> int:
@@ -44,9 +50,47 @@ def wait_for(predicate: object, timeout: float, what: str) -> None:
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def free_port_run(n: int) -> int:
+    """The first of `n` consecutive loopback ports that were all free a moment ago."""
+    for _ in range(200):
+        base = free_port()
+        if base + n > 65535:
+            continue
+        socks = []
+        try:
+            for port in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise AssertionError(f"no run of {n} free ports found")
+
+
 @pytest.fixture
 def supervisor(
     tmp_path: Path,
+) -> Iterator[tuple[subprocess.Popen[str], int, int, socket.socket, Path]]:
+    yield from _supervisor(tmp_path, {})
+
+
+@pytest.fixture
+def supervisor_worker_ports(
+    tmp_path: Path,
+) -> Iterator[tuple[subprocess.Popen[str], int, int, socket.socket, Path, int]]:
+    base = free_port_run(2)
+    # Shedding on loop lag is not under test; a loaded test machine must not trigger it.
+    env = {"IBEX_CONTEXT_WORKER_PORT_BASE": str(base)}
+    for started in _supervisor(tmp_path, env):
+        yield (*started, base)
+
+
+def _supervisor(
+    tmp_path: Path, extra: dict[str, str]
 ) -> Iterator[tuple[subprocess.Popen[str], int, int, socket.socket, Path]]:
     grpc_port, metrics_port = free_port(), free_port()
     notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -62,6 +106,7 @@ def supervisor(
         IBEX_CONTEXT_DRAIN_GRACE="5s",
         NOTIFY_SOCKET=str(notify_path),
     )
+    env.update(extra)
     log = (tmp_path / "stderr.log").open("w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "ibex", "serve", "--workers", "2"],
@@ -115,9 +160,81 @@ def test_workers_share_port_survive_a_crash_and_drain(
         if line.startswith('ibex_grpc_requests_total{code="OK",method="AssembleContext"}')
     ]
     assert ok and float(ok[0].split()[-1]) >= 4  # aggregated over all workers, dead ones too
+    assert 'ibex_worker_restarts_total{reason="exited"} 1.0' in text.splitlines()
 
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0
     stderr = log_path.read_text()
     assert '"event":"worker_exited"' in stderr
     assert stderr.count('"event":"stopped"') >= 2
+
+
+def wait_ready(notify: socket.socket) -> None:
+    msg = notify.recv(4096).decode()
+    while "READY=1" not in msg.splitlines():
+        msg = notify.recv(4096).decode()
+
+
+def scrape(metrics_port: int) -> str:
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    return str(urllib.request.urlopen(url, timeout=5).read().decode())
+
+
+ROUND_ROBIN = json.dumps({"loadBalancingConfig": [{"round_robin": {}}]})
+
+
+def test_round_robin_over_worker_ports_spreads_calls_over_both_workers(
+    supervisor_worker_ports: tuple[subprocess.Popen[str], int, int, socket.socket, Path, int],
+) -> None:
+    """One grpcio channel, gRPC's round_robin over P, P+1: each worker serves half the calls."""
+    proc, port, metrics_port, notify, log_path, base = supervisor_worker_ports
+    wait_ready(notify)
+    target = f"ipv4:127.0.0.1:{base},127.0.0.1:{base + 1}"
+    options = [("grpc.service_config", ROUND_ROBIN), ("grpc.enable_retries", 0)]
+    served: collections.Counter[str] = collections.Counter()
+    with grpc.insecure_channel(target, options=options) as channel:
+        grpc.channel_ready_future(channel).result(timeout=10)
+        stub = context_pb2_grpc.ContextAssemblyServiceStub(channel)
+        request = context_pb2.AssembleContextRequest(
+            org_id=SAMPLE_ORG, agent_id=SAMPLE_AGENT, model="gpt-4o", query="deploy"
+        )
+        calls = 40
+        for _ in range(calls):
+            response, call = stub.AssembleContext.with_call(request, timeout=10)
+            assert "<memories nonce=" in response.assembled_context
+            trailers = dict(call.trailing_metadata())
+            served[trailers["x-ibex-worker"]] += 1
+    # Both workers, each a fair share (round robin alternates once both are connected).
+    assert set(served) == {"0", "1"}, served
+    assert min(served.values()) >= calls * 0.4, served
+    # The shared SO_REUSEPORT port still serves, and the workers named their ports.
+    assert assemble(port).returncode == 0
+    log = log_path.read_text()
+    assert f'"own_ports":[{base}]' in log and f'"own_ports":[{base + 1}]' in log
+    restarts = [
+        line for line in scrape(metrics_port).splitlines()
+        if line.startswith("ibex_worker_restarts_total{")
+    ]  # fmt: skip
+    assert sorted(restarts) == [
+        'ibex_worker_restarts_total{reason="exited"} 0.0',
+        'ibex_worker_restarts_total{reason="unresponsive"} 0.0',
+    ]
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+
+
+def test_worker_ports_overlapping_the_grpc_port_refuse_to_start(tmp_path: Path) -> None:
+    """--workers 3 from base 9100 would take 9100..9102: the gRPC port 9102 is among them."""
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("IBEX_CONTEXT_", "PROMETHEUS_"))
+    }
+    env.update(IBEX_CONTEXT_GRPC_ADDR="127.0.0.1:9102", IBEX_CONTEXT_WORKER_PORT_BASE="9100")
+    proc = subprocess.run(
+        [sys.executable, "-m", "ibex", "serve", "--workers", "3"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert "IBEX_CONTEXT_WORKER_PORT_BASE" in proc.stderr

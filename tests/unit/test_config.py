@@ -71,6 +71,82 @@ def test_secret_is_never_in_errors_or_redacted_output() -> None:
     assert s.redacted()["memory_api_token"] == "<redacted>"
 
 
+# -- scale-out settings ----------------------------------------------------------------------
+
+SENTINELS = "10.0.0.1:26379,10.0.0.2:26379"
+
+
+def test_worker_ports_are_base_plus_index() -> None:
+    s = load_settings({"IBEX_CONTEXT_WORKER_PORT_BASE": "9100", "IBEX_CONTEXT_WORKERS": "3"})
+    assert s.worker_ports() == (9100, 9101, 9102)
+    assert load_settings({}).worker_ports() == ()
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"IBEX_CONTEXT_WORKER_PORT_BASE": "0"},
+        {"IBEX_CONTEXT_WORKER_PORT_BASE": "65535", "IBEX_CONTEXT_WORKERS": "2"},
+        {"IBEX_CONTEXT_WORKER_PORT_BASE": "9091", "IBEX_CONTEXT_WORKERS": "2"},  # hits 9092
+        {"IBEX_CONTEXT_WORKER_PORT_BASE": "9464", "IBEX_CONTEXT_METRICS_ADDR": "0.0.0.0:9464"},
+    ],
+)
+def test_bad_worker_ports_name_the_variable(env: dict[str, str]) -> None:
+    with pytest.raises(ConfigError, match="IBEX_CONTEXT_WORKER_PORT_BASE"):
+        load_settings(env)
+
+
+def test_sentinel_settings() -> None:
+    s = load_settings(
+        {
+            "IBEX_CONTEXT_REDIS_SENTINELS": SENTINELS,
+            "IBEX_CONTEXT_REDIS_SENTINEL_MASTER": "ibex",
+            "IBEX_CONTEXT_REDIS_SENTINEL_PASSWORD": "s3cret-sentinel",
+        }
+    )
+    assert s.redis_sentinels == ("10.0.0.1:26379", "10.0.0.2:26379")
+    assert (s.redis_sentinel_master, s.redis_configured) == ("ibex", True)
+    assert s.redacted()["redis_sentinel_password"] == "<redacted>"
+    assert "s3cret-sentinel" not in repr(s.redacted())
+
+
+@pytest.mark.parametrize(
+    "env,needle",
+    [
+        ({"IBEX_CONTEXT_REDIS_SENTINELS": SENTINELS}, "IBEX_CONTEXT_REDIS_SENTINEL_MASTER"),
+        ({"IBEX_CONTEXT_REDIS_SENTINEL_MASTER": "ibex"}, "IBEX_CONTEXT_REDIS_SENTINELS"),
+        (
+            {"IBEX_CONTEXT_REDIS_SENTINELS": "nohost", "IBEX_CONTEXT_REDIS_SENTINEL_MASTER": "m"},
+            "IBEX_CONTEXT_REDIS_SENTINELS",
+        ),
+        (
+            {
+                "IBEX_CONTEXT_REDIS_SENTINELS": SENTINELS,
+                "IBEX_CONTEXT_REDIS_SENTINEL_MASTER": "m",
+                "IBEX_CONTEXT_REDIS_URL": "unix:///run/redis.sock",
+            },
+            "IBEX_CONTEXT_REDIS_URL",
+        ),
+        ({"IBEX_CONTEXT_REDIS_CLUSTER": "true"}, "IBEX_CONTEXT_REDIS_CLUSTER"),
+        (
+            {"IBEX_CONTEXT_REDIS_CLUSTER": "yes", "IBEX_CONTEXT_REDIS_URL": "unix:///r.sock"},
+            "IBEX_CONTEXT_REDIS_CLUSTER",
+        ),
+        ({"IBEX_CONTEXT_REDIS_CLUSTER": "maybe"}, "IBEX_CONTEXT_REDIS_CLUSTER"),
+    ],
+)
+def test_bad_redis_topology_names_the_variable(env: dict[str, str], needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle):
+        load_settings(env)
+
+
+def test_cluster_setting() -> None:
+    s = load_settings(
+        {"IBEX_CONTEXT_REDIS_CLUSTER": "true", "IBEX_CONTEXT_REDIS_URL": "redis://10.0.0.1:7000"}
+    )
+    assert s.redis_cluster and s.redis_configured
+
+
 # -- URL credentials and unknown variables (issue 11 item 8) -----------------------------------
 
 

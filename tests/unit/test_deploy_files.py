@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from ibex import config
-from ibex.config import PREFIX, Settings, load_settings
+from ibex.config import PREFIX, Settings, load_settings, parse_duration
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 UNIT = DEPLOY / "systemd" / "ibex-context.service"
@@ -313,3 +313,43 @@ def test_network_policy_ports() -> None:
         ("UDP", 53),
         ("TCP", 53),
     }
+
+
+def test_unit_sets_up_per_worker_ports() -> None:
+    service = parse_unit(UNIT.read_text())["Service"]
+    env = dict(e.split("=", 1) for e in service["Environment"])
+    settings = load_settings({**env, "IBEX_CONTEXT_WORKERS": "8"})
+    assert settings.worker_ports() == tuple(range(9100, 9108))
+    # Room for the largest worker count below the default metrics port, away from gRPC's.
+    load_settings(
+        {**env, "IBEX_CONTEXT_WORKERS": "256", "IBEX_CONTEXT_METRICS_ADDR": "127.0.0.1:9464"}
+    )
+
+
+def test_config_map_sets_connection_age_for_rebalancing() -> None:
+    data = manifests()["ConfigMap"]["data"]
+    age = parse_duration("AGE", data["IBEX_CONTEXT_MAX_CONNECTION_AGE"], bare_unit="s")
+    grace = parse_duration("GRACE", data["IBEX_CONTEXT_MAX_CONNECTION_AGE_GRACE"], bare_unit="s")
+    # Long enough to amortise reconnects, short enough that scale-ups get traffic soon;
+    # the grace covers far more than the 45 ms a call may take.
+    assert 60 <= age <= 1800
+    assert 1 <= grace < age
+
+
+def test_config_map_follows_redis_through_sentinel() -> None:
+    docs = manifests()
+    env = {**docs["ConfigMap"]["data"], **docs["Secret"]["stringData"]}
+    settings = load_settings(env)
+    assert len(settings.redis_sentinels) == 3
+    assert all(addr.endswith(":26379") for addr in settings.redis_sentinels)
+    assert settings.redis_sentinel_master
+    assert settings.redis_configured and not settings.redis_cluster
+    # The sentinel port is open for egress.
+    egress = docs["NetworkPolicy"]["spec"]["egress"]
+    assert 26379 in {p["port"] for rule in egress for p in rule["ports"]}
+
+
+def test_service_comment_shows_client_side_round_robin() -> None:
+    text = (KUBE / "service.yaml").read_text()
+    assert '{"loadBalancingConfig":[{"round_robin":{}}]}' in text
+    assert "dns:///ibex-context.ibex.svc.cluster.local:9092" in text
