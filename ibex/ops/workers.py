@@ -7,7 +7,8 @@ spreads connections across them. The supervisor:
 - gives each worker its own notify socket (the systemd protocol, reused), so
   it knows when every worker is ready and whether each one's Trio loop is
   still alive (WATCHDOG=1 pings); it tells systemd READY=1 once all are up;
-- restarts a worker that exits or stops pinging, with a short backoff;
+- restarts a worker that exits, stops pinging once serving, or is not ready
+  within WORKER_START_TIMEOUT, with a short backoff;
 - forwards SIGTERM/SIGINT to every worker (each drains) and exits when all
   have, escalating to SIGKILL after the drain grace;
 - serves /metrics aggregated over all workers (prometheus multiprocess mode),
@@ -44,6 +45,10 @@ log = logging.getLogger("ibex.ops.workers")
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 WORKER_WATCHDOG_USEC = 4_000_000  # workers ping every 2 s
 WATCHDOG_MISSES = 3  # a worker silent for 3 intervals is restarted
+# Start-up (catalog, tokenizers, sources) sends no pings; on a loaded host it can
+# take far longer than the watchdog's 6 s, so a new worker gets this long to say
+# READY=1 instead (systemd's TimeoutStartSec in the unit is 60 s too).
+WORKER_START_TIMEOUT = 60.0
 RESTART_BACKOFF = (0.1, 0.5, 1.0, 2.0, 5.0)
 
 
@@ -52,7 +57,8 @@ class Worker:
         self.index = index
         self.notify_path = notify_path
         self.process: trio.Process | None = None
-        self.ready = trio.Event()
+        self.ready = trio.Event()  # the slot served once (for the supervisor's READY)
+        self.serving = trio.Event()  # this run said READY=1 (new for every run)
         self.last_ping = 0.0
         self.restarts = 0
         self.unresponsive = False
@@ -164,6 +170,7 @@ class Supervisor:
                 self._argv(worker), env=self._env(worker), stdin=subprocess.DEVNULL
             )
             worker.process = process
+            worker.serving = trio.Event()
             worker.last_ping = trio.current_time()
             log.info("worker_started", extra={"worker": worker.index, "pid": process.pid})
             async with trio.open_nursery() as nursery:
@@ -183,11 +190,19 @@ class Supervisor:
             worker.last_ping = trio.current_time()
             if "READY=1" in lines:
                 worker.ready.set()
+                worker.serving.set()
                 worker.restarts = 0
 
     async def _watch(self, worker: Worker) -> None:
         """Kill a worker whose Trio loop stopped pinging; `_keep_running` restarts it."""
         interval = WORKER_WATCHDOG_USEC / 2_000_000
+        with trio.move_on_after(WORKER_START_TIMEOUT):
+            await worker.serving.wait()
+        if not worker.serving.is_set() and worker.process is not None:
+            log.error("worker_start_timeout", extra={"worker": worker.index})
+            worker.unresponsive = True
+            worker.process.kill()
+            return
         while True:
             await trio.sleep(interval)
             silent = trio.current_time() - worker.last_ping

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import signal
@@ -16,8 +17,11 @@ from pathlib import Path
 
 import grpc
 import pytest
+import trio
 
 from ibex.cli import SAMPLE_AGENT, SAMPLE_ORG
+from ibex.config import Settings
+from ibex.ops import workers
 from tests.grpcio_stubs import context_pb2, context_pb2_grpc
 
 
@@ -114,12 +118,15 @@ def _supervisor(
         stdout=subprocess.DEVNULL,
         stderr=log,
         text=True,
+        start_new_session=True,  # its own process group: teardown reaches the workers too
     )
     try:
         yield proc, grpc_port, metrics_port, notify, tmp_path / "stderr.log"
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        # A failed test leaves the supervisor running; killing only it would orphan
+        # its workers (still bound to the ports), so kill the whole group.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
         notify.close()
         log.close()
@@ -238,3 +245,51 @@ def test_worker_ports_overlapping_the_grpc_port_refuse_to_start(tmp_path: Path) 
     )
     assert proc.returncode == 2
     assert "IBEX_CONTEXT_WORKER_PORT_BASE" in proc.stderr
+
+
+# A stand-in worker: start-up takes argv[1] seconds, then READY=1 and pings.
+FAKE_WORKER = """
+import os, socket, sys, time
+time.sleep(float(sys.argv[1]))
+s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+s.sendto(b"READY=1", os.environ["NOTIFY_SOCKET"])
+while True:
+    time.sleep(0.05)
+    s.sendto(b"WATCHDOG=1", os.environ["NOTIFY_SOCKET"])
+"""
+
+
+async def run_fake(monkeypatch: pytest.MonkeyPatch, start_s: float) -> workers.Supervisor:
+    # Pings expected every 0.1 s, so 0.3 s of silence would count as hung.
+    monkeypatch.setattr(workers, "WORKER_WATCHDOG_USEC", 200_000)
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    argv = [sys.executable, "-c", FAKE_WORKER, str(start_s)]
+    return workers.Supervisor(Settings(workers=1, drain_grace=1.0), argv=argv)
+
+
+async def test_slow_start_is_not_mistaken_for_a_hung_worker(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A start-up longer than the watchdog's window (a loaded host) is not a hang."""
+    sup = await run_fake(monkeypatch, 1.0)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sup.run)
+        with trio.fail_after(30):
+            await sup.all_ready.wait()
+        await trio.sleep(0.5)  # five ping intervals while serving
+        assert sup.restart_metric.counts == {"exited": 0, "unresponsive": 0}
+        await sup.stop()
+        nursery.cancel_scope.cancel()
+
+
+async def test_worker_never_ready_is_restarted(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(workers, "WORKER_START_TIMEOUT", 0.5)
+    sup = await run_fake(monkeypatch, 3600)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sup.run)
+        with trio.fail_after(30):
+            while sup.restart_metric.counts["unresponsive"] < 1:  # noqa: ASYNC110
+                await trio.sleep(0.05)
+        assert not sup.all_ready.is_set()
+        await sup.stop()
+        nursery.cancel_scope.cancel()
