@@ -31,9 +31,11 @@ from ibex.assembly.structs import (
     DegradationLevel,
     Directive,
     MemoryHit,
+    MemoryUsed,
     PackResult,
     PackSummary,
     ScoredMemory,
+    TokenBudget,
 )
 from ibex.errors import InputError, TooLargeError
 
@@ -115,30 +117,61 @@ def _ms(seconds: float) -> int:
     return round(seconds * 1000.0)
 
 
-def assemble_pure(
-    inputs: AssemblyInputs,
-    *,
-    catalog: Catalog,
-    tokenizers: CounterSource,
-    config: PipelineConfig = DEFAULT_CONFIG,
-) -> AssemblyResult:
-    """Budget, score, pack, format and verify one assembly."""
-    t0 = time.perf_counter()
-    request = inputs.request
-    nonce = inputs.nonce
-    if not _NONCE.fullmatch(nonce):
-        raise ValueError("nonce must be 2 to 160 lower-case hex or decimal digits")
-    cap = resolve_model(catalog, request.model, request.available_tokens)
-    family: FamilyPolicy = catalog.family(cap.tokenizer_family)
-    counter = tokenizers.counter(family.name, family.encoding)
+class StageTimer:
+    """Seconds spent in each named stage: one clock read per stage boundary."""
 
-    directive = inputs.directive
-    directive_pieces = fmt.directive_section(directive)
+    __slots__ = ("_last", "seconds", "start")
+
+    def __init__(self) -> None:
+        self.start = self._last = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+
+    def lap(self, stage: str) -> None:
+        """Close `stage`: the time since the previous lap (or the start) is its own."""
+        now = time.perf_counter()
+        self.seconds[stage] = now - self._last
+        self._last = now
+
+    def ms(self, stage: str) -> int:
+        return round(self.seconds.get(stage, 0.0) * 1000.0)
+
+    def total(self) -> float:
+        return self._last - self.start
+
+
+class FixedSections(msgspec.Struct, frozen=True, gc=False):
+    """What every answer carries whatever memories fit, counted once, and the budget."""
+
+    directive_tokens: int  # the directive section alone
+    safety_tokens: int  # the safety sentence, emitted only with memories
+    history_tokens: int
+    tool_tokens: int
+    overhead_tokens: int  # <memories> open and close, emitted only with memories
+    budget: TokenBudget
+
+
+class Rendered(msgspec.Struct, frozen=True, gc=False):
+    """The final text, its verified count, the memories it holds and those dropped to fit."""
+
+    text: str
+    tokens_used: int
+    ordered: list[ScoredMemory]
+    dropped: list[ScoredMemory]
+
+
+def count_fixed_sections(
+    request: AssemblyRequest,
+    directive: Directive | None,
+    nonce: str,
+    cap: ModelCapability,
+    family: FamilyPolicy,
+    counter: Counter,
+) -> FixedSections:
+    """Stage 1: count directive, history, tools and markup; the budget left for memories."""
     # Pieces carrying the nonce are new every request: count them without the
     # cache, or each request would push ~30 never-reused entries into it.
     safety_tokens = _exact_len(counter, fmt.safety_piece(nonce))
-    directive_only = _count_pieces(counter, directive_pieces)
-    directive_tokens = directive_only + safety_tokens
+    directive_tokens = _count_pieces(counter, fmt.directive_section(directive))
     history_tokens = _count_pieces(counter, fmt.history_section(request.recent_messages))
     tool_tokens = _count_pieces(counter, fmt.tools_section(request.tool_schemas))
     overhead = _exact_len(counter, fmt.memories_open(nonce)) + counter.count(fmt.MEMORIES_CLOSE)
@@ -147,14 +180,23 @@ def assemble_pure(
         family,
         estimate_kind=counter.estimate_kind,
         available_tokens=request.available_tokens,
-        directive_tokens=directive_tokens,
+        directive_tokens=directive_tokens + safety_tokens,
         messages_tokens=history_tokens,
         tool_schema_tokens=tool_tokens,
         formatter_overhead_tokens=overhead,
     )
-    t1 = time.perf_counter()
+    return FixedSections(
+        directive_tokens=directive_tokens,
+        safety_tokens=safety_tokens,
+        history_tokens=history_tokens,
+        tool_tokens=tool_tokens,
+        overhead_tokens=overhead,
+        budget=budget,
+    )
 
-    candidates, excluded = select_candidates(request, inputs.hot, inputs.cold, inputs.now)
+
+def price(candidates: list[ScoredMemory], counter: Counter, nonce: str) -> list[ScoredMemory]:
+    """Stage 3: each candidate's token_estimate is the exact cost of its formatted block."""
     # memory_open = prefix + nonce + suffix, split at pre-tokeniser boundaries
     # (see fmt.memory_open_suffix): the nonce is counted once, the rest cached.
     fixed_tokens = (
@@ -162,29 +204,35 @@ def assemble_pure(
         + _exact_len(counter, nonce)
         + counter.count(fmt.MEMORY_CLOSE)
     )
-    candidates = [
+    count = counter.count
+    return [
         msgspec.structs.replace(
             m,
             token_estimate=fixed_tokens
-            + counter.count(fmt.memory_open_suffix(m))
-            + counter.count(fmt.body_piece(m.content)),
+            + count(fmt.memory_open_suffix(m))
+            + count(fmt.body_piece(m.content)),
         )
         for m in candidates
     ]
-    t2 = time.perf_counter()
 
-    result = pack(
-        candidates,
-        budget.usable_budget,
-        dp_cell_ceiling=config.dp_cell_ceiling,
-        max_consecutive_skips=config.max_consecutive_skips,
-    )
-    t3 = time.perf_counter()
 
-    packed = list(result.packed)
+def render_within_ceiling(
+    request: AssemblyRequest,
+    directive: Directive | None,
+    nonce: str,
+    fixed: FixedSections,
+    packed: Sequence[ScoredMemory],
+    counter: Counter,
+    model: str,
+) -> Rendered:
+    """Stage 5: format, verify the count, and drop the lowest-value memory while over."""
+    ceiling = fixed.budget.ceiling
+    kept = list(packed)
     dropped: list[ScoredMemory] = []
+    base = fixed.directive_tokens + fixed.history_tokens + fixed.tool_tokens
+    with_memories = fixed.safety_tokens + fixed.overhead_tokens
     while True:
-        ordered = fmt.memory_order(packed)
+        ordered = fmt.memory_order(kept)
         pieces = fmt.render_pieces(
             directive=directive,
             messages=request.recent_messages,
@@ -197,62 +245,112 @@ def assemble_pure(
             # Every join is a pre-tokeniser split, so the text's count is the sum
             # of its pieces' (exact families; an upper bound for estimate_v1):
             # no need to re-tokenise ~15k characters per request.
-            tokens_used = directive_only + history_tokens + tool_tokens
+            tokens_used = base
             if ordered:
-                tokens_used += safety_tokens + overhead + sum(m.token_estimate for m in ordered)
+                tokens_used += with_memories + sum(m.token_estimate for m in ordered)
         else:
             tokens_used = _exact_len(counter, text)
-        if tokens_used <= budget.ceiling:
-            break
-        if not packed:
+        if tokens_used <= ceiling:
+            return Rendered(text, tokens_used, ordered, dropped)
+        if not kept:
             raise TooLargeError(
                 "recent_messages",
                 f"directive, history and tools take {tokens_used} tokens, more than the "
-                f"{budget.ceiling} the model {cap.model_id or request.model!r} leaves for context",
+                f"{ceiling} the model {model!r} leaves for context",
             )
         # A merge at a join made the text longer than its pieces: drop the
         # lowest-value memory (last in score order) and format again.
-        dropped.append(packed.pop())
-    t4 = time.perf_counter()
+        dropped.append(kept.pop())
 
-    memory_tokens = sum(m.token_estimate for m in ordered)
-    included = tuple(used(m, "included") for m in ordered)
-    excluded += (used(m, "budget") for m in result.excluded)
-    excluded += (used(m, "budget") for m in dropped)
-    pack_summary = _summary(result, dropped, ordered)
+
+def build_result(
+    inputs: AssemblyInputs,
+    fixed: FixedSections,
+    packed: PackResult,
+    rendered: Rendered,
+    excluded: list[MemoryUsed],
+    timer: StageTimer,
+) -> AssemblyResult:
+    """Stage 6: the result and every fact it reports about itself."""
+    request = inputs.request
+    ordered = rendered.ordered
+    excluded += (used(m, "budget") for m in packed.excluded)
+    excluded += (used(m, "budget") for m in rendered.dropped)
     metrics = AssemblyMetrics(
-        budget_calculation_ms=_ms(t1 - t0),
+        budget_calculation_ms=timer.ms("count"),
         directive_load_ms=_branch_ms(inputs.branches, "directive"),
         hot_memory_retrieval_ms=_branch_ms(inputs.branches, "hot"),
         cold_memory_retrieval_ms=_branch_ms(inputs.branches, "cold"),
-        ranking_ms=_ms(t2 - t1),
-        packing_ms=_ms(t3 - t2),
-        formatting_ms=_ms(t4 - t3),
-        total_ms=_ms(t4 - t0 + inputs.retrieval_ms / 1000.0),
-        candidates_evaluated=result.candidates_evaluated,
+        ranking_ms=_ms(timer.seconds["select"] + timer.seconds["price"]),
+        packing_ms=timer.ms("pack"),
+        formatting_ms=timer.ms("render"),
+        total_ms=_ms(timer.total() + inputs.retrieval_ms / 1000.0),
+        candidates_evaluated=packed.candidates_evaluated,
     )
-    emitted_directive = directive_only + (safety_tokens if ordered else 0)
+    directive = inputs.directive
     return AssemblyResult(
-        assembled_context=text,
-        tokens_used=tokens_used,
-        memories_used=included,
+        assembled_context=rendered.text,
+        tokens_used=rendered.tokens_used,
+        memories_used=tuple(used(m, "included") for m in ordered),
         excluded=tuple(excluded),
-        directive_tokens=emitted_directive,
-        history_tokens=history_tokens,
-        memory_tokens=memory_tokens,
-        tool_tokens=tool_tokens,
-        formatter_tokens=overhead if ordered else 0,
+        directive_tokens=fixed.directive_tokens + (fixed.safety_tokens if ordered else 0),
+        history_tokens=fixed.history_tokens,
+        memory_tokens=sum(m.token_estimate for m in ordered),
+        tool_tokens=fixed.tool_tokens,
+        formatter_tokens=fixed.overhead_tokens if ordered else 0,
         score_schema=score_schema(request.options),
         degradation_level=degradation_level(inputs.branches),
         branches=inputs.branches,
-        budget=budget,
-        pack=pack_summary,
+        budget=fixed.budget,
+        pack=_summary(packed, rendered.dropped, ordered),
         metrics=metrics,
         request_id=request.request_id,
         trace_id=request.trace_id,
         span_id=request.span_id,
         directive_version_id=(directive.version_id or "") if directive else "",
     )
+
+
+def assemble_pure(
+    inputs: AssemblyInputs,
+    *,
+    catalog: Catalog,
+    tokenizers: CounterSource,
+    config: PipelineConfig = DEFAULT_CONFIG,
+) -> AssemblyResult:
+    """Count the fixed sections, select, price, pack, render within the ceiling, build."""
+    timer = StageTimer()
+    request = inputs.request
+    nonce = inputs.nonce
+    if not _NONCE.fullmatch(nonce):
+        raise ValueError("nonce must be 2 to 160 lower-case hex or decimal digits")
+    cap = resolve_model(catalog, request.model, request.available_tokens)
+    family = catalog.family(cap.tokenizer_family)
+    counter = tokenizers.counter(family.name, family.encoding)
+    fixed = count_fixed_sections(request, inputs.directive, nonce, cap, family, counter)
+    timer.lap("count")
+    candidates, excluded = select_candidates(request, inputs.hot, inputs.cold, inputs.now)
+    timer.lap("select")
+    candidates = price(candidates, counter, nonce)
+    timer.lap("price")
+    packed = pack(
+        candidates,
+        fixed.budget.usable_budget,
+        dp_cell_ceiling=config.dp_cell_ceiling,
+        max_consecutive_skips=config.max_consecutive_skips,
+    )
+    timer.lap("pack")
+    rendered = render_within_ceiling(
+        request,
+        inputs.directive,
+        nonce,
+        fixed,
+        packed.packed,
+        counter,
+        cap.model_id or request.model,
+    )
+    timer.lap("render")
+    return build_result(inputs, fixed, packed, rendered, excluded, timer)
 
 
 def _exact_len(counter: Counter, text: str) -> int:
