@@ -2,14 +2,20 @@
 
 `ContextClient` is asyncio (grpclib); from Trio, call the `*_trio` methods inside
 `trio_asyncio.open_loop()`. The default deadline is 45 ms. When the daemon is
-slow, down or shedding (DEADLINE_EXCEEDED, UNAVAILABLE, RESOURCE_EXHAUSTED) the
-client does not raise: it returns an `Assembled` marked degraded whose context
-is the history alone, so the proxy can go on with the call. Input and auth
-errors still raise: they are bugs to fix, not load to ride out.
+slow, down or shedding (DEADLINE_EXCEEDED, UNAVAILABLE, RESOURCE_EXHAUSTED
+"overloaded: ...") the client does not raise: it returns an `Assembled` marked
+degraded whose context is the history alone, so the proxy can go on with the
+call. That history is cut like the daemon cuts it (oldest messages left out,
+the newest kept) to the model's context ceiling counted in UTF-8 bytes, which
+no byte-level BPE tokenizer's count exceeds, so the fallback is never larger
+than the window. Input and auth errors still raise, including a
+RESOURCE_EXHAUSTED that names a field (an input that cannot fit): they are bugs
+to fix, not load to ride out.
 """
 
 from __future__ import annotations
 
+import re
 import ssl
 from collections.abc import Sequence
 from typing import Any
@@ -21,12 +27,22 @@ from grpclib.const import Cardinality, Status
 from grpclib.exceptions import GRPCError, StreamTerminatedError
 
 from ibex.assembly import formatter
+from ibex.assembly.budget import context_ceiling
+from ibex.assembly.catalog import Catalog, load_catalog
+from ibex.assembly.history import Staged, fit_history
+from ibex.assembly.pipeline import resolve_model
 from ibex.assembly.structs import Message
 from ibex.service import wire
 
 DEFAULT_DEADLINE = 0.045
 FAIL_OPEN = frozenset({Status.DEADLINE_EXCEEDED, Status.UNAVAILABLE, Status.RESOURCE_EXHAUSTED})
 _PATH = "/ibex.context.v1.ContextAssemblyService/"
+
+
+# The daemon's overload refusals start with this; any other RESOURCE_EXHAUSTED
+# that names a field ("recent_messages: ...") is an input that cannot fit.
+_OVERLOADED = "overloaded"
+_FIELD_MESSAGE = re.compile(r"[A-Za-z_][\w.\[\]]*: ")
 
 
 class Assembled(msgspec.Struct, frozen=True):
@@ -38,11 +54,71 @@ class Assembled(msgspec.Struct, frozen=True):
     status: str
     response: Any = None
     branches: str = ""
+    messages_dropped: int = 0  # fallback only: oldest messages left out to fit the window
 
 
-def history_only(messages: Sequence[Message]) -> str:
-    """The fallback context: the history, formatted exactly as the daemon would."""
-    return "".join(formatter.history_section(messages))
+class _Utf8Bytes:
+    """Counts UTF-8 bytes: never fewer than the tokens of a byte-level BPE tokenizer."""
+
+    estimate_kind = "utf8_bytes"
+    max_token_bytes = 0  # a prefix never has more bytes than the whole
+
+    def count(self, text: str) -> int:
+        return len(text.encode("utf-8", "surrogatepass"))
+
+    count_uncached = count
+
+    def peek(self, text: str) -> int | None:
+        return None
+
+    def remember(self, items: Sequence[tuple[str, int]]) -> None:
+        pass
+
+    def additive_cut(self, text: str) -> int:
+        return len(text)
+
+
+def history_only(
+    messages: Sequence[Message],
+    *,
+    model: str = "",
+    available_tokens: int = 0,
+    catalog: Catalog | None = None,
+) -> tuple[str, int]:
+    """The fallback context and how many of the oldest messages it leaves out.
+
+    The history formatted as the daemon would, keeping the newest messages that
+    fit the model's context ceiling (window less response reserve and safety
+    buffer, as the daemon computes it) with every character's UTF-8 bytes
+    counted as tokens. Raises InputError for an unknown model without
+    `available_tokens`, as the daemon would.
+    """
+    if not messages:
+        return "", 0
+    catalog = catalog or _bundled_catalog()
+    cap = resolve_model(catalog, model, available_tokens)
+    ceiling = context_ceiling(cap, catalog.family(cap.tokenizer_family), available_tokens)
+    nonce = formatter.new_nonce(16)
+    counter = _Utf8Bytes()
+    fit = fit_history(counter, messages, nonce, ceiling, Staged(counter))
+    return "".join(formatter.history_section(fit.kept, nonce)), len(messages) - len(fit.kept)
+
+
+_CATALOG: list[Catalog] = []
+
+
+def _bundled_catalog() -> Catalog:
+    if not _CATALOG:
+        _CATALOG.append(load_catalog())
+    return _CATALOG[0]
+
+
+def is_input_error(exc: GRPCError) -> bool:
+    """An error to raise, not ride out: anything but overload, unavailability or time."""
+    if exc.status is Status.RESOURCE_EXHAUSTED:
+        message = exc.message or ""
+        return not message.startswith(_OVERLOADED) and bool(_FIELD_MESSAGE.match(message))
+    return exc.status not in FAIL_OPEN
 
 
 class ContextClient:
@@ -116,9 +192,9 @@ class ContextClient:
                 "AssembleContext", request, wire.AssembleContextResponse, timeout
             )
         except GRPCError as exc:
-            if exc.status in FAIL_OPEN:
-                return self._fallback(request, exc.status.name)
-            raise
+            if is_input_error(exc):
+                raise
+            return self._fallback(request, exc.status.name)
         except TimeoutError:  # grpclib's own deadline; caught before OSError, its base class
             return self._fallback(request, "DEADLINE_EXCEEDED")
         except (StreamTerminatedError, ConnectionError, OSError):
@@ -148,11 +224,15 @@ class ContextClient:
 
     def _fallback(self, request: Any, status: str) -> Assembled:
         messages = [Message(m.role, m.content) for m in request.recent_messages]
+        context, dropped = history_only(
+            messages, model=request.model, available_tokens=request.available_tokens
+        )
         return Assembled(
-            context=history_only(messages),
+            context=context,
             degraded=True,
             degradation_level="L2",
             status=status,
+            messages_dropped=dropped,
         )
 
     # Trio entry points (inside trio_asyncio.open_loop()).

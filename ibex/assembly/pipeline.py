@@ -18,9 +18,10 @@ from typing import Protocol
 import msgspec
 
 from ibex.assembly import formatter as fmt
-from ibex.assembly.budget import compute_budget
+from ibex.assembly.budget import compute_budget, context_ceiling
 from ibex.assembly.candidates import select_candidates, used
 from ibex.assembly.catalog import Catalog, FamilyPolicy, ModelCapability
+from ibex.assembly.history import Counter, Staged, dropped_tokens, fit_history
 from ibex.assembly.packer import DEFAULT_DP_CELL_CEILING, DEFAULT_MAX_CONSECUTIVE_SKIPS, pack
 from ibex.assembly.scoring import score_schema
 from ibex.assembly.structs import (
@@ -32,6 +33,7 @@ from ibex.assembly.structs import (
     Directive,
     MemoryHit,
     MemoryUsed,
+    Message,
     PackResult,
     PackSummary,
     ScoredMemory,
@@ -42,16 +44,6 @@ from ibex.errors import InputError, TooLargeError
 UNKNOWN_MODEL_MAX_OUTPUT = 4096
 # Hex, or new_nonce's fixed-width decimal: 64 random bytes are 155 decimal digits.
 _NONCE = re.compile(r"[0-9a-f]{2,160}")
-
-
-class Counter(Protocol):
-    """What the pipeline needs from a token counter (see ibex.assembly.tokens)."""
-
-    estimate_kind: str
-
-    def count(self, text: str) -> int: ...
-
-    def count_uncached(self, text: str) -> int: ...
 
 
 class CounterSource(Protocol):
@@ -148,6 +140,7 @@ class FixedSections(msgspec.Struct, frozen=True, gc=False):
     tool_tokens: int
     overhead_tokens: int  # <memories> open and close, emitted only with memories
     budget: TokenBudget
+    messages: tuple[Message, ...]  # the history that fits: the newest messages
 
 
 class Rendered(msgspec.Struct, frozen=True, gc=False):
@@ -167,31 +160,85 @@ def count_fixed_sections(
     family: FamilyPolicy,
     counter: Counter,
 ) -> FixedSections:
-    """Stage 1: count directive, history, tools and markup; the budget left for memories."""
+    """Stage 1: count directive, tools, the history that fits and markup; the budget left.
+
+    The oldest history messages are left out until the rest fits (counted
+    newest first, never past the ceiling; see ibex.assembly.history). New
+    counts and escaped bodies are cached only once the request is known to
+    fit, so a refused request leaves every cache as it was.
+    """
+    staged = Staged(counter)
     # Pieces carrying the nonce are new every request: count them without the
-    # cache, or each request would push ~30 never-reused entries into it.
-    safety_tokens = _exact_len(counter, fmt.safety_piece(nonce))
-    directive_tokens = _count_pieces(counter, fmt.directive_section(directive))
-    history_tokens = _count_pieces(counter, fmt.history_section(request.recent_messages))
-    tool_tokens = _count_pieces(counter, fmt.tools_section(request.tool_schemas))
-    overhead = _exact_len(counter, fmt.memories_open(nonce)) + counter.count(fmt.MEMORIES_CLOSE)
+    # cache, or each request would push never-reused entries into it.
+    exact_len = counter.count_uncached
+    safety_tokens = exact_len(fmt.safety_piece(nonce))
+    directive_tokens = 0
+    if directive is not None:
+        body = staged.body(directive.content)
+        if body:
+            directive_tokens = (
+                exact_len(fmt.directive_open(directive, nonce))
+                + staged.count(body)
+                + staged.count(fmt.DIRECTIVE_CLOSE)
+            )
+    tool_tokens = 0
+    if request.tool_schemas:
+        per_tool = staged.count(fmt.TOOL_OPEN) + staged.count(fmt.TOOL_CLOSE)
+        tool_tokens = exact_len(fmt.tools_open(nonce)) + staged.count(fmt.TOOLS_CLOSE)
+        for schema in request.tool_schemas:
+            body = staged.body(schema)
+            tool_tokens += per_tool + (staged.count(body) if body else 0)
+    overhead = exact_len(fmt.memories_open(nonce)) + staged.count(fmt.MEMORIES_CLOSE)
+    ceiling = context_ceiling(cap, family, request.available_tokens)
+    room = ceiling - directive_tokens - tool_tokens
+    messages = request.recent_messages
+    fit = fit_history(counter, messages, nonce, room, staged)
+    model = cap.model_id or request.model
+    dropped = len(messages) - len(fit.kept)
+    if dropped and not fit.kept:
+        raise TooLargeError(
+            "recent_messages",
+            f"the newest message alone takes more than {fit.overflow} tokens; the model "
+            f"{model!r} leaves {max(0, room)} of its {ceiling}-token context ceiling after the "
+            f"directive ({directive_tokens}) and tools ({tool_tokens})",
+        )
+    if dropped and request.options.reject_history_overflow:
+        raise TooLargeError(
+            "recent_messages",
+            f"the history takes more than {fit.tokens + fit.overflow} tokens; the model "
+            f"{model!r} leaves {max(0, room)} of its {ceiling}-token context ceiling after the "
+            f"directive ({directive_tokens}) and tools ({tool_tokens}), and "
+            "reject_history_overflow is set",
+        )
+    if directive_tokens + tool_tokens + fit.tokens > ceiling:
+        raise TooLargeError(
+            "recent_messages",
+            f"directive, history and tools take {directive_tokens + tool_tokens + fit.tokens} "
+            f"tokens, more than the {ceiling} the model {model!r} leaves for context",
+        )
+    staged.commit()
     budget = compute_budget(
         cap,
         family,
         estimate_kind=counter.estimate_kind,
         available_tokens=request.available_tokens,
         directive_tokens=directive_tokens + safety_tokens,
-        messages_tokens=history_tokens,
+        messages_tokens=fit.tokens,
         tool_schema_tokens=tool_tokens,
         formatter_overhead_tokens=overhead,
+        messages_dropped=dropped,
+        messages_dropped_tokens=(
+            dropped_tokens(counter, messages[:dropped], ceiling) if dropped else 0
+        ),
     )
     return FixedSections(
         directive_tokens=directive_tokens,
         safety_tokens=safety_tokens,
-        history_tokens=history_tokens,
+        history_tokens=fit.tokens,
         tool_tokens=tool_tokens,
         overhead_tokens=overhead,
         budget=budget,
+        messages=fit.kept,
     )
 
 
@@ -235,7 +282,7 @@ def render_within_ceiling(
         ordered = fmt.memory_order(kept)
         pieces = fmt.render_pieces(
             directive=directive,
-            messages=request.recent_messages,
+            messages=fixed.messages,
             memories=ordered,
             tool_schemas=request.tool_schemas,
             nonce=nonce,
