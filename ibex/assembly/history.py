@@ -122,6 +122,10 @@ def body_tokens(
     cached_piece = piece is not None
     if piece is None:
         piece = fmt.body_piece_uncached(content)
+    if per_token and len(piece) > limit:  # fewer characters than tokens? cheap to rule out
+        bound = -(-len(piece.encode("utf-8", "surrogatepass")) // per_token)
+        if bound > limit:
+            return bound, False
     n = counter.peek(piece)
     cached_count = n is not None
     if n is None:

@@ -19,7 +19,7 @@ import msgspec
 
 from ibex.assembly import formatter as fmt
 from ibex.assembly.budget import compute_budget, context_ceiling
-from ibex.assembly.candidates import select_candidates, used
+from ibex.assembly.candidates import Selection, select, select_candidates, used
 from ibex.assembly.catalog import Catalog, FamilyPolicy, ModelCapability
 from ibex.assembly.history import Counter, Staged, dropped_tokens, fit_history
 from ibex.assembly.packer import DEFAULT_DP_CELL_CEILING, DEFAULT_MAX_CONSECUTIVE_SKIPS, pack
@@ -32,7 +32,6 @@ from ibex.assembly.structs import (
     DegradationLevel,
     Directive,
     MemoryHit,
-    MemoryUsed,
     Message,
     PackResult,
     PackSummary,
@@ -40,6 +39,23 @@ from ibex.assembly.structs import (
     TokenBudget,
 )
 from ibex.errors import InputError, TooLargeError
+
+__all__ = [
+    "AssemblyInputs",
+    "Counter",
+    "CounterSource",
+    "PipelineConfig",
+    "StageTimer",
+    "assemble_pure",
+    "build_result",
+    "count_fixed_sections",
+    "degradation_level",
+    "price",
+    "render_within_ceiling",
+    "resolve_model",
+    "select",
+    "select_candidates",
+]
 
 UNKNOWN_MODEL_MAX_OUTPUT = 4096
 # Hex, or new_nonce's fixed-width decimal: 64 random bytes are 155 decimal digits.
@@ -315,12 +331,13 @@ def build_result(
     fixed: FixedSections,
     packed: PackResult,
     rendered: Rendered,
-    excluded: list[MemoryUsed],
+    selection: Selection,
     timer: StageTimer,
 ) -> AssemblyResult:
     """Stage 6: the result and every fact it reports about itself."""
     request = inputs.request
     ordered = rendered.ordered
+    excluded = selection.excluded
     excluded += (used(m, "budget") for m in packed.excluded)
     excluded += (used(m, "budget") for m in rendered.dropped)
     metrics = AssemblyMetrics(
@@ -349,7 +366,7 @@ def build_result(
         degradation_level=degradation_level(inputs.branches),
         branches=inputs.branches,
         budget=fixed.budget,
-        pack=_summary(packed, rendered.dropped, ordered),
+        pack=_summary(packed, rendered.dropped, ordered, selection.tenant_filtered),
         metrics=metrics,
         request_id=request.request_id,
         trace_id=request.trace_id,
@@ -376,9 +393,9 @@ def assemble_pure(
     counter = tokenizers.counter(family.name, family.encoding)
     fixed = count_fixed_sections(request, inputs.directive, nonce, cap, family, counter)
     timer.lap("count")
-    candidates, excluded = select_candidates(request, inputs.hot, inputs.cold, inputs.now)
+    selection = select(request, inputs.hot, inputs.cold, inputs.now)
     timer.lap("select")
-    candidates = price(candidates, counter, nonce)
+    candidates = price(selection.candidates, counter, nonce)
     timer.lap("price")
     packed = pack(
         candidates,
@@ -397,7 +414,7 @@ def assemble_pure(
         cap.model_id or request.model,
     )
     timer.lap("render")
-    return build_result(inputs, fixed, packed, rendered, excluded, timer)
+    return build_result(inputs, fixed, packed, rendered, selection, timer)
 
 
 def _exact_len(counter: Counter, text: str) -> int:
@@ -413,7 +430,7 @@ def _branch_ms(branches: Sequence[BranchOutcome], source: str) -> int:
 
 
 def _summary(
-    result: PackResult, dropped: list[ScoredMemory], kept: list[ScoredMemory]
+    result: PackResult, dropped: list[ScoredMemory], kept: list[ScoredMemory], tenant_filtered: int
 ) -> PackSummary:
     return PackSummary(
         path=result.path,
@@ -421,4 +438,5 @@ def _summary(
         excluded_for_budget=result.excluded_for_budget + len(dropped),
         budget_reached=result.budget_reached or bool(dropped),
         total_score=float(sum(m.composite_score for m in kept)),
+        tenant_filtered=tenant_filtered,
     )

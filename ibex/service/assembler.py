@@ -79,7 +79,7 @@ class Assembler:
         result = assemble_pure(
             inputs, catalog=self.catalog, tokenizers=self.tokenizers, config=self.pipeline
         )
-        filtered = sum(1 for m in result.excluded if m.exclusion == "filter")
+        filtered = result.pack.tenant_filtered
         if filtered:
             log.warning(
                 "tenant_filter_dropped",

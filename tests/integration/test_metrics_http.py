@@ -51,11 +51,8 @@ def make_result() -> AssemblyResult:
         MemoryUsed(memory_id=f"m{i}", composite_score=0.9 - i / 10, rank=i + 1, category="factual")
         for i in range(3)
     )
-    excluded = (
-        MemoryUsed(memory_id="x1", exclusion="filter"),
-        MemoryUsed(memory_id="x2", exclusion="filter"),
-        MemoryUsed(memory_id="x3", exclusion="budget"),
-    )
+    # Another tenant's hits are only counted (PackSummary.tenant_filtered), never listed.
+    excluded = (MemoryUsed(memory_id="x3", exclusion="budget"),)
     return AssemblyResult(
         assembled_context="<context>…</context>",
         tokens_used=3500,
@@ -74,7 +71,9 @@ def make_result() -> AssemblyResult:
             BranchOutcome("cold", "success", 31.0),
         ),
         budget=budget,
-        pack=PackSummary(path="greedy", candidates_evaluated=6, excluded_for_budget=1),
+        pack=PackSummary(
+            path="greedy", candidates_evaluated=6, excluded_for_budget=1, tenant_filtered=2
+        ),
         metrics=AssemblyMetrics(
             budget_calculation_ms=0,
             ranking_ms=1,

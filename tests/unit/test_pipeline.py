@@ -254,40 +254,69 @@ def scenarios(draw: st.DrawFn, models: Sequence[str]) -> AssemblyInputs:
     )
 
 
+def _fixed_count(
+    inp: AssemblyInputs,
+    catalog: Catalog,
+    tokenizers: Tokenizers,
+    messages: Sequence[Message],
+) -> tuple[int, int]:
+    """(tokens of directive + these messages + tools as formatted without memories, ceiling)."""
+    cap = resolve_model(catalog, inp.request.model, inp.request.available_tokens)
+    family = catalog.family(cap.tokenizer_family)
+    counter = tokenizers.counter(family.name, family.encoding)
+    pieces = fmt.render_pieces(
+        directive=inp.directive,
+        messages=messages,
+        memories=(),
+        tool_schemas=inp.request.tool_schemas,
+        nonce=inp.nonce,
+    )
+    empty = compute_budget(
+        cap,
+        family,
+        estimate_kind=counter.estimate_kind,
+        available_tokens=inp.request.available_tokens,
+        directive_tokens=0,
+        messages_tokens=0,
+        tool_schema_tokens=0,
+        formatter_overhead_tokens=0,
+    )
+    # What the pipeline counts: the sum of the pieces (exact families: equal to the
+    # whole text's count; estimates: never below the whole text's estimate).
+    counted = sum(counter.count_uncached(p) for p in pieces)
+    assert counted >= counter.count_uncached("".join(pieces))
+    return counted, empty.ceiling
+
+
 def _assemble_or_too_large(
     inp: AssemblyInputs, catalog: Catalog, tokenizers: Tokenizers
 ) -> AssemblyResult | None:
-    """The result, or None after checking the refusal was right: no memory, still too big."""
+    """The result, or None after checking the refusal was right: not even the newest
+    message fits next to the directive and tools.
+
+    On success, checks the history rule: the kept messages are the newest ones, and
+    one more older message would not have fitted.
+    """
+    messages = inp.request.recent_messages
     try:
-        return run(inp, catalog, tokenizers)
+        result = run(inp, catalog, tokenizers)
     except TooLargeError as exc:
         assert exc.field == "recent_messages"
-        family = catalog.family(resolve_model(catalog, inp.request.model, 0).tokenizer_family)
-        counter = tokenizers.counter(family.name, family.encoding)
-        pieces = fmt.render_pieces(
-            directive=inp.directive,
-            messages=inp.request.recent_messages,
-            memories=(),
-            tool_schemas=inp.request.tool_schemas,
-            nonce=inp.nonce,
-        )
-        cap = resolve_model(catalog, inp.request.model, 0)
-        empty = compute_budget(
-            cap,
-            family,
-            estimate_kind=counter.estimate_kind,
-            available_tokens=inp.request.available_tokens,
-            directive_tokens=0,
-            messages_tokens=0,
-            tool_schema_tokens=0,
-            formatter_overhead_tokens=0,
-        )
-        # What the pipeline counts: the sum of the pieces (exact families: equal to the
-        # whole text's count; estimates: never below the whole text's estimate).
-        counted = sum(counter.count_uncached(p) for p in pieces)
-        assert counted >= counter.count_uncached("".join(pieces))
-        assert counted > empty.ceiling
+        counted, ceiling = _fixed_count(inp, catalog, tokenizers, messages[-1:])
+        assert counted > ceiling
         return None
+    dropped = result.budget.messages_dropped
+    assert 0 <= dropped < max(1, len(messages))
+    kept = messages[dropped:]
+    counted, ceiling = _fixed_count(inp, catalog, tokenizers, kept)
+    assert counted <= ceiling
+    if dropped:
+        more, _ = _fixed_count(inp, catalog, tokenizers, messages[dropped - 1 :])
+        assert more > ceiling  # the oldest kept is where it stopped
+        assert result.budget.messages_dropped_tokens > 0
+    else:
+        assert result.budget.messages_dropped_tokens == 0
+    return result
 
 
 # --------------------------------------------------------------------------- budget truth
@@ -334,23 +363,31 @@ def test_every_candidate_is_included_or_excluded_with_a_reason(
     if result is None:
         return
     opts = inp.request.options
-    expected: Counter[tuple[str, str]] = Counter()
+    other_tenant = 0
+    first_reason: dict[str, str] = {}  # an own hit that never reached the packer
     best: dict[str, float] = {}
     for skip, stream in ((opts.skip_hot_memories, inp.hot), (opts.skip_cold_memories, inp.cold)):
         for h in stream:
-            if skip or h.org_id.lower() != ORG or h.agent_id.lower() != AGENT:
-                expected[(h.memory_id, "filter")] += 1
+            if h.org_id.lower() != ORG or h.agent_id.lower() != AGENT:
+                other_tenant += 1
+            elif skip:
+                first_reason.setdefault(h.memory_id, "filter")
             elif not all(math.isfinite(v) and 0 <= v <= 1 for v in (h.similarity, h.confidence)):
-                expected[(h.memory_id, "failed")] += 1
+                first_reason.setdefault(h.memory_id, "failed")
             else:
                 score = 0.85 * h.similarity + 0.15 * h.confidence
                 best[h.memory_id] = max(score, best.get(h.memory_id, -1.0))
+    # Another tenant's hits are counted, never named; each id is reported once.
+    assert result.pack.tenant_filtered == other_tenant
+    every = [m.memory_id for m in (*result.memories_used, *result.excluded)]
+    assert len(every) == len(set(every))
     got = Counter((m.memory_id, m.exclusion) for m in (*result.memories_used, *result.excluded))
     ranked: Counter[str] = Counter()
     for (mid, exclusion), n in got.items():
         if exclusion in ("included", "budget", "truncated"):
             ranked[mid] += n
-    assert {k: v for k, v in got.items() if k[1] in ("filter", "failed")} == dict(expected)
+    expected = {(mid, why): 1 for mid, why in first_reason.items() if mid not in best}
+    assert {k: v for k, v in got.items() if k[1] in ("filter", "failed")} == expected
     # A deduped memory appears once, whatever happened to it.
     assert ranked == Counter(best.keys())
     for m in (*result.memories_used, *result.excluded):
@@ -401,7 +438,9 @@ def test_wrong_tenant_hits_are_filtered_and_cannot_displace_the_real_memory(
     )
     assert "LEAKED" not in result.assembled_context
     assert "our own memory about deploys" in result.assembled_context
-    assert reasons(result) == {"m1": ["included", "filter"], "m2": ["filter"], "m3": ["included"]}
+    # Counted, never named: neither the intruder's id nor its scores appear.
+    assert reasons(result) == {"m1": ["included"], "m3": ["included"]}
+    assert result.pack.tenant_filtered == 2
     kept = next(m for m in result.memories_used if m.memory_id == "m1")
     assert kept.composite_score == pytest.approx(0.2)
 
