@@ -6,6 +6,11 @@ Every candidate ends either included or excluded with a reason. `tokens_used`
 is the sum of the final text's piece counts, which is the text's exact count
 when every join is a pre-tokeniser split (checked on the final pieces, see
 `formatter.joins_split_cleanly`); otherwise the whole text is re-counted.
+
+`assemble_pure` runs named stages, as in the README's diagram: count the fixed
+sections (directive, tools, the history that fits, markup: the budget), select
+(tenant filter, score, dedupe, caps), price (each candidate's exact cost),
+pack, render within the ceiling, build the result. A `StageTimer` records each.
 """
 
 from __future__ import annotations
@@ -115,10 +120,6 @@ def degradation_level(branches: Iterable[BranchOutcome]) -> DegradationLevel:
         1 for b in branches if b.source in ("hot", "cold") and b.status in ("timeout", "error")
     )
     return "L0" if missing == 0 else "L1" if missing == 1 else "L2"
-
-
-def _count_pieces(counter: Counter, pieces: Iterable[str]) -> int:
-    return sum(counter.count(p) for p in pieces if p)
 
 
 def _ms(seconds: float) -> int:
