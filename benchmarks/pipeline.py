@@ -2,8 +2,10 @@
 
 30 candidates of 50-800 characters (English, CJK, code, emoji mixed), 4 history
 messages, 2 tool schemas and a directive. The count cache is warm (memories
-recur across requests) but every iteration draws a fresh nonce, as the daemon
-does, so nothing that carries the nonce can be served from the cache. The
+recur across requests) but every iteration draws a fresh nonce as the daemon
+does (`formatter.new_nonce(16)`, fixed-width decimal), so no piece carrying the
+nonce can be served from the cache; only the count of its zeros-shaped twin,
+which every decimal nonce of that width matches (see history.Staged.with_nonce). The
 stage table re-runs the pipeline's stages one by one with the same functions,
 and cProfile shows which functions the time goes to.
 
@@ -18,7 +20,6 @@ import json
 import platform
 import pstats
 import random
-import secrets
 import statistics
 import sys
 import time
@@ -28,6 +29,7 @@ from pathlib import Path
 import msgspec
 
 from ibex.assembly.catalog import Catalog, load_catalog
+from ibex.assembly.formatter import new_nonce
 from ibex.assembly.packer import pack
 from ibex.assembly.pipeline import (
     AssemblyInputs,
@@ -123,13 +125,13 @@ def workload(model: str, available_tokens: int = 0, seed: int = 20261021) -> Ass
             BranchOutcome("hot", "success", 4.0),
             BranchOutcome("cold", "success", 20.0),
         ),
-        nonce=secrets.token_hex(16),
+        nonce=new_nonce(16),
         now=time.time(),
     )
 
 
 def _fresh(inputs: AssemblyInputs) -> AssemblyInputs:
-    return msgspec.structs.replace(inputs, nonce=secrets.token_hex(16))
+    return msgspec.structs.replace(inputs, nonce=new_nonce(16))
 
 
 def timed(fn: Callable[[], object], reps: int) -> dict[str, float]:
@@ -187,7 +189,7 @@ def stages(inputs: AssemblyInputs, catalog: Catalog, tokenizers: Tokenizers) -> 
 
     model = cap.model_id or request.model
     for _ in range(ITERATIONS // 2):
-        nonce = secrets.token_hex(16)
+        nonce = new_nonce(16)
         t = time.perf_counter_ns()
         fixed = count_fixed_sections(request, inputs.directive, nonce, cap, family, counter)
         t = clock("count fixed sections, budget", t)

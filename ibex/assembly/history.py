@@ -23,7 +23,7 @@ Counts and escaped bodies computed here are not cached yet: they come back in
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import msgspec
@@ -69,6 +69,21 @@ class Staged:
             n = self.counter.count_uncached(text)
             self.counts.append((text, n))
         return n
+
+    def with_nonce(self, piece: Callable[[str], str], nonce: str) -> int:
+        """The count of `piece(nonce)`, a piece that carries the per-request nonce.
+
+        A decimal nonce (what `formatter.new_nonce` makes) costs exactly what
+        zeros of its width cost, in every family: digits pre-tokenise in runs of
+        three from the start of the run, every 1- to 3-digit string is one token
+        of cl100k_base and o200k_base, and estimate_v1 sees only the digit class
+        (every nonce piece has a non-digit on both sides of the nonce). So the
+        zeros' piece is counted once and cached. Any other nonce is new every
+        request and is counted uncached, never cached.
+        """
+        if nonce.isdigit():
+            return self.count(piece("0" * len(nonce)))
+        return self.counter.count_uncached(piece(nonce))
 
     def body(self, text: str) -> str:
         """The escaped body piece, staged for the cache when it was not cached."""
@@ -149,7 +164,7 @@ def fit_history(
     """
     if not messages:
         return HistoryFit((), 0, 0)
-    section = counter.count_uncached(fmt.history_open(nonce)) + staged.count(fmt.HISTORY_CLOSE)
+    section = staged.with_nonce(fmt.history_open, nonce) + staged.count(fmt.HISTORY_CLOSE)
     close = staged.count(fmt.MESSAGE_CLOSE)
     left = room - section
     used = 0

@@ -15,6 +15,7 @@ pack, render within the ceiling, build the result. A `StageTimer` records each.
 
 from __future__ import annotations
 
+import functools
 import re
 import time
 from collections.abc import Iterable, Sequence
@@ -185,27 +186,27 @@ def count_fixed_sections(
     fit, so a refused request leaves every cache as it was.
     """
     staged = Staged(counter)
-    # Pieces carrying the nonce are new every request: count them without the
-    # cache, or each request would push never-reused entries into it.
-    exact_len = counter.count_uncached
-    safety_tokens = exact_len(fmt.safety_piece(nonce))
+    # Pieces carrying the nonce: a decimal nonce costs what zeros of its width
+    # cost, so those counts are cached once; any other nonce is new every
+    # request and counted uncached (see Staged.with_nonce).
+    safety_tokens = staged.with_nonce(fmt.safety_piece, nonce)
     directive_tokens = 0
     if directive is not None:
         body = staged.body(directive.content)
         if body:
             directive_tokens = (
-                exact_len(fmt.directive_open(directive, nonce))
+                staged.with_nonce(functools.partial(fmt.directive_open, directive), nonce)
                 + staged.count(body)
                 + staged.count(fmt.DIRECTIVE_CLOSE)
             )
     tool_tokens = 0
     if request.tool_schemas:
         per_tool = staged.count(fmt.TOOL_OPEN) + staged.count(fmt.TOOL_CLOSE)
-        tool_tokens = exact_len(fmt.tools_open(nonce)) + staged.count(fmt.TOOLS_CLOSE)
+        tool_tokens = staged.with_nonce(fmt.tools_open, nonce) + staged.count(fmt.TOOLS_CLOSE)
         for schema in request.tool_schemas:
             body = staged.body(schema)
             tool_tokens += per_tool + (staged.count(body) if body else 0)
-    overhead = exact_len(fmt.memories_open(nonce)) + staged.count(fmt.MEMORIES_CLOSE)
+    overhead = staged.with_nonce(fmt.memories_open, nonce) + staged.count(fmt.MEMORIES_CLOSE)
     ceiling = context_ceiling(cap, family, request.available_tokens)
     room = ceiling - directive_tokens - tool_tokens
     messages = request.recent_messages
@@ -263,10 +264,11 @@ def price(candidates: list[ScoredMemory], counter: Counter, nonce: str) -> list[
     """Stage 3: each candidate's token_estimate is the exact cost of its formatted block."""
     # memory_open = prefix + nonce + suffix, split at pre-tokeniser boundaries
     # (see fmt.memory_open_suffix): the nonce is counted once, the rest cached.
+    nonce_tokens = (
+        counter.count("0" * len(nonce)) if nonce.isdigit() else _exact_len(counter, nonce)
+    )  # a decimal nonce costs what zeros of its width cost (see Staged.with_nonce)
     fixed_tokens = (
-        counter.count(fmt.MEMORY_OPEN_PREFIX)
-        + _exact_len(counter, nonce)
-        + counter.count(fmt.MEMORY_CLOSE)
+        counter.count(fmt.MEMORY_OPEN_PREFIX) + nonce_tokens + counter.count(fmt.MEMORY_CLOSE)
     )
     count = counter.count
     return [

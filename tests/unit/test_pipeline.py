@@ -8,7 +8,9 @@ up to it (the formatter's additivity claim). Windows are kept small through
 
 from __future__ import annotations
 
+import functools
 import math
+import random
 import re
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -923,3 +925,29 @@ def test_a_refused_request_leaves_every_cache_unchanged(catalog: Catalog) -> Non
     )
     assert counter.cache_info().size > info.size
     assert fmt.body_cache_info().entries > body.entries
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 64), st.randoms(use_true_random=False))
+def test_a_decimal_nonce_costs_what_zeros_of_its_width_cost(
+    tokenizers: Tokenizers, nbytes: int, rng: random.Random
+) -> None:
+    # The pipeline counts nonce pieces through their zeros-shaped twin (cached).
+    nonce = new_nonce(nbytes)
+    nonce = "".join(rng.choice("0123456789") for _ in nonce)  # any digits, not only random bits
+    zeros = "0" * len(nonce)
+    pieces = [
+        fmt.safety_piece,
+        fmt.history_open,
+        fmt.tools_open,
+        fmt.memories_open,
+        functools.partial(fmt.directive_open, Directive("d", version_id='v"1')),
+        lambda n: n,
+    ]
+    for counter in (
+        tokenizers.counter("o200k_base", "o200k_base"),
+        tokenizers.counter("cl100k_base", "cl100k_base"),
+        tokenizers.counter("claude", None),
+    ):
+        for piece in pieces:
+            assert counter.count_uncached(piece(nonce)) == counter.count_uncached(piece(zeros))
