@@ -22,7 +22,7 @@ from grpclib.exceptions import GRPCError
 from ibex.assembly.formatter import escape_body
 from ibex.assembly.structs import Message
 from ibex.assembly.tokens import Tokenizers
-from ibex.client import ContextClient, history_only
+from ibex.client import ContextClient, history_only, is_input_error
 from ibex.service import wire
 from tests.grpcio_stubs import context_pb2, context_pb2_grpc
 
@@ -152,3 +152,20 @@ def test_history_only_keeps_the_newest_and_reports_the_rest() -> None:
     assert len(context.encode()) <= 1000 - 500 - 10
     huge, dropped_all = history_only([Message("user", "x" * 5000)], available_tokens=1000)
     assert (huge, dropped_all) == ("", 1)
+
+
+@pytest.mark.parametrize(
+    ("status", "message", "raises"),
+    [
+        (Status.RESOURCE_EXHAUSTED, "recent_messages: the newest message alone takes ...", True),
+        (Status.RESOURCE_EXHAUSTED, "request: message of 9000 bytes exceeds the limit", True),
+        (Status.RESOURCE_EXHAUSTED, "overloaded: 64 requests in flight", False),
+        (Status.RESOURCE_EXHAUSTED, "overloaded: event loop 5.0ms behind", False),
+        (Status.RESOURCE_EXHAUSTED, None, False),  # no message: treat as load
+        (Status.INVALID_ARGUMENT, "org_id: is not a valid UUID", True),
+        (Status.UNAVAILABLE, "server is draining; retry elsewhere", False),
+        (Status.DEADLINE_EXCEEDED, None, False),
+    ],
+)
+def test_which_errors_the_client_raises(status: Status, message: str | None, raises: bool) -> None:
+    assert is_input_error(GRPCError(status, message)) is raises
