@@ -78,7 +78,7 @@ class _Utf8Bytes:
         return len(text)
 
 
-def history_only(
+def fallback_history(
     messages: Sequence[Message],
     *,
     model: str = "",
@@ -87,21 +87,36 @@ def history_only(
 ) -> tuple[str, int]:
     """The fallback context and how many of the oldest messages it leaves out.
 
-    The history formatted as the daemon would, keeping the newest messages that
-    fit the model's context ceiling (window less response reserve and safety
-    buffer, as the daemon computes it) with every character's UTF-8 bytes
-    counted as tokens. Raises InputError for an unknown model without
-    `available_tokens`, as the daemon would.
+    The history formatted as the daemon would (without a nonce: the daemon did
+    not write it), keeping the newest messages that fit the model's context
+    ceiling (window less response reserve and safety buffer, as the daemon
+    computes it) with every character's UTF-8 bytes counted as tokens. A model
+    the catalog does not know, without `available_tokens`, gets the smallest
+    window the catalog lists (the daemon would have refused the request).
     """
     if not messages:
         return "", 0
     catalog = catalog or _bundled_catalog()
+    if available_tokens <= 0 and catalog.resolve(model) is None:
+        available_tokens = min(m.context_window for m in catalog.models.values())
     cap = resolve_model(catalog, model, available_tokens)
     ceiling = context_ceiling(cap, catalog.family(cap.tokenizer_family), available_tokens)
-    nonce = formatter.new_nonce(16)
     counter = _Utf8Bytes()
-    fit = fit_history(counter, messages, nonce, ceiling, Staged(counter))
-    return "".join(formatter.history_section(fit.kept, nonce)), len(messages) - len(fit.kept)
+    fit = fit_history(counter, messages, "", ceiling, Staged(counter))
+    return "".join(formatter.history_section(fit.kept, "")), len(messages) - len(fit.kept)
+
+
+def history_only(
+    messages: Sequence[Message],
+    *,
+    model: str = "",
+    available_tokens: int = 0,
+    catalog: Catalog | None = None,
+) -> str:
+    """The fallback context alone (see `fallback_history`)."""
+    return fallback_history(
+        messages, model=model, available_tokens=available_tokens, catalog=catalog
+    )[0]
 
 
 _CATALOG: list[Catalog] = []
@@ -224,7 +239,7 @@ class ContextClient:
 
     def _fallback(self, request: Any, status: str) -> Assembled:
         messages = [Message(m.role, m.content) for m in request.recent_messages]
-        context, dropped = history_only(
+        context, dropped = fallback_history(
             messages, model=request.model, available_tokens=request.available_tokens
         )
         return Assembled(

@@ -186,7 +186,8 @@ def safety_piece(nonce: str) -> str:
 
 
 def history_open(nonce: str) -> str:
-    return f'<history nonce="{nonce}">\n'
+    """With an empty nonce (the client's fallback, not written by the daemon): no attribute."""
+    return f'<history nonce="{nonce}">\n' if nonce else "<history>\n"
 
 
 HISTORY_CLOSE = "</history>\n"

@@ -22,7 +22,7 @@ from grpclib.exceptions import GRPCError
 from ibex.assembly.formatter import escape_body
 from ibex.assembly.structs import Message
 from ibex.assembly.tokens import Tokenizers
-from ibex.client import ContextClient, history_only, is_input_error
+from ibex.client import ContextClient, fallback_history, history_only, is_input_error
 from ibex.service import wire
 from tests.grpcio_stubs import context_pb2, context_pb2_grpc
 
@@ -146,12 +146,18 @@ async def test_client_fallback_never_exceeds_the_window() -> None:
 
 def test_history_only_keeps_the_newest_and_reports_the_rest() -> None:
     msgs = [Message("user", LINE * 10) for _ in range(30)] + [Message("user", "newest")]
-    context, dropped = history_only(msgs, model="gpt-4o", available_tokens=1000)
+    context, dropped = fallback_history(msgs, model="gpt-4o", available_tokens=1000)
+    assert context.startswith("<history>\n")  # no nonce: the daemon did not write it
     assert context.endswith('<message role="user">\nnewest\n</message>\n</history>\n')
     assert 0 < dropped < len(msgs)
     assert len(context.encode()) <= 1000 - 500 - 10
-    huge, dropped_all = history_only([Message("user", "x" * 5000)], available_tokens=1000)
+    assert history_only(msgs, model="gpt-4o", available_tokens=1000) == context
+    huge, dropped_all = fallback_history([Message("user", "x" * 5000)], available_tokens=1000)
     assert (huge, dropped_all) == ("", 1)
+    # An unknown model without a window gets the catalog's smallest (16385 tokens).
+    long = [Message("user", "x" * 4000) for _ in range(10)]
+    capped, some = fallback_history(long, model="")
+    assert 0 < some < 10 and len(capped.encode()) <= 16385
 
 
 @pytest.mark.parametrize(
