@@ -216,14 +216,14 @@ def count_fixed_sections(
     if dropped and not fit.kept:
         raise TooLargeError(
             "recent_messages",
-            f"the newest message alone takes more than {fit.overflow} tokens; the model "
+            f"the newest message alone needs at least {fit.overflow} tokens; the model "
             f"{model!r} leaves {max(0, room)} of its {ceiling}-token context ceiling after the "
             f"directive ({directive_tokens}) and tools ({tool_tokens})",
         )
     if dropped and request.options.reject_history_overflow:
         raise TooLargeError(
             "recent_messages",
-            f"the history takes more than {fit.tokens + fit.overflow} tokens; the model "
+            f"the history needs at least {fit.tokens + fit.overflow} tokens; the model "
             f"{model!r} leaves {max(0, room)} of its {ceiling}-token context ceiling after the "
             f"directive ({directive_tokens}) and tools ({tool_tokens}), and "
             "reject_history_overflow is set",
