@@ -2,8 +2,10 @@
 
 30 candidates of 50-800 characters (English, CJK, code, emoji mixed), 4 history
 messages, 2 tool schemas and a directive. The count cache is warm (memories
-recur across requests) but every iteration draws a fresh nonce, as the daemon
-does, so nothing that carries the nonce can be served from the cache. The
+recur across requests) but every iteration draws a fresh nonce as the daemon
+does (`formatter.new_nonce(16)`, fixed-width decimal), so no piece carrying the
+nonce can be served from the cache; only the count of its zeros-shaped twin,
+which every decimal nonce of that width matches (see history.Staged.with_nonce). The
 stage table re-runs the pipeline's stages one by one with the same functions,
 and cProfile shows which functions the time goes to.
 
@@ -18,7 +20,6 @@ import json
 import platform
 import pstats
 import random
-import secrets
 import statistics
 import sys
 import time
@@ -27,11 +28,18 @@ from pathlib import Path
 
 import msgspec
 
-from ibex.assembly import formatter as fmt
-from ibex.assembly.budget import compute_budget
 from ibex.assembly.catalog import Catalog, load_catalog
+from ibex.assembly.formatter import new_nonce
 from ibex.assembly.packer import pack
-from ibex.assembly.pipeline import AssemblyInputs, assemble_pure, resolve_model, select_candidates
+from ibex.assembly.pipeline import (
+    AssemblyInputs,
+    assemble_pure,
+    count_fixed_sections,
+    price,
+    render_within_ceiling,
+    resolve_model,
+    select_candidates,
+)
 from ibex.assembly.structs import AssemblyRequest, BranchOutcome, Directive, MemoryHit, Message
 from ibex.assembly.tokens import Tokenizers
 
@@ -117,13 +125,13 @@ def workload(model: str, available_tokens: int = 0, seed: int = 20261021) -> Ass
             BranchOutcome("hot", "success", 4.0),
             BranchOutcome("cold", "success", 20.0),
         ),
-        nonce=secrets.token_hex(16),
+        nonce=new_nonce(16),
         now=time.time(),
     )
 
 
 def _fresh(inputs: AssemblyInputs) -> AssemblyInputs:
-    return msgspec.structs.replace(inputs, nonce=secrets.token_hex(16))
+    return msgspec.structs.replace(inputs, nonce=new_nonce(16))
 
 
 def timed(fn: Callable[[], object], reps: int) -> dict[str, float]:
@@ -179,55 +187,23 @@ def stages(inputs: AssemblyInputs, catalog: Catalog, tokenizers: Tokenizers) -> 
         samples.setdefault(name, []).append(t1 - t0)
         return t1
 
+    model = cap.model_id or request.model
     for _ in range(ITERATIONS // 2):
-        nonce = secrets.token_hex(16)
+        nonce = new_nonce(16)
         t = time.perf_counter_ns()
-        fixed = fmt.directive_section(inputs.directive) + fmt.history_section(
-            request.recent_messages
-        )
-        fixed += fmt.tools_section(request.tool_schemas)
-        fixed_tokens = sum(counter.count(p) for p in fixed if p)
-        t = clock("count directive/history/tools (cached)", t)
-        nonce_tokens = counter.count_uncached(fmt.safety_piece(nonce))
-        nonce_tokens += counter.count_uncached(fmt.memories_open(nonce))
-        budget = compute_budget(
-            cap,
-            family,
-            estimate_kind=counter.estimate_kind,
-            available_tokens=request.available_tokens,
-            directive_tokens=fixed_tokens + nonce_tokens,
-            messages_tokens=0,
-            tool_schema_tokens=0,
-            formatter_overhead_tokens=0,
-        )
-        t = clock("count nonce-bearing pieces, budget", t)
+        fixed = count_fixed_sections(request, inputs.directive, nonce, cap, family, counter)
+        t = clock("count fixed sections, budget", t)
         candidates, _ = select_candidates(request, inputs.hot, inputs.cold, inputs.now)
-        t = clock("filter, score, dedupe", t)
-        per_memory = counter.count(fmt.MEMORY_OPEN_PREFIX) + counter.count_uncached(nonce)
-        per_memory += counter.count(fmt.MEMORY_CLOSE)
-        candidates = [
-            msgspec.structs.replace(
-                m,
-                token_estimate=per_memory
-                + counter.count(fmt.memory_open_suffix(m))
-                + counter.count(fmt.body_piece(m.content)),
-            )
-            for m in candidates
-        ]
-        t = clock("per-memory counts (escape, cache lookups)", t)
-        result = pack(candidates, budget.usable_budget)
+        t = clock("select (filter, score, dedupe)", t)
+        candidates = price(candidates, counter, nonce)
+        t = clock("price (escape, cache lookups)", t)
+        result = pack(candidates, fixed.budget.usable_budget)
         t = clock("pack", t)
-        pieces = fmt.render_pieces(
-            directive=inputs.directive,
-            messages=request.recent_messages,
-            memories=result.packed,
-            tool_schemas=request.tool_schemas,
-            nonce=nonce,
+        rendered = render_within_ceiling(
+            request, inputs.directive, nonce, fixed, result.packed, counter, model
         )
-        text = "".join(pieces)
-        fmt.joins_split_cleanly(pieces)
-        t = clock("render, join check, sum", t)
-        counter.count_uncached(text)
+        t = clock("render within the ceiling", t)
+        counter.count_uncached(rendered.text)
         clock("(not run) full-text re-count", t)
     return {name: statistics.median(s) / 1000 for name, s in samples.items()}
 

@@ -160,6 +160,8 @@ def render_report(result: Any) -> str:
     r = result.response
     if r is None:
         out.append(f"daemon unavailable ({result.status}): history-only fallback, degraded")
+        if result.messages_dropped:
+            out.append(f"{result.messages_dropped} oldest messages left out to fit the window")
         return "\n".join(out)
     b = r.budget
     used_markup = r.tokens_used - r.directive_tokens - r.history_tokens - r.memory_tokens
@@ -176,9 +178,14 @@ def render_report(result: Any) -> str:
     out.append(f"budget ({b.tokenizer_family}, {b.estimate_kind})")
     out += [f"  {name:<18}{value:>10,}" for name, value in rows]
     out.append(f"  {'tokens used':<18}{r.tokens_used:>10,}")
+    # Not part of the context: the oldest messages left out so the rest fits.
+    dropped = f"  ({b.messages_dropped} oldest messages, not in the context)"
+    out.append(f"  {'history dropped':<18}{b.messages_dropped_tokens:>10,}{dropped}")
+    filtered = r.pack.tenant_filtered
     out.append(
         f"degradation {r.degradation_level}; score {r.score_schema}; pack {r.pack.path}; "
         f"{r.memories_included} memories included"
+        + (f"; {filtered} hits of other tenants filtered" if filtered else "")
     )
     out.append(
         "branches: "

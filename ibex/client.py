@@ -2,10 +2,15 @@
 
 `ContextClient` is asyncio (grpclib); from Trio, call the `*_trio` methods inside
 `trio_asyncio.open_loop()`. The default deadline is 45 ms. When the daemon is
-slow, down or shedding (DEADLINE_EXCEEDED, UNAVAILABLE, RESOURCE_EXHAUSTED) the
-client does not raise: it returns an `Assembled` marked degraded whose context
-is the history alone, so the proxy can go on with the call. Input and auth
-errors still raise: they are bugs to fix, not load to ride out.
+slow, down or shedding (DEADLINE_EXCEEDED, UNAVAILABLE, RESOURCE_EXHAUSTED
+"overloaded: ...") the client does not raise: it returns an `Assembled` marked
+degraded whose context is the history alone, so the proxy can go on with the
+call. That history is cut like the daemon cuts it (oldest messages left out,
+the newest kept) to the model's context ceiling counted in UTF-8 bytes, which
+no byte-level BPE tokenizer's count exceeds, so the fallback is never larger
+than the window. Input and auth errors still raise, including a
+RESOURCE_EXHAUSTED that names a field (an input that cannot fit): they are bugs
+to fix, not load to ride out.
 
 Several addresses (`addresses=["10.0.0.5:9100", "10.0.0.5:9101", ...]`, e.g. one
 per worker port, see README "Scaling") are balanced per call, round robin, the
@@ -18,6 +23,7 @@ sent, so nothing runs twice); only when no address answers does the call fail
 
 from __future__ import annotations
 
+import re
 import ssl
 import time
 from collections.abc import Sequence
@@ -31,6 +37,10 @@ from grpclib.exceptions import GRPCError, StreamTerminatedError
 from grpclib.metadata import Deadline
 
 from ibex.assembly import formatter
+from ibex.assembly.budget import context_ceiling
+from ibex.assembly.catalog import Catalog, load_catalog
+from ibex.assembly.history import Staged, fit_history
+from ibex.assembly.pipeline import resolve_model
 from ibex.assembly.structs import Message
 from ibex.service import wire
 
@@ -52,6 +62,12 @@ def parse_address(address: Address) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+# The daemon's overload refusals start with this; any other RESOURCE_EXHAUSTED
+# that names a field ("recent_messages: ...") is an input that cannot fit.
+_OVERLOADED = "overloaded"
+_FIELD_MESSAGE = re.compile(r"[A-Za-z_][\w.\[\]]*: ")
+
+
 class Assembled(msgspec.Struct, frozen=True):
     """The daemon's answer, or the history-only fallback when it could not answer."""
 
@@ -61,11 +77,86 @@ class Assembled(msgspec.Struct, frozen=True):
     status: str
     response: Any = None
     branches: str = ""
+    messages_dropped: int = 0  # fallback only: oldest messages left out to fit the window
 
 
-def history_only(messages: Sequence[Message]) -> str:
-    """The fallback context: the history, formatted exactly as the daemon would."""
-    return "".join(formatter.history_section(messages))
+class _Utf8Bytes:
+    """Counts UTF-8 bytes: never fewer than the tokens of a byte-level BPE tokenizer."""
+
+    estimate_kind = "utf8_bytes"
+    max_token_bytes = 0  # a prefix never has more bytes than the whole
+
+    def count(self, text: str) -> int:
+        return len(text.encode("utf-8", "surrogatepass"))
+
+    count_uncached = count
+
+    def peek(self, text: str) -> int | None:
+        return None
+
+    def remember(self, items: Sequence[tuple[str, int]]) -> None:
+        pass
+
+    def additive_cut(self, text: str) -> int:
+        return len(text)
+
+
+def fallback_history(
+    messages: Sequence[Message],
+    *,
+    model: str = "",
+    available_tokens: int = 0,
+    catalog: Catalog | None = None,
+) -> tuple[str, int]:
+    """The fallback context and how many of the oldest messages it leaves out.
+
+    The history formatted as the daemon would (without a nonce: the daemon did
+    not write it), keeping the newest messages that fit the model's context
+    ceiling (window less response reserve and safety buffer, as the daemon
+    computes it) with every character's UTF-8 bytes counted as tokens. A model
+    the catalog does not know, without `available_tokens`, gets the smallest
+    window the catalog lists (the daemon would have refused the request).
+    """
+    if not messages:
+        return "", 0
+    catalog = catalog or _bundled_catalog()
+    if available_tokens <= 0 and catalog.resolve(model) is None:
+        available_tokens = min(m.context_window for m in catalog.models.values())
+    cap = resolve_model(catalog, model, available_tokens)
+    ceiling = context_ceiling(cap, catalog.family(cap.tokenizer_family), available_tokens)
+    counter = _Utf8Bytes()
+    fit = fit_history(counter, messages, "", ceiling, Staged(counter))
+    return "".join(formatter.history_section(fit.kept, "")), len(messages) - len(fit.kept)
+
+
+def history_only(
+    messages: Sequence[Message],
+    *,
+    model: str = "",
+    available_tokens: int = 0,
+    catalog: Catalog | None = None,
+) -> str:
+    """The fallback context alone (see `fallback_history`)."""
+    return fallback_history(
+        messages, model=model, available_tokens=available_tokens, catalog=catalog
+    )[0]
+
+
+_CATALOG: list[Catalog] = []
+
+
+def _bundled_catalog() -> Catalog:
+    if not _CATALOG:
+        _CATALOG.append(load_catalog())
+    return _CATALOG[0]
+
+
+def is_input_error(exc: GRPCError) -> bool:
+    """An error to raise, not ride out: anything but overload, unavailability or time."""
+    if exc.status is Status.RESOURCE_EXHAUSTED:
+        message = exc.message or ""
+        return not message.startswith(_OVERLOADED) and bool(_FIELD_MESSAGE.match(message))
+    return exc.status not in FAIL_OPEN
 
 
 class ContextClient:
@@ -167,9 +258,9 @@ class ContextClient:
                 "AssembleContext", request, wire.AssembleContextResponse, timeout
             )
         except GRPCError as exc:
-            if exc.status in FAIL_OPEN:
-                return self._fallback(request, exc.status.name)
-            raise
+            if is_input_error(exc):
+                raise
+            return self._fallback(request, exc.status.name)
         except TimeoutError:  # grpclib's own deadline; caught before OSError, its base class
             return self._fallback(request, "DEADLINE_EXCEEDED")
         except (StreamTerminatedError, ConnectionError, OSError):
@@ -199,11 +290,15 @@ class ContextClient:
 
     def _fallback(self, request: Any, status: str) -> Assembled:
         messages = [Message(m.role, m.content) for m in request.recent_messages]
+        context, dropped = fallback_history(
+            messages, model=request.model, available_tokens=request.available_tokens
+        )
         return Assembled(
-            context=history_only(messages),
+            context=context,
             degraded=True,
             degradation_level="L2",
             status=status,
+            messages_dropped=dropped,
         )
 
     # Trio entry points (inside trio_asyncio.open_loop()).

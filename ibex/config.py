@@ -78,6 +78,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     catalog_path: str | None = None
     tiktoken_dir: str | None = None
     token_cache_entries: int = 65536
+    token_cache_bytes: int = 32 * 1024 * 1024
     auth_tokens_sha256: tuple[str, ...] = ()
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -326,13 +327,14 @@ def load_settings(
     ints = {
         "PACKER_DP_CELL_CEILING": ("packer_dp_cell_ceiling", 1, 50_000_000),
         "PACKER_MAX_CONSECUTIVE_SKIPS": ("packer_max_consecutive_skips", 0, 1_000_000),
-        "FORMATTER_NONCE_BYTES": ("formatter_nonce_bytes", 1, 64),
+        "FORMATTER_NONCE_BYTES": ("formatter_nonce_bytes", 8, 64),
         "MEMORY_POOL_SIZE": ("memory_pool_size", 1, 4096),
         "MEMORY_MAX_CONTENT_BYTES": ("memory_max_content_bytes", 1, 64 * 1024 * 1024),
         "MEMORY_MAX_RESPONSE_BYTES": ("memory_max_response_bytes", 1024, 1024 * 1024 * 1024),
         "HOT_LIMIT": ("hot_limit", 1, 100),
         "COLD_LIMIT": ("cold_limit", 1, 100),
         "TOKEN_CACHE_ENTRIES": ("token_cache_entries", 0, 10_000_000),
+        "TOKEN_CACHE_BYTES": ("token_cache_bytes", 0, 4 * 1024 * 1024 * 1024),
         "MAX_IN_FLIGHT": ("max_in_flight", 1, 100_000),
         "MAX_CONCURRENT_ASSEMBLIES": ("max_concurrent_assemblies", 1, 100_000),
         "DIRECTIVE_CACHE_ENTRIES": ("directive_cache_entries", 0, 10_000_000),

@@ -25,6 +25,15 @@ def response_reserve(window: int, max_output_tokens: int) -> int:
     )
 
 
+def context_ceiling(
+    capability: ModelCapability, family: FamilyPolicy, available_tokens: int
+) -> int:
+    """The most the assembled context may take: the window less reserve and safety."""
+    window = context_window(capability, available_tokens)
+    reserve = response_reserve(window, capability.max_output_tokens)
+    return max(0, window - reserve - int(window * family.safety_buffer_fraction))
+
+
 def compute_budget(
     capability: ModelCapability,
     family: FamilyPolicy,
@@ -35,6 +44,8 @@ def compute_budget(
     messages_tokens: int,
     tool_schema_tokens: int,
     formatter_overhead_tokens: int,
+    messages_dropped: int = 0,
+    messages_dropped_tokens: int = 0,
 ) -> TokenBudget:
     """Every term of the seed's budget formula; usable is clamped at zero."""
     window = context_window(capability, available_tokens)
@@ -62,4 +73,6 @@ def compute_budget(
         constrained=usable < CONSTRAINED_BELOW,
         tokenizer_family=family.name,
         estimate_kind=estimate_kind,
+        messages_dropped=messages_dropped,
+        messages_dropped_tokens=messages_dropped_tokens,
     )

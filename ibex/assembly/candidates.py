@@ -64,34 +64,39 @@ def _sort_key(m: ScoredMemory) -> tuple[float, str]:
     return (-m.composite_score, m.memory_id)
 
 
-def select_candidates(
+class Selection(msgspec.Struct, frozen=True, gc=False):
+    """Scored candidates (best first), exclusions so far, and the other tenants' hit count."""
+
+    candidates: list[ScoredMemory]
+    excluded: list[MemoryUsed]
+    tenant_filtered: int
+
+
+def select(
     request: AssemblyRequest, hot: Sequence[MemoryHit], cold: Sequence[MemoryHit], now: float
-) -> tuple[list[ScoredMemory], list[MemoryUsed]]:
+) -> Selection:
     """Tenant filter, skip options, scoring, dedupe and caps.
 
-    Returns the scored candidates (best first) and the exclusions so far.
-    Another tenant's hit is dropped before scoring: it must never be able to
-    displace a legitimate duplicate or leak through degradation.
+    Another tenant's hit is dropped before anything else: it must never be
+    able to displace a legitimate duplicate or leak through degradation, and
+    it is only counted (`tenant_filtered`), never named in `excluded`. A
+    memory id appears in `excluded` at most once, and never when it was ranked.
     """
     opts = request.options
+    org_id, agent_id = request.org_id, request.agent_id
     excluded: list[MemoryUsed] = []
     best: dict[str, ScoredMemory] = {}
-    oversized: set[str] = set()
-    streams: list[Sequence[MemoryHit]] = []
+    tenant_filtered = 0
     for skip, hits in ((opts.skip_hot_memories, hot), (opts.skip_cold_memories, cold)):
-        if skip:
-            excluded += (hit_used(h, "filter") for h in hits)
-        else:
-            streams.append(hits)
-    for hits in streams:
         for hit in hits:
-            if not is_own(hit, request.org_id, request.agent_id):
+            if not is_own(hit, org_id, agent_id):
+                tenant_filtered += 1
+                continue
+            if skip:
                 excluded.append(hit_used(hit, "filter"))
                 continue
             if hit.oversized:  # content over the source's cap, dropped: never counted
-                if hit.memory_id not in oversized:  # hot and cold may both carry it
-                    oversized.add(hit.memory_id)
-                    excluded.append(hit_used(hit, "failed"))
+                excluded.append(hit_used(hit, "failed"))
                 continue
             scored = score_hit(hit, opts, now)
             if scored is None:
@@ -104,8 +109,24 @@ def select_candidates(
     cap = MAX_MEMORIES_HARD_CAP
     if opts.max_memories > 0:
         cap = min(cap, opts.max_memories)
+    if excluded:
+        seen = set(best)
+        once = []
+        for m in excluded:
+            if m.memory_id not in seen:
+                seen.add(m.memory_id)
+                once.append(m)
+        excluded = once
     excluded += (used(m, "truncated") for m in ranked[cap:])
-    return ranked[:cap], excluded
+    return Selection(ranked[:cap], excluded, tenant_filtered)
+
+
+def select_candidates(
+    request: AssemblyRequest, hot: Sequence[MemoryHit], cold: Sequence[MemoryHit], now: float
+) -> tuple[list[ScoredMemory], list[MemoryUsed]]:
+    """`select` without the tenant count: the scored candidates and the exclusions so far."""
+    selection = select(request, hot, cold, now)
+    return selection.candidates, selection.excluded
 
 
 class SearchFilter(msgspec.Struct, frozen=True):

@@ -18,6 +18,11 @@ from ibex.errors import ConfigError
 EXACT_ENCODINGS = frozenset({"cl100k_base", "o200k_base"})
 UNKNOWN_FAMILY = "unknown"
 
+#: estimate_v1's worst measured undercount against exact OpenAI counts
+#: (`python -m benchmarks.token_estimate`, see ibex.assembly.tokens). A family
+#: counted by the estimate with a smaller safety buffer could overflow the window.
+ESTIMATE_WORST_UNDERCOUNT = 0.043
+
 
 class CatalogError(ConfigError):
     """The catalog file is malformed; the message names the file and entry."""
@@ -67,6 +72,12 @@ class Catalog:
             if not 0.0 <= fam.safety_buffer_fraction < 0.5:
                 raise CatalogError(
                     f"catalog: family {name!r}: safety_buffer_fraction not in [0, 0.5)"
+                )
+            if fam.encoding is None and fam.safety_buffer_fraction < ESTIMATE_WORST_UNDERCOUNT:
+                raise CatalogError(
+                    f"catalog: family {name!r} is counted by the estimate (no encoding), so "
+                    f"its safety_buffer_fraction {fam.safety_buffer_fraction} must be at least "
+                    f"{ESTIMATE_WORST_UNDERCOUNT}, the estimate's worst measured undercount"
                 )
             if fam.encoding is not None and fam.encoding not in EXACT_ENCODINGS:
                 raise CatalogError(

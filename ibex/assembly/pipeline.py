@@ -6,10 +6,16 @@ Every candidate ends either included or excluded with a reason. `tokens_used`
 is the sum of the final text's piece counts, which is the text's exact count
 when every join is a pre-tokeniser split (checked on the final pieces, see
 `formatter.joins_split_cleanly`); otherwise the whole text is re-counted.
+
+`assemble_pure` runs named stages, as in the README's diagram: count the fixed
+sections (directive, tools, the history that fits, markup: the budget), select
+(tenant filter, score, dedupe, caps), price (each candidate's exact cost),
+pack, render within the ceiling, build the result. A `StageTimer` records each.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 import time
 from collections.abc import Iterable, Sequence
@@ -18,9 +24,10 @@ from typing import Protocol
 import msgspec
 
 from ibex.assembly import formatter as fmt
-from ibex.assembly.budget import compute_budget
-from ibex.assembly.candidates import select_candidates, used
+from ibex.assembly.budget import compute_budget, context_ceiling
+from ibex.assembly.candidates import Selection, select, select_candidates, used
 from ibex.assembly.catalog import Catalog, FamilyPolicy, ModelCapability
+from ibex.assembly.history import Counter, Staged, dropped_tokens, fit_history
 from ibex.assembly.packer import DEFAULT_DP_CELL_CEILING, DEFAULT_MAX_CONSECUTIVE_SKIPS, pack
 from ibex.assembly.scoring import score_schema
 from ibex.assembly.structs import (
@@ -31,25 +38,34 @@ from ibex.assembly.structs import (
     DegradationLevel,
     Directive,
     MemoryHit,
+    Message,
     PackResult,
     PackSummary,
     ScoredMemory,
+    TokenBudget,
 )
 from ibex.errors import InputError, TooLargeError
+
+__all__ = [
+    "AssemblyInputs",
+    "Counter",
+    "CounterSource",
+    "PipelineConfig",
+    "StageTimer",
+    "assemble_pure",
+    "build_result",
+    "count_fixed_sections",
+    "degradation_level",
+    "price",
+    "render_within_ceiling",
+    "resolve_model",
+    "select",
+    "select_candidates",
+]
 
 UNKNOWN_MODEL_MAX_OUTPUT = 4096
 # Hex, or new_nonce's fixed-width decimal: 64 random bytes are 155 decimal digits.
 _NONCE = re.compile(r"[0-9a-f]{2,160}")
-
-
-class Counter(Protocol):
-    """What the pipeline needs from a token counter (see ibex.assembly.tokens)."""
-
-    estimate_kind: str
-
-    def count(self, text: str) -> int: ...
-
-    def count_uncached(self, text: str) -> int: ...
 
 
 class CounterSource(Protocol):
@@ -107,87 +123,185 @@ def degradation_level(branches: Iterable[BranchOutcome]) -> DegradationLevel:
     return "L0" if missing == 0 else "L1" if missing == 1 else "L2"
 
 
-def _count_pieces(counter: Counter, pieces: Iterable[str]) -> int:
-    return sum(counter.count(p) for p in pieces if p)
-
-
 def _ms(seconds: float) -> int:
     return round(seconds * 1000.0)
 
 
-def assemble_pure(
-    inputs: AssemblyInputs,
-    *,
-    catalog: Catalog,
-    tokenizers: CounterSource,
-    config: PipelineConfig = DEFAULT_CONFIG,
-) -> AssemblyResult:
-    """Budget, score, pack, format and verify one assembly."""
-    t0 = time.perf_counter()
-    request = inputs.request
-    nonce = inputs.nonce
-    if not _NONCE.fullmatch(nonce):
-        raise ValueError("nonce must be 2 to 160 lower-case hex or decimal digits")
-    cap = resolve_model(catalog, request.model, request.available_tokens)
-    family: FamilyPolicy = catalog.family(cap.tokenizer_family)
-    counter = tokenizers.counter(family.name, family.encoding)
+class StageTimer:
+    """Seconds spent in each named stage: one clock read per stage boundary."""
 
-    directive = inputs.directive
-    directive_pieces = fmt.directive_section(directive)
-    # Pieces carrying the nonce are new every request: count them without the
-    # cache, or each request would push ~30 never-reused entries into it.
-    safety_tokens = _exact_len(counter, fmt.safety_piece(nonce))
-    directive_only = _count_pieces(counter, directive_pieces)
-    directive_tokens = directive_only + safety_tokens
-    history_tokens = _count_pieces(counter, fmt.history_section(request.recent_messages))
-    tool_tokens = _count_pieces(counter, fmt.tools_section(request.tool_schemas))
-    overhead = _exact_len(counter, fmt.memories_open(nonce)) + counter.count(fmt.MEMORIES_CLOSE)
+    __slots__ = ("_last", "seconds", "start")
+
+    def __init__(self) -> None:
+        self.start = self._last = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+
+    def lap(self, stage: str) -> None:
+        """Close `stage`: the time since the previous lap (or the start) is its own."""
+        now = time.perf_counter()
+        self.seconds[stage] = now - self._last
+        self._last = now
+
+    def ms(self, stage: str) -> int:
+        return round(self.seconds.get(stage, 0.0) * 1000.0)
+
+    def total(self) -> float:
+        return self._last - self.start
+
+
+class FixedSections(msgspec.Struct, frozen=True, gc=False):
+    """What every answer carries whatever memories fit, counted once, and the budget."""
+
+    directive_tokens: int  # the directive section alone
+    safety_tokens: int  # the safety sentence, emitted only with memories
+    history_tokens: int
+    tool_tokens: int
+    overhead_tokens: int  # <memories> open and close, emitted only with memories
+    budget: TokenBudget
+    messages: tuple[Message, ...]  # the history that fits: the newest messages
+
+
+class Rendered(msgspec.Struct, frozen=True, gc=False):
+    """The final text, its verified count, the memories it holds and those dropped to fit."""
+
+    text: str
+    tokens_used: int
+    ordered: list[ScoredMemory]
+    dropped: list[ScoredMemory]
+
+
+def count_fixed_sections(
+    request: AssemblyRequest,
+    directive: Directive | None,
+    nonce: str,
+    cap: ModelCapability,
+    family: FamilyPolicy,
+    counter: Counter,
+) -> FixedSections:
+    """Stage 1: count directive, tools, the history that fits and markup; the budget left.
+
+    The oldest history messages are left out until the rest fits (counted
+    newest first, never past the ceiling; see ibex.assembly.history). New
+    counts and escaped bodies are cached only once the request is known to
+    fit, so a refused request leaves every cache as it was.
+    """
+    staged = Staged(counter)
+    # Pieces carrying the nonce: a decimal nonce costs what zeros of its width
+    # cost, so those counts are cached once; any other nonce is new every
+    # request and counted uncached (see Staged.with_nonce).
+    safety_tokens = staged.with_nonce(fmt.safety_piece, nonce)
+    directive_tokens = 0
+    if directive is not None:
+        body = staged.body(directive.content)
+        if body:
+            directive_tokens = (
+                staged.with_nonce(functools.partial(fmt.directive_open, directive), nonce)
+                + staged.count(body)
+                + staged.count(fmt.DIRECTIVE_CLOSE)
+            )
+    tool_tokens = 0
+    if request.tool_schemas:
+        per_tool = staged.count(fmt.TOOL_OPEN) + staged.count(fmt.TOOL_CLOSE)
+        tool_tokens = staged.with_nonce(fmt.tools_open, nonce) + staged.count(fmt.TOOLS_CLOSE)
+        for schema in request.tool_schemas:
+            body = staged.body(schema)
+            tool_tokens += per_tool + (staged.count(body) if body else 0)
+    overhead = staged.with_nonce(fmt.memories_open, nonce) + staged.count(fmt.MEMORIES_CLOSE)
+    ceiling = context_ceiling(cap, family, request.available_tokens)
+    room = ceiling - directive_tokens - tool_tokens
+    messages = request.recent_messages
+    fit = fit_history(counter, messages, nonce, room, staged)
+    model = cap.model_id or request.model
+    dropped = len(messages) - len(fit.kept)
+    if dropped and not fit.kept:
+        raise TooLargeError(
+            "recent_messages",
+            f"the newest message alone needs at least {fit.overflow} tokens; the model "
+            f"{model!r} leaves {max(0, room)} of its {ceiling}-token context ceiling after the "
+            f"directive ({directive_tokens}) and tools ({tool_tokens})",
+        )
+    if dropped and request.options.reject_history_overflow:
+        raise TooLargeError(
+            "recent_messages",
+            f"the history needs at least {fit.tokens + fit.overflow} tokens; the model "
+            f"{model!r} leaves {max(0, room)} of its {ceiling}-token context ceiling after the "
+            f"directive ({directive_tokens}) and tools ({tool_tokens}), and "
+            "reject_history_overflow is set",
+        )
+    if directive_tokens + tool_tokens + fit.tokens > ceiling:
+        raise TooLargeError(
+            "recent_messages",
+            f"directive, history and tools take {directive_tokens + tool_tokens + fit.tokens} "
+            f"tokens, more than the {ceiling} the model {model!r} leaves for context",
+        )
+    staged.commit()
     budget = compute_budget(
         cap,
         family,
         estimate_kind=counter.estimate_kind,
         available_tokens=request.available_tokens,
-        directive_tokens=directive_tokens,
-        messages_tokens=history_tokens,
+        directive_tokens=directive_tokens + safety_tokens,
+        messages_tokens=fit.tokens,
         tool_schema_tokens=tool_tokens,
         formatter_overhead_tokens=overhead,
+        messages_dropped=dropped,
+        messages_dropped_tokens=(
+            dropped_tokens(counter, messages[:dropped], ceiling) if dropped else 0
+        ),
     )
-    t1 = time.perf_counter()
+    return FixedSections(
+        directive_tokens=directive_tokens,
+        safety_tokens=safety_tokens,
+        history_tokens=fit.tokens,
+        tool_tokens=tool_tokens,
+        overhead_tokens=overhead,
+        budget=budget,
+        messages=fit.kept,
+    )
 
-    candidates, excluded = select_candidates(request, inputs.hot, inputs.cold, inputs.now)
+
+def price(candidates: list[ScoredMemory], counter: Counter, nonce: str) -> list[ScoredMemory]:
+    """Stage 3: each candidate's token_estimate is the exact cost of its formatted block."""
     # memory_open = prefix + nonce + suffix, split at pre-tokeniser boundaries
     # (see fmt.memory_open_suffix): the nonce is counted once, the rest cached.
+    nonce_tokens = (
+        counter.count("0" * len(nonce)) if nonce.isdigit() else _exact_len(counter, nonce)
+    )  # a decimal nonce costs what zeros of its width cost (see Staged.with_nonce)
     fixed_tokens = (
-        counter.count(fmt.MEMORY_OPEN_PREFIX)
-        + _exact_len(counter, nonce)
-        + counter.count(fmt.MEMORY_CLOSE)
+        counter.count(fmt.MEMORY_OPEN_PREFIX) + nonce_tokens + counter.count(fmt.MEMORY_CLOSE)
     )
-    candidates = [
+    count = counter.count
+    return [
         msgspec.structs.replace(
             m,
             token_estimate=fixed_tokens
-            + counter.count(fmt.memory_open_suffix(m))
-            + counter.count(fmt.body_piece(m.content)),
+            + count(fmt.memory_open_suffix(m))
+            + count(fmt.body_piece(m.content)),
         )
         for m in candidates
     ]
-    t2 = time.perf_counter()
 
-    result = pack(
-        candidates,
-        budget.usable_budget,
-        dp_cell_ceiling=config.dp_cell_ceiling,
-        max_consecutive_skips=config.max_consecutive_skips,
-    )
-    t3 = time.perf_counter()
 
-    packed = list(result.packed)
+def render_within_ceiling(
+    request: AssemblyRequest,
+    directive: Directive | None,
+    nonce: str,
+    fixed: FixedSections,
+    packed: Sequence[ScoredMemory],
+    counter: Counter,
+    model: str,
+) -> Rendered:
+    """Stage 5: format, verify the count, and drop the lowest-value memory while over."""
+    ceiling = fixed.budget.ceiling
+    kept = list(packed)
     dropped: list[ScoredMemory] = []
+    base = fixed.directive_tokens + fixed.history_tokens + fixed.tool_tokens
+    with_memories = fixed.safety_tokens + fixed.overhead_tokens
     while True:
-        ordered = fmt.memory_order(packed)
+        ordered = fmt.memory_order(kept)
         pieces = fmt.render_pieces(
             directive=directive,
-            messages=request.recent_messages,
+            messages=fixed.messages,
             memories=ordered,
             tool_schemas=request.tool_schemas,
             nonce=nonce,
@@ -197,62 +311,113 @@ def assemble_pure(
             # Every join is a pre-tokeniser split, so the text's count is the sum
             # of its pieces' (exact families; an upper bound for estimate_v1):
             # no need to re-tokenise ~15k characters per request.
-            tokens_used = directive_only + history_tokens + tool_tokens
+            tokens_used = base
             if ordered:
-                tokens_used += safety_tokens + overhead + sum(m.token_estimate for m in ordered)
+                tokens_used += with_memories + sum(m.token_estimate for m in ordered)
         else:
             tokens_used = _exact_len(counter, text)
-        if tokens_used <= budget.ceiling:
-            break
-        if not packed:
+        if tokens_used <= ceiling:
+            return Rendered(text, tokens_used, ordered, dropped)
+        if not kept:
             raise TooLargeError(
                 "recent_messages",
                 f"directive, history and tools take {tokens_used} tokens, more than the "
-                f"{budget.ceiling} the model {cap.model_id or request.model!r} leaves for context",
+                f"{ceiling} the model {model!r} leaves for context",
             )
         # A merge at a join made the text longer than its pieces: drop the
         # lowest-value memory (last in score order) and format again.
-        dropped.append(packed.pop())
-    t4 = time.perf_counter()
+        dropped.append(kept.pop())
 
-    memory_tokens = sum(m.token_estimate for m in ordered)
-    included = tuple(used(m, "included") for m in ordered)
-    excluded += (used(m, "budget") for m in result.excluded)
-    excluded += (used(m, "budget") for m in dropped)
-    pack_summary = _summary(result, dropped, ordered)
+
+def build_result(
+    inputs: AssemblyInputs,
+    fixed: FixedSections,
+    packed: PackResult,
+    rendered: Rendered,
+    selection: Selection,
+    timer: StageTimer,
+) -> AssemblyResult:
+    """Stage 6: the result and every fact it reports about itself."""
+    request = inputs.request
+    ordered = rendered.ordered
+    excluded = selection.excluded
+    excluded += (used(m, "budget") for m in packed.excluded)
+    excluded += (used(m, "budget") for m in rendered.dropped)
     metrics = AssemblyMetrics(
-        budget_calculation_ms=_ms(t1 - t0),
+        budget_calculation_ms=timer.ms("count"),
         directive_load_ms=_branch_ms(inputs.branches, "directive"),
         hot_memory_retrieval_ms=_branch_ms(inputs.branches, "hot"),
         cold_memory_retrieval_ms=_branch_ms(inputs.branches, "cold"),
-        ranking_ms=_ms(t2 - t1),
-        packing_ms=_ms(t3 - t2),
-        formatting_ms=_ms(t4 - t3),
-        total_ms=_ms(t4 - t0 + inputs.retrieval_ms / 1000.0),
-        candidates_evaluated=result.candidates_evaluated,
+        ranking_ms=_ms(timer.seconds["select"] + timer.seconds["price"]),
+        packing_ms=timer.ms("pack"),
+        formatting_ms=timer.ms("render"),
+        total_ms=_ms(timer.total() + inputs.retrieval_ms / 1000.0),
+        candidates_evaluated=packed.candidates_evaluated,
     )
-    emitted_directive = directive_only + (safety_tokens if ordered else 0)
+    directive = inputs.directive
     return AssemblyResult(
-        assembled_context=text,
-        tokens_used=tokens_used,
-        memories_used=included,
+        assembled_context=rendered.text,
+        tokens_used=rendered.tokens_used,
+        memories_used=tuple(used(m, "included") for m in ordered),
         excluded=tuple(excluded),
-        directive_tokens=emitted_directive,
-        history_tokens=history_tokens,
-        memory_tokens=memory_tokens,
-        tool_tokens=tool_tokens,
-        formatter_tokens=overhead if ordered else 0,
+        directive_tokens=fixed.directive_tokens + (fixed.safety_tokens if ordered else 0),
+        history_tokens=fixed.history_tokens,
+        memory_tokens=sum(m.token_estimate for m in ordered),
+        tool_tokens=fixed.tool_tokens,
+        formatter_tokens=fixed.overhead_tokens if ordered else 0,
         score_schema=score_schema(request.options),
         degradation_level=degradation_level(inputs.branches),
         branches=inputs.branches,
-        budget=budget,
-        pack=pack_summary,
+        budget=fixed.budget,
+        pack=_summary(packed, rendered.dropped, ordered, selection.tenant_filtered),
         metrics=metrics,
         request_id=request.request_id,
         trace_id=request.trace_id,
         span_id=request.span_id,
         directive_version_id=(directive.version_id or "") if directive else "",
     )
+
+
+def assemble_pure(
+    inputs: AssemblyInputs,
+    *,
+    catalog: Catalog,
+    tokenizers: CounterSource,
+    config: PipelineConfig = DEFAULT_CONFIG,
+) -> AssemblyResult:
+    """Count the fixed sections, select, price, pack, render within the ceiling, build."""
+    timer = StageTimer()
+    request = inputs.request
+    nonce = inputs.nonce
+    if not _NONCE.fullmatch(nonce):
+        raise ValueError("nonce must be 2 to 160 lower-case hex or decimal digits")
+    cap = resolve_model(catalog, request.model, request.available_tokens)
+    family = catalog.family(cap.tokenizer_family)
+    counter = tokenizers.counter(family.name, family.encoding)
+    fixed = count_fixed_sections(request, inputs.directive, nonce, cap, family, counter)
+    timer.lap("count")
+    selection = select(request, inputs.hot, inputs.cold, inputs.now)
+    timer.lap("select")
+    candidates = price(selection.candidates, counter, nonce)
+    timer.lap("price")
+    packed = pack(
+        candidates,
+        fixed.budget.usable_budget,
+        dp_cell_ceiling=config.dp_cell_ceiling,
+        max_consecutive_skips=config.max_consecutive_skips,
+    )
+    timer.lap("pack")
+    rendered = render_within_ceiling(
+        request,
+        inputs.directive,
+        nonce,
+        fixed,
+        packed.packed,
+        counter,
+        cap.model_id or request.model,
+    )
+    timer.lap("render")
+    return build_result(inputs, fixed, packed, rendered, selection, timer)
 
 
 def _exact_len(counter: Counter, text: str) -> int:
@@ -268,7 +433,7 @@ def _branch_ms(branches: Sequence[BranchOutcome], source: str) -> int:
 
 
 def _summary(
-    result: PackResult, dropped: list[ScoredMemory], kept: list[ScoredMemory]
+    result: PackResult, dropped: list[ScoredMemory], kept: list[ScoredMemory], tenant_filtered: int
 ) -> PackSummary:
     return PackSummary(
         path=result.path,
@@ -276,4 +441,5 @@ def _summary(
         excluded_for_budget=result.excluded_for_budget + len(dropped),
         budget_reached=result.budget_reached or bool(dropped),
         total_score=float(sum(m.composite_score for m in kept)),
+        tenant_filtered=tenant_filtered,
     )

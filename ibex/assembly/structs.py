@@ -35,6 +35,7 @@ class AssemblyOptions(msgspec.Struct, frozen=True):
     usefulness_weight: float = 0.0
     confidence_weight: float = 0.0
     max_memories: int = 0
+    reject_history_overflow: bool = False
 
 
 class AssemblyRequest(msgspec.Struct, frozen=True):
@@ -142,6 +143,8 @@ class TokenBudget(msgspec.Struct, frozen=True):
     constrained: bool
     tokenizer_family: str
     estimate_kind: str
+    messages_dropped: int = 0
+    messages_dropped_tokens: int = 0
 
     @property
     def ceiling(self) -> int:
@@ -183,6 +186,7 @@ class PackSummary(msgspec.Struct, frozen=True):
     excluded_for_budget: int = 0
     budget_reached: bool = False
     total_score: float = 0.0
+    tenant_filtered: int = 0
 
 
 class AssemblyResult(msgspec.Struct, frozen=True):

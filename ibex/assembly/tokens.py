@@ -46,7 +46,8 @@ import gzip
 import hashlib
 import importlib.resources
 import math
-from collections import OrderedDict
+import re
+import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import NamedTuple
@@ -54,6 +55,7 @@ from typing import NamedTuple
 import msgspec
 import tiktoken
 
+from ibex.assembly.lru import ENTRY_OVERHEAD, ByteLRU
 from ibex.errors import ConfigError
 
 EXACT = "exact"
@@ -63,7 +65,8 @@ ESTIMATE_V1 = "estimate_v1"
 ESTIMATE_MAX_UNDERCOUNT = 0.05
 
 #: Texts longer than this (in characters) are counted but never cached, so one
-#: huge text cannot pin memory.
+#: huge text cannot pin memory (the byte bound also refuses any entry above
+#: 1/16 of the cache's bytes).
 CACHE_MAX_TEXT_CHARS = 64 * 1024
 
 #: Cap on decompressed rank files, so a corrupt or hostile .gz cannot balloon.
@@ -358,53 +361,129 @@ class CacheInfo(NamedTuple):
     uncached: int
     size: int
     capacity: int
+    bytes: int = 0
+    max_bytes: int = 0
+
+
+#: Default byte budget of each count cache (IBEX_CONTEXT_TOKEN_CACHE_BYTES).
+DEFAULT_CACHE_BYTES = 32 * 1024 * 1024
+
+#: A cached count is a small int (its object counted once, shared or not).
+_COUNT_SIZE = 32
+
+
+def _count_entry_size(text: str, _n: int) -> int:
+    return sys.getsizeof(text) + ENTRY_OVERHEAD + _COUNT_SIZE
 
 
 class _CachedCount:
-    """A count function behind a bounded LRU, shared by every family using it.
+    """A count function behind an LRU bounded in bytes, shared by every family using it.
 
-    Not thread-safe; the daemon counts on one Trio thread per process.
+    Safe to call from worker threads (see ibex.assembly.lru). `peek` and
+    `remember` let the pipeline look counts up during a request and store the
+    new ones only once the request is known to fit, so a refused request
+    leaves the cache as it found it.
     """
 
-    def __init__(self, fn: Callable[[str], int], capacity: int) -> None:
+    def __init__(self, fn: Callable[[str], int], capacity: int, max_bytes: int) -> None:
         self._fn = fn
         self._capacity = max(0, capacity)
-        self._cache: OrderedDict[str, int] = OrderedDict()
+        self._lru: ByteLRU[int] = ByteLRU(
+            max_bytes, max_entries=self._capacity, sizeof=_count_entry_size
+        )
         self.hits = 0
         self.misses = 0
         self.uncached = 0
 
-    def count(self, text: str) -> int:
-        cache = self._cache
-        n = cache.get(text)
+    def peek(self, text: str) -> int | None:
+        """The cached count, or None; never computes, never stores."""
+        n = self._lru.get(text)
         if n is not None:
-            cache.move_to_end(text)
+            self.hits += 1
+        return n
+
+    def store(self, text: str, n: int) -> None:
+        if len(text) <= CACHE_MAX_TEXT_CHARS and self._lru.put(text, n):
+            self.misses += 1
+        else:
+            self.uncached += 1
+
+    def count(self, text: str) -> int:
+        n = self._lru.get(text)
+        if n is not None:
             self.hits += 1
             return n
         n = self._fn(text)
-        if len(text) > CACHE_MAX_TEXT_CHARS or not self._capacity:
-            self.uncached += 1
-            return n
-        self.misses += 1
-        cache[text] = n
-        if len(cache) > self._capacity:
-            cache.popitem(last=False)
+        self.store(text, n)
         return n
 
     def info(self) -> CacheInfo:
-        return CacheInfo(self.hits, self.misses, self.uncached, len(self._cache), self._capacity)
+        lru = self._lru
+        return CacheInfo(
+            self.hits,
+            self.misses,
+            self.uncached,
+            len(lru),
+            self._capacity,
+            lru.bytes,
+            lru.max_bytes,
+        )
+
+
+# A split the pre-tokenisers of cl100k_base and o200k_base always make: a letter
+# (or a non-decimal number) followed by a space, a newline or punctuation other
+# than an apostrophe. No pre-token that contains a letter extends past its
+# letters (o200k_base's only exception is a contraction, which starts with
+# "'"), and no pre-token reaches back before its first character, so the text
+# before such a cut tokenises exactly as it does inside the whole text.
+_ADDITIVE_CUT = re.compile(
+    r"(?<=[^\W\d_])[ \n!-&(-/:-@\[-`{-~\u3001\u3002\uff0c\uff1a\uff1b\uff1f\uff01]"
+)
+_CUT_WINDOWS = (1024, 16384)
+
+
+def _last_additive_cut(text: str) -> int:
+    """The last safe cut in `text` (see _ADDITIVE_CUT), or 0 when none is found near its end."""
+    for window in _CUT_WINDOWS:
+        found = 0
+        for m in _ADDITIVE_CUT.finditer(text, max(0, len(text) - window)):
+            found = m.start()
+        if found:
+            return found
+    return 0
+
+
+def _whole(text: str) -> int:
+    return len(text)
 
 
 class TokenCounter:
     """Counts tokens for one tokenizer family; `estimate_kind` labels every count it gives.
 
     `count` is cached (a hit is a dict lookup); `count_uncached` always recomputes.
+    `additive_cut(text)` is an index c such that no text starting with `text`
+    counts fewer tokens than `text[:c]`, and `max_token_bytes` the longest token:
+    together they prove that a long text cannot fit without counting all of it.
     """
 
-    __slots__ = ("_cached", "count_uncached", "encoding", "estimate_kind", "exact", "family")
+    __slots__ = (
+        "_cached",
+        "additive_cut",
+        "count_uncached",
+        "encoding",
+        "estimate_kind",
+        "exact",
+        "family",
+        "max_token_bytes",
+    )
 
     def __init__(
-        self, family: str, encoding: str | None, estimate_kind: str, cached: _CachedCount
+        self,
+        family: str,
+        encoding: str | None,
+        estimate_kind: str,
+        cached: _CachedCount,
+        max_token_bytes: int = 0,
     ) -> None:
         self.family = family
         self.encoding = encoding
@@ -412,9 +491,23 @@ class TokenCounter:
         self.exact = estimate_kind == EXACT
         self._cached = cached
         self.count_uncached: Callable[[str], int] = cached._fn
+        # 0: no byte bound; estimate_v1 never decreases as a text grows, so any
+        # prefix is a lower bound and the whole prefix can be used.
+        self.max_token_bytes = max_token_bytes
+        self.additive_cut: Callable[[str], int] = _last_additive_cut if self.exact else _whole
 
     def count(self, text: str) -> int:
         return self._cached.count(text)
+
+    def peek(self, text: str) -> int | None:
+        """The cached count, if any; nothing is computed or stored."""
+        return self._cached.peek(text)
+
+    def remember(self, items: Iterable[tuple[str, int]]) -> None:
+        """Store counts computed with `count_uncached` once they are worth keeping."""
+        store = self._cached.store
+        for text, n in items:
+            store(text, n)
 
     def counted(self, text: str) -> Count:
         """The count with its kind attached, for sums that must not mix kinds."""
@@ -435,17 +528,23 @@ class Tokenizers:
     with the catalog's encodings so no request pays for it.
     """
 
-    def __init__(self, tiktoken_dir: str | None, cache_entries: int) -> None:
+    def __init__(
+        self, tiktoken_dir: str | None, cache_entries: int, cache_bytes: int = DEFAULT_CACHE_BYTES
+    ) -> None:
         self.tiktoken_dir = tiktoken_dir
         self.cache_entries = cache_entries
+        self.cache_bytes = cache_bytes
         self._encodings: dict[str, tiktoken.Encoding] = {}
+        self._max_token_bytes: dict[str, int] = {}
         self._backends: dict[str, _CachedCount] = {}
         self._counters: dict[tuple[str, str | None], TokenCounter] = {}
 
     def encoding(self, name: str) -> tiktoken.Encoding:
         enc = self._encodings.get(name)
         if enc is None:
-            enc = self._encodings[name] = load_encoding(name, self.tiktoken_dir)
+            enc = load_encoding(name, self.tiktoken_dir)
+            self._max_token_bytes[name] = max(map(len, enc.token_byte_values()))
+            self._encodings[name] = enc
         return enc
 
     def preload(self, encodings: Iterable[str]) -> None:
@@ -458,11 +557,13 @@ class Tokenizers:
         counter = self._counters.get(key)
         if counter is not None:
             return counter
+        max_bytes = 0
         if encoding is None:
             kind, backend_key = ESTIMATE_V1, ESTIMATE_V1
             fn: Callable[[str], int] = estimate_v1
         else:
             encode = self.encoding(encoding).encode_ordinary
+            max_bytes = self._max_token_bytes[encoding]
 
             def fn(text: str) -> int:
                 return len(encode(text))
@@ -470,8 +571,10 @@ class Tokenizers:
             kind, backend_key = EXACT, encoding
         backend = self._backends.get(backend_key)
         if backend is None:
-            backend = self._backends[backend_key] = _CachedCount(fn, self.cache_entries)
-        counter = self._counters[key] = TokenCounter(family, encoding, kind, backend)
+            backend = self._backends[backend_key] = _CachedCount(
+                fn, self.cache_entries, self.cache_bytes
+            )
+        counter = self._counters[key] = TokenCounter(family, encoding, kind, backend, max_bytes)
         return counter
 
     def cache_info(self) -> dict[str, CacheInfo]:

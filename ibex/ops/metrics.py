@@ -18,6 +18,7 @@ ibex_context_tokens_used               H                      tokens in the asse
 ibex_context_budget_utilization_ratio  H                      tokens_used / budget ceiling, 0..1
 ibex_context_memories_included         H                      memories packed into one context
 ibex_tenant_filtered_hits_total        C                      hits dropped for another org/agent
+ibex_history_messages_dropped_total    C                      oldest history messages left out
 ibex_token_cache_hits_total            C                      token-count cache hits
 ibex_token_cache_misses_total          C                      token-count cache misses
 ibex_worker_restarts_total             C      reason          workers restarted by the supervisor
@@ -300,6 +301,11 @@ class Metrics:
         self.tenant_filtered = Counter(
             "ibex_tenant_filtered_hits", "Memory hits dropped for another org/agent.", registry=r
         )
+        self.history_dropped = Counter(
+            "ibex_history_messages_dropped",
+            "Oldest history messages left out so the rest fits the window.",
+            registry=r,
+        )
 
         self._token_source: TokenCacheSource | None = None
         self._token_seen = (0, 0)
@@ -381,9 +387,10 @@ class Metrics:
         if ceiling > 0:
             self.budget_utilization.observe(result.tokens_used / ceiling)
         self.memories_included.observe(len(result.memories_used))
-        filtered = sum(1 for m in result.excluded if m.exclusion == "filter")
-        if filtered:
-            self.tenant_filtered.inc(filtered)
+        if result.pack.tenant_filtered:
+            self.tenant_filtered.inc(result.pack.tenant_filtered)
+        if result.budget.messages_dropped:
+            self.history_dropped.inc(result.budget.messages_dropped)
         self.sync_token_cache()
 
     # ------------------------------------------------------------------ token cache

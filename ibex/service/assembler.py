@@ -117,7 +117,7 @@ class Assembler:
                 ),
                 limiter=self._cpu_limiter,
             )
-        filtered = sum(1 for m in result.excluded if m.exclusion == "filter")
+        filtered = result.pack.tenant_filtered
         if filtered:
             log.warning(
                 "tenant_filter_dropped",

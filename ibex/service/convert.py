@@ -31,6 +31,7 @@ def request_from_proto(msg: Any) -> AssemblyRequest:
             usefulness_weight=o.usefulness_weight,
             confidence_weight=o.confidence_weight,
             max_memories=o.max_memories,
+            reject_history_overflow=o.reject_history_overflow,
         )
         if o is not None
         else AssemblyOptions()

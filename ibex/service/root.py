@@ -131,7 +131,9 @@ def authenticator(settings: Settings) -> Authenticator:
 def load_static(settings: Settings) -> tuple[Catalog, Tokenizers]:
     """Catalog and tokenizers, loaded and verified once at start-up."""
     catalog = load_catalog(settings.catalog_path)
-    tokenizers = Tokenizers(settings.tiktoken_dir, settings.token_cache_entries)
+    tokenizers = Tokenizers(
+        settings.tiktoken_dir, settings.token_cache_entries, settings.token_cache_bytes
+    )
     tokenizers.preload(sorted(catalog.encodings()))
     return catalog, tokenizers
 

@@ -149,7 +149,6 @@ async def test_sigterm_says_goodbye_and_finishes_in_flight_calls(
         "IBEX_CONTEXT_HOT_TIMEOUT_MS": "1500",
         "IBEX_CONTEXT_COLD_TIMEOUT_MS": "1500",
         "IBEX_CONTEXT_DRAIN_GRACE": "5s",
-        "IBEX_CONTEXT_SHED_LAG_MS": "1s",  # about the drain, not load: never shed on lag
     }
     memory.cold.latency_ms = 700.0
 

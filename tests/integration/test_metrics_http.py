@@ -46,16 +46,15 @@ def make_result() -> AssemblyResult:
         constrained=False,
         tokenizer_family="openai-o200k",
         estimate_kind="exact",
+        messages_dropped=3,
+        messages_dropped_tokens=950,
     )  # ceiling = 7000
     used = tuple(
         MemoryUsed(memory_id=f"m{i}", composite_score=0.9 - i / 10, rank=i + 1, category="factual")
         for i in range(3)
     )
-    excluded = (
-        MemoryUsed(memory_id="x1", exclusion="filter"),
-        MemoryUsed(memory_id="x2", exclusion="filter"),
-        MemoryUsed(memory_id="x3", exclusion="budget"),
-    )
+    # Another tenant's hits are only counted (PackSummary.tenant_filtered), never listed.
+    excluded = (MemoryUsed(memory_id="x3", exclusion="budget"),)
     return AssemblyResult(
         assembled_context="<context>…</context>",
         tokens_used=3500,
@@ -74,7 +73,9 @@ def make_result() -> AssemblyResult:
             BranchOutcome("cold", "success", 31.0),
         ),
         budget=budget,
-        pack=PackSummary(path="greedy", candidates_evaluated=6, excluded_for_budget=1),
+        pack=PackSummary(
+            path="greedy", candidates_evaluated=6, excluded_for_budget=1, tenant_filtered=2
+        ),
         metrics=AssemblyMetrics(
             budget_calculation_ms=0,
             ranking_ms=1,
@@ -160,6 +161,7 @@ async def test_scrape_reports_an_assembly(nursery: trio.Nursery) -> None:
     assert value("ibex_context_budget_utilization_ratio_sum") == pytest.approx(1.0)
     assert value("ibex_context_memories_included_sum") == 6
     assert value("ibex_tenant_filtered_hits_total") == 4
+    assert value("ibex_history_messages_dropped_total") == 6
     assert value("ibex_token_cache_hits_total") == 19
     assert value("ibex_token_cache_misses_total") == 4
 
@@ -254,6 +256,7 @@ def test_workers_aggregate_through_the_multiprocess_dir(tmp_path: Path) -> None:
     assert got[key] == 2
     assert got[("ibex_degradation_total", (("level", "L1"),))] == 2
     assert got[("ibex_tenant_filtered_hits_total", ())] == 4
+    assert got[("ibex_history_messages_dropped_total", ())] == 6
     assert got[("ibex_token_cache_hits_total", ())] == 10
     assert got[("ibex_token_cache_misses_total", ())] == 4
     assert got[("ibex_in_flight_requests", ())] == 1

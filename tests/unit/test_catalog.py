@@ -87,6 +87,9 @@ def test_operator_file_adds_and_overrides(tmp_path: Path) -> None:
         ),
         ({"families": {"f": {"safety_buffer_fraction": 0.9}}}, "safety_buffer_fraction"),
         ({"families": {"f": {"safety_buffer_fraction": 0.1, "encoding": "p50k"}}}, "encoding"),
+        # An estimate family must cover estimate_v1's worst measured undercount (4.3 %).
+        ({"families": {"f": {"safety_buffer_fraction": 0.04}}}, "at least 0.043"),
+        ({"families": {"unknown": {"safety_buffer_fraction": 0.0}}}, "counted by the estimate"),
         ({"unexpected": 1}, "unexpected"),
     ],
 )
@@ -94,6 +97,18 @@ def test_bad_files_name_the_problem(tmp_path: Path, data: object, needle: str) -
     with pytest.raises(CatalogError) as err:
         load_catalog(write(tmp_path, data))
     assert needle in str(err.value)
+
+
+def test_estimate_family_at_the_measured_undercount_and_exact_families_below_it(
+    tmp_path: Path,
+) -> None:
+    families = {
+        "est": {"safety_buffer_fraction": 0.043},
+        "exact-tight": {"safety_buffer_fraction": 0.0, "encoding": "o200k_base"},
+    }
+    c = load_catalog(write(tmp_path, {"families": families}))
+    assert c.family("est").safety_buffer_fraction == 0.043
+    assert c.family("exact-tight").safety_buffer_fraction == 0.0
 
 
 def test_missing_file(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from ibex.assembly.candidates import SearchFilter, rank_search, select_candidates
+from ibex.assembly.candidates import SearchFilter, rank_search, select
 from ibex.assembly.structs import AssemblyOptions, AssemblyRequest, MemoryHit
 from ibex.config import Settings, load_settings
 from ibex.sources.base import SourceError
@@ -184,12 +184,12 @@ def test_an_oversized_hit_is_excluded_failed_once_and_never_scored() -> None:
     )
     hot = [_hit("big", oversized=True), _hit("ok")]
     cold = [_hit("big", oversized=True, branch="cold"), _hit("other", org="someone-else")]
-    ranked, excluded = select_candidates(request, hot, cold, NOW)
+    selection = select(request, hot, cold, NOW)
+    ranked, excluded = selection.candidates, selection.excluded
     assert [m.memory_id for m in ranked] == ["ok"]
-    assert sorted((m.memory_id, m.exclusion) for m in excluded) == [
-        ("big", "failed"),
-        ("other", "filter"),
-    ]
+    # Another tenant's hit is only counted, never named (issue 11 item 7).
+    assert sorted((m.memory_id, m.exclusion) for m in excluded) == [("big", "failed")]
+    assert selection.tenant_filtered == 1
     big = next(m for m in excluded if m.memory_id == "big")
     assert big.composite_score == 0.0
 

@@ -8,7 +8,9 @@ up to it (the formatter's additivity claim). Windows are kept small through
 
 from __future__ import annotations
 
+import functools
 import math
+import random
 import re
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -38,7 +40,7 @@ from ibex.assembly.structs import (
     MemoryHit,
     Message,
 )
-from ibex.assembly.tokens import ESTIMATE_V1, EXACT, Tokenizers, estimate_v1
+from ibex.assembly.tokens import ESTIMATE_V1, EXACT, TokenCounter, Tokenizers, estimate_v1
 from ibex.errors import InputError, TooLargeError
 
 ORG = "00000000-0000-4000-8000-000000000001"
@@ -254,40 +256,69 @@ def scenarios(draw: st.DrawFn, models: Sequence[str]) -> AssemblyInputs:
     )
 
 
+def _fixed_count(
+    inp: AssemblyInputs,
+    catalog: Catalog,
+    tokenizers: Tokenizers,
+    messages: Sequence[Message],
+) -> tuple[int, int]:
+    """(tokens of directive + these messages + tools as formatted without memories, ceiling)."""
+    cap = resolve_model(catalog, inp.request.model, inp.request.available_tokens)
+    family = catalog.family(cap.tokenizer_family)
+    counter = tokenizers.counter(family.name, family.encoding)
+    pieces = fmt.render_pieces(
+        directive=inp.directive,
+        messages=messages,
+        memories=(),
+        tool_schemas=inp.request.tool_schemas,
+        nonce=inp.nonce,
+    )
+    empty = compute_budget(
+        cap,
+        family,
+        estimate_kind=counter.estimate_kind,
+        available_tokens=inp.request.available_tokens,
+        directive_tokens=0,
+        messages_tokens=0,
+        tool_schema_tokens=0,
+        formatter_overhead_tokens=0,
+    )
+    # What the pipeline counts: the sum of the pieces (exact families: equal to the
+    # whole text's count; estimates: never below the whole text's estimate).
+    counted = sum(counter.count_uncached(p) for p in pieces)
+    assert counted >= counter.count_uncached("".join(pieces))
+    return counted, empty.ceiling
+
+
 def _assemble_or_too_large(
     inp: AssemblyInputs, catalog: Catalog, tokenizers: Tokenizers
 ) -> AssemblyResult | None:
-    """The result, or None after checking the refusal was right: no memory, still too big."""
+    """The result, or None after checking the refusal was right: not even the newest
+    message fits next to the directive and tools.
+
+    On success, checks the history rule: the kept messages are the newest ones, and
+    one more older message would not have fitted.
+    """
+    messages = inp.request.recent_messages
     try:
-        return run(inp, catalog, tokenizers)
+        result = run(inp, catalog, tokenizers)
     except TooLargeError as exc:
         assert exc.field == "recent_messages"
-        family = catalog.family(resolve_model(catalog, inp.request.model, 0).tokenizer_family)
-        counter = tokenizers.counter(family.name, family.encoding)
-        pieces = fmt.render_pieces(
-            directive=inp.directive,
-            messages=inp.request.recent_messages,
-            memories=(),
-            tool_schemas=inp.request.tool_schemas,
-            nonce=inp.nonce,
-        )
-        cap = resolve_model(catalog, inp.request.model, 0)
-        empty = compute_budget(
-            cap,
-            family,
-            estimate_kind=counter.estimate_kind,
-            available_tokens=inp.request.available_tokens,
-            directive_tokens=0,
-            messages_tokens=0,
-            tool_schema_tokens=0,
-            formatter_overhead_tokens=0,
-        )
-        # What the pipeline counts: the sum of the pieces (exact families: equal to the
-        # whole text's count; estimates: never below the whole text's estimate).
-        counted = sum(counter.count_uncached(p) for p in pieces)
-        assert counted >= counter.count_uncached("".join(pieces))
-        assert counted > empty.ceiling
+        counted, ceiling = _fixed_count(inp, catalog, tokenizers, messages[-1:])
+        assert counted > ceiling
         return None
+    dropped = result.budget.messages_dropped
+    assert 0 <= dropped < max(1, len(messages))
+    kept = messages[dropped:]
+    counted, ceiling = _fixed_count(inp, catalog, tokenizers, kept)
+    assert counted <= ceiling
+    if dropped:
+        more, _ = _fixed_count(inp, catalog, tokenizers, messages[dropped - 1 :])
+        assert more > ceiling  # the oldest kept is where it stopped
+        assert result.budget.messages_dropped_tokens > 0
+    else:
+        assert result.budget.messages_dropped_tokens == 0
+    return result
 
 
 # --------------------------------------------------------------------------- budget truth
@@ -334,23 +365,31 @@ def test_every_candidate_is_included_or_excluded_with_a_reason(
     if result is None:
         return
     opts = inp.request.options
-    expected: Counter[tuple[str, str]] = Counter()
+    other_tenant = 0
+    first_reason: dict[str, str] = {}  # an own hit that never reached the packer
     best: dict[str, float] = {}
     for skip, stream in ((opts.skip_hot_memories, inp.hot), (opts.skip_cold_memories, inp.cold)):
         for h in stream:
-            if skip or h.org_id.lower() != ORG or h.agent_id.lower() != AGENT:
-                expected[(h.memory_id, "filter")] += 1
+            if h.org_id.lower() != ORG or h.agent_id.lower() != AGENT:
+                other_tenant += 1
+            elif skip:
+                first_reason.setdefault(h.memory_id, "filter")
             elif not all(math.isfinite(v) and 0 <= v <= 1 for v in (h.similarity, h.confidence)):
-                expected[(h.memory_id, "failed")] += 1
+                first_reason.setdefault(h.memory_id, "failed")
             else:
                 score = 0.85 * h.similarity + 0.15 * h.confidence
                 best[h.memory_id] = max(score, best.get(h.memory_id, -1.0))
+    # Another tenant's hits are counted, never named; each id is reported once.
+    assert result.pack.tenant_filtered == other_tenant
+    every = [m.memory_id for m in (*result.memories_used, *result.excluded)]
+    assert len(every) == len(set(every))
     got = Counter((m.memory_id, m.exclusion) for m in (*result.memories_used, *result.excluded))
     ranked: Counter[str] = Counter()
     for (mid, exclusion), n in got.items():
         if exclusion in ("included", "budget", "truncated"):
             ranked[mid] += n
-    assert {k: v for k, v in got.items() if k[1] in ("filter", "failed")} == dict(expected)
+    expected = {(mid, why): 1 for mid, why in first_reason.items() if mid not in best}
+    assert {k: v for k, v in got.items() if k[1] in ("filter", "failed")} == expected
     # A deduped memory appears once, whatever happened to it.
     assert ranked == Counter(best.keys())
     for m in (*result.memories_used, *result.excluded):
@@ -401,7 +440,9 @@ def test_wrong_tenant_hits_are_filtered_and_cannot_displace_the_real_memory(
     )
     assert "LEAKED" not in result.assembled_context
     assert "our own memory about deploys" in result.assembled_context
-    assert reasons(result) == {"m1": ["included", "filter"], "m2": ["filter"], "m3": ["included"]}
+    # Counted, never named: neither the intruder's id nor its scores appear.
+    assert reasons(result) == {"m1": ["included"], "m3": ["included"]}
+    assert result.pack.tenant_filtered == 2
     kept = next(m for m in result.memories_used if m.memory_id == "m1")
     assert kept.composite_score == pytest.approx(0.2)
 
@@ -694,3 +735,219 @@ def test_every_configurable_nonce_size_is_accepted(
     result = run(inputs(request(), cold=cold, nonce=nonce), catalog, tokenizers)
     assert result.memories_included == 1
     assert f'nonce="{nonce}"' in result.assembled_context
+
+
+# --------------------------------------------------------------------------- history that fits
+
+
+def _turns(n: int, words: int = 80) -> list[Message]:
+    line = "wait for green CI. "
+    roles = ("user", "assistant")
+    return [Message(roles[i % 2], f"turn {i:04d}: " + line * words) for i in range(n)]
+
+
+def _section_tokens(tokenizers: Tokenizers, messages: Sequence[Message]) -> int:
+    enc = tokenizers.encoding("o200k_base")
+    return len(enc.encode_ordinary("".join(fmt.history_section(messages, NONCE))))
+
+
+def _message_tokens(tokenizers: Tokenizers, messages: Sequence[Message]) -> int:
+    """The messages' pieces without the section's open and close tags."""
+    enc = tokenizers.encoding("o200k_base")
+    return len(enc.encode_ordinary("".join(fmt.history_section(messages, NONCE)[1:-1])))
+
+
+def test_oldest_messages_are_left_out_and_the_newest_kept(
+    tokenizers: Tokenizers, catalog: Catalog
+) -> None:
+    msgs = _turns(12, words=30)
+    result = run(inputs(request(available_tokens=2000, messages=msgs)), catalog, tokenizers)
+    b = result.budget
+    text = result.assembled_context
+    # window 2000, reserve max(500, 15 %) = 500, o200k_base's 1 % safety buffer
+    assert b.ceiling == 1480
+    dropped = b.messages_dropped
+    assert 0 < dropped < len(msgs)
+    kept = msgs[dropped:]
+    assert fmt.escape_body(msgs[-1].content) in text
+    assert all(fmt.escape_body(m.content) not in text for m in msgs[:dropped])
+    assert all(fmt.escape_body(m.content) in text for m in kept)
+    # Exact tiktoken counts: the kept section fits, one more message would not.
+    assert result.history_tokens == b.messages_tokens == _section_tokens(tokenizers, kept)
+    assert _section_tokens(tokenizers, kept) <= b.ceiling
+    assert _section_tokens(tokenizers, msgs[dropped - 1 :]) > b.ceiling
+    # The left-out messages add up to less than the ceiling here, so their count is exact.
+    assert b.messages_dropped_tokens == _message_tokens(tokenizers, msgs[:dropped])
+    enc = tokenizers.encoding("o200k_base")
+    assert result.tokens_used == len(enc.encode_ordinary(text)) <= b.ceiling
+
+
+def test_dropped_tokens_past_the_ceiling_are_a_lower_bound(
+    tokenizers: Tokenizers, catalog: Catalog
+) -> None:
+    msgs = _turns(60)
+    result = run(inputs(request(available_tokens=2000, messages=msgs)), catalog, tokenizers)
+    b = result.budget
+    true_total = _message_tokens(tokenizers, msgs[: b.messages_dropped])
+    assert true_total > b.ceiling
+    assert b.ceiling < b.messages_dropped_tokens <= true_total
+
+
+def test_history_that_fits_is_untouched(tokenizers: Tokenizers, catalog: Catalog) -> None:
+    msgs = _turns(3, words=3)
+    opts = AssemblyOptions(reject_history_overflow=True)
+    result = run(inputs(request(messages=msgs, options=opts)), catalog, tokenizers)
+    assert result.budget.messages_dropped == result.budget.messages_dropped_tokens == 0
+    assert result.history_tokens == _section_tokens(tokenizers, msgs)
+
+
+def test_newest_message_alone_too_large_is_refused_naming_the_sizes(
+    tokenizers: Tokenizers, catalog: Catalog
+) -> None:
+    msgs = [*_turns(3, words=2), Message("user", "the history that never ends " * 400)]
+    with pytest.raises(TooLargeError) as info:
+        run(inputs(request(available_tokens=1000, messages=msgs)), catalog, tokenizers)
+    assert info.value.field == "recent_messages"
+    assert info.value.status == "RESOURCE_EXHAUSTED"
+    message = str(info.value)
+    assert "newest message" in message and "490-token" in message and "gpt-4o" in message
+
+
+def test_reject_history_overflow_refuses_instead_of_dropping(
+    tokenizers: Tokenizers, catalog: Catalog
+) -> None:
+    opts = AssemblyOptions(reject_history_overflow=True)
+    req = request(available_tokens=2000, messages=_turns(12), options=opts)
+    with pytest.raises(TooLargeError) as info:
+        run(inputs(req), catalog, tokenizers)
+    assert info.value.field == "recent_messages"
+    assert "reject_history_overflow" in str(info.value) and "1480-token" in str(info.value)
+
+
+class _CountingSource:
+    """Tokenizers without a cache that record how many characters were counted."""
+
+    def __init__(self, tokenizers: Tokenizers) -> None:
+        self.tokenizers = tokenizers
+        self.chars = 0
+
+    def counter(self, family: str, encoding: str | None) -> _CountingCounter:
+        return _CountingCounter(self, self.tokenizers.counter(family, encoding))
+
+
+class _CountingCounter:
+    def __init__(self, source: _CountingSource, real: TokenCounter) -> None:
+        self.source = source
+        self.real = real
+        self.estimate_kind = real.estimate_kind
+        self.max_token_bytes = real.max_token_bytes
+
+    def count(self, text: str) -> int:
+        self.source.chars += len(text)
+        return self.real.count_uncached(text)
+
+    count_uncached = count
+
+    def peek(self, text: str) -> int | None:
+        return None
+
+    def remember(self, items: Sequence[tuple[str, int]]) -> None:
+        pass
+
+    def additive_cut(self, text: str) -> int:
+        return self.real.additive_cut(text)
+
+
+MIB = 1024 * 1024
+
+
+@pytest.mark.parametrize("model", ["gpt-4o", "claude-sonnet-4-5"])
+@pytest.mark.parametrize(
+    "shape",
+    ["4096 messages of 1 KiB", "4 messages of 1 MiB, a short newest", "a 4 MiB newest"],
+)
+def test_counting_a_huge_history_costs_about_one_window(
+    tokenizers: Tokenizers, catalog: Catalog, model: str, shape: str
+) -> None:
+    source = _CountingSource(tokenizers)
+    line = "the history that never ends, and the deploy waits for CI. "
+    if shape.startswith("4096"):
+        msgs = [Message("user", (f"{i} " + line * 18)[:1024]) for i in range(4096)]
+    elif shape.startswith("4 messages"):
+        msgs = [Message("user", (line * (MIB // len(line)))) for _ in range(4)]
+        msgs.append(Message("user", "and now?"))
+    else:
+        msgs = [Message("user", "hello"), Message("user", line * (4 * MIB // len(line)))]
+    assert sum(len(m.content) for m in msgs) >= 4 * MIB - 4096
+    inp = inputs(request(model=model, available_tokens=8000, messages=msgs), cold=[hit("m")])
+    try:
+        result = assemble_pure(inp, catalog=catalog, tokenizers=source)
+    except TooLargeError:
+        assert shape == "a 4 MiB newest"
+        ceiling = 8000 - 1200 - (400 if model.startswith("claude") else 80)
+    else:
+        assert shape != "a 4 MiB newest"
+        ceiling = result.budget.ceiling
+        assert result.budget.messages_dropped >= len(msgs) - 40
+        assert result.budget.messages_dropped_tokens > ceiling  # counting stopped there
+    # Bounded by the window, not by the 4 MiB: about 6 characters per token of
+    # room for the first probe, at most twice that, and one window again for the
+    # dropped count. 4 MiB would be 500 windows of characters here.
+    assert source.chars <= 16 * ceiling + 8192, source.chars
+
+
+def test_a_refused_request_leaves_every_cache_unchanged(catalog: Catalog) -> None:
+    tokenizers = Tokenizers(None, 65536)
+    counter = tokenizers.counter("o200k_base", "o200k_base")
+    tag = new_nonce(8)  # texts no earlier test has cached
+    directive = Directive(f"Directive {tag}: be brief.")
+    tools = (f'{{"name": "tool_{tag}"}}',)
+    msgs = [Message("user", f"old {tag}"), Message("user", f"{tag} " * 3000)]
+    before = (counter.cache_info(), fmt.body_cache_info())
+    with pytest.raises(TooLargeError):
+        run(
+            inputs(request(available_tokens=1000, messages=msgs, tools=tools), directive=directive),
+            catalog,
+            tokenizers,
+        )
+    info, body = counter.cache_info(), fmt.body_cache_info()
+    assert (info.size, info.bytes, body.entries, body.bytes) == (
+        before[0].size,
+        before[0].bytes,
+        before[1].entries,
+        before[1].bytes,
+    )
+    # The same request with a history that fits does cache (so the check above can fail).
+    run(
+        inputs(request(messages=msgs[:1], tools=tools), directive=directive),
+        catalog,
+        tokenizers,
+    )
+    assert counter.cache_info().size > info.size
+    assert fmt.body_cache_info().entries > body.entries
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 64), st.randoms(use_true_random=False))
+def test_a_decimal_nonce_costs_what_zeros_of_its_width_cost(
+    tokenizers: Tokenizers, nbytes: int, rng: random.Random
+) -> None:
+    # The pipeline counts nonce pieces through their zeros-shaped twin (cached).
+    nonce = new_nonce(nbytes)
+    nonce = "".join(rng.choice("0123456789") for _ in nonce)  # any digits, not only random bits
+    zeros = "0" * len(nonce)
+    pieces = [
+        fmt.safety_piece,
+        fmt.history_open,
+        fmt.tools_open,
+        fmt.memories_open,
+        functools.partial(fmt.directive_open, Directive("d", version_id='v"1')),
+        lambda n: n,
+    ]
+    for counter in (
+        tokenizers.counter("o200k_base", "o200k_base"),
+        tokenizers.counter("cl100k_base", "cl100k_base"),
+        tokenizers.counter("claude", None),
+    ):
+        for piece in pieces:
+            assert counter.count_uncached(piece(nonce)) == counter.count_uncached(piece(zeros))

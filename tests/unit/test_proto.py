@@ -38,7 +38,7 @@ CONTRACT: dict[str, str] = {
     "14 tool_schemas repeated string",
     "AssemblyOptions": "1 skip_cold_memories bool; 2 skip_hot_memories bool; "
     "3 recency_weight float; 4 relevance_weight float; 5 usefulness_weight float; "
-    "6 confidence_weight float; 7 max_memories int32",
+    "6 confidence_weight float; 7 max_memories int32; 8 reject_history_overflow bool",
     "AssembleContextResponse": "1 assembled_context string; 2 tokens_used int32; "
     "3 memories_included int32; 4 memories_used repeated MemoryUsed; 5 directive_tokens int32; "
     "6 history_tokens int32; 7 memory_tokens int32; 8 metrics AssemblyMetrics; "
@@ -56,9 +56,10 @@ CONTRACT: dict[str, str] = {
     "TokenBudget": "1 context_window int32; 2 response_reserve int32; 3 safety_buffer int32; "
     "4 directive_tokens int32; 5 messages_tokens int32; 6 tool_schema_tokens int32; "
     "7 formatter_overhead_tokens int32; 8 usable_budget int32; 9 constrained bool; "
-    "10 tokenizer_family string; 11 estimate_kind string",
+    "10 tokenizer_family string; 11 estimate_kind string; 12 messages_dropped int32; "
+    "13 messages_dropped_tokens int32",
     "PackSummary": "1 path string; 2 candidates_evaluated int32; 3 excluded_for_budget int32; "
-    "4 budget_reached bool; 5 total_score double",
+    "4 budget_reached bool; 5 total_score double; 6 tenant_filtered int32",
     "SearchMemoriesRequest": "1 agent_id string; 2 org_id string; 3 query string; "
     "4 limit int32; 5 min_similarity float; 6 categories repeated string; "
     "7 tags repeated string; 8 session_id string",
@@ -177,6 +178,7 @@ def _bp_request() -> bp.AssembleContextRequest:
             usefulness_weight=0.125,
             confidence_weight=0.1,
             max_memories=40,
+            reject_history_overflow=True,
         ),
         request_id="req-1",
         trace_id="4bf92f3577b34da6a3ce929d0e0e4736",
@@ -259,6 +261,8 @@ def _pb_response() -> Any:
             constrained=True,
             tokenizer_family="o200k",
             estimate_kind="exact",
+            messages_dropped=3,
+            messages_dropped_tokens=912,
         ),
         pack=pb.PackSummary(
             path="greedy",
@@ -266,8 +270,9 @@ def _pb_response() -> Any:
             excluded_for_budget=18,
             budget_reached=True,
             total_score=9.876543210123,
+            tenant_filtered=2,
         ),
-        excluded=[_pb_memory_used(2, "budget"), _pb_memory_used(3, "filter")],
+        excluded=[_pb_memory_used(2, "budget"), _pb_memory_used(3, "truncated")],
     )
 
 

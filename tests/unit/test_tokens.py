@@ -4,7 +4,10 @@ stays within its documented bound, and counts of different kinds never mix."""
 from __future__ import annotations
 
 import gzip
+import random
 import socket
+import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +21,7 @@ from hypothesis import strategies as st
 
 from benchmarks.token_estimate import corpus
 from ibex.assembly import tokens
+from ibex.assembly.lru import ENTRY_OVERHEAD
 from ibex.assembly.tokens import (
     ENCODINGS,
     ESTIMATE_MAX_UNDERCOUNT,
@@ -194,6 +198,80 @@ def test_loads_offline(no_network: Path, reference: dict[str, tiktoken.Encoding]
     for name in NAMES:
         assert t.counter("offline", name).count(text) == len(reference[name].encode_ordinary(text))
     assert list(no_network.iterdir()) == []
+
+
+def test_cache_is_bounded_in_bytes_after_many_large_inserts() -> None:
+    budget = 256 * 1024
+    counter = Tokenizers(None, 10**6, cache_bytes=budget).counter("claude", None)
+    rng = random.Random(7)
+    for i in range(3000):
+        counter.count(f"{i} " + "memory text " * rng.randint(1, 2000))
+        info = counter.cache_info()
+        assert info.bytes <= info.max_bytes == budget
+    # The accounting is honest: it is what CPython holds for the keys, plus a node each.
+    lru = counter._cached._lru
+    held = sum(sys.getsizeof(k) + ENTRY_OVERHEAD + 32 for k in lru._data)
+    assert info.bytes == held
+    assert 0 < info.size < 3000  # large texts were evicted, not kept by count
+    # One text above 1/16 of the budget is counted but never cached.
+    big = "x " * (budget // 16)
+    assert counter.count(big) == estimate_v1(big)
+    assert big not in lru._data
+
+
+def test_cache_is_safe_from_worker_threads() -> None:
+    counter = Tokenizers(None, 10**6, cache_bytes=64 * 1024).counter("claude", None)
+    texts = [f"text number {i} " * (i % 50 + 1) for i in range(400)]
+    expected = {t: estimate_v1(t) for t in texts}
+
+    def work(seed: int) -> None:
+        rng = random.Random(seed)
+        for _ in range(3000):
+            t = rng.choice(texts)
+            assert counter.count(t) == expected[t]
+
+    threads = [threading.Thread(target=work, args=(seed,)) for seed in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    lru = counter._cached._lru
+    info = counter.cache_info()
+    assert info.bytes <= info.max_bytes
+    assert info.bytes == sum(sys.getsizeof(k) + ENTRY_OVERHEAD + 32 for k in lru._data)
+
+
+def test_peek_and_remember_cache_only_when_told() -> None:
+    counter = Tokenizers(None, 64).counter("claude", None)
+    assert counter.peek("staged text") is None
+    assert counter.cache_info().size == 0
+    counter.remember([("staged text", 5)])
+    assert counter.peek("staged text") == 5
+    assert counter.cache_info().size == 1
+
+
+_CUT_ALPHABET = "ab Zé数カ한'’.,;:!?-_/()[]{}\"\n\t 0123456789\u0301\u3002\uff0c½"
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet=_CUT_ALPHABET, max_size=80) | st.text(max_size=60))
+def test_every_additive_cut_is_a_split_of_both_encodings(registry: Tokenizers, text: str) -> None:
+    # Counting the text before a cut proves a lower bound for any longer text: the
+    # count of the whole is the sum of the two sides, at every cut the rule finds.
+    for name in NAMES:
+        counter = registry.counter("cut", name)
+        assert counter.max_token_bytes == 128
+        for m in tokens._ADDITIVE_CUT.finditer(text):
+            c = m.start()
+            whole = counter.count_uncached(text)
+            assert whole == counter.count_uncached(text[:c]) + counter.count_uncached(text[c:])
+        c = counter.additive_cut(text)
+        assert c == 0 or tokens._ADDITIVE_CUT.match(text, c)
+
+
+@given(a=st.text(max_size=60), b=st.text(max_size=60))
+def test_estimate_never_decreases_as_a_text_grows(a: str, b: str) -> None:
+    assert estimate_v1(a) <= estimate_v1(a + b)
 
 
 def test_cache_is_bounded_and_counts_hits() -> None:

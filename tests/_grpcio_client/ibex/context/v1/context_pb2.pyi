@@ -48,7 +48,7 @@ class Message(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class AssemblyOptions(_message.Message):
-    __slots__ = ("skip_cold_memories", "skip_hot_memories", "recency_weight", "relevance_weight", "usefulness_weight", "confidence_weight", "max_memories")
+    __slots__ = ("skip_cold_memories", "skip_hot_memories", "recency_weight", "relevance_weight", "usefulness_weight", "confidence_weight", "max_memories", "reject_history_overflow")
     SKIP_COLD_MEMORIES_FIELD_NUMBER: _ClassVar[int]
     SKIP_HOT_MEMORIES_FIELD_NUMBER: _ClassVar[int]
     RECENCY_WEIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +56,7 @@ class AssemblyOptions(_message.Message):
     USEFULNESS_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     CONFIDENCE_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     MAX_MEMORIES_FIELD_NUMBER: _ClassVar[int]
+    REJECT_HISTORY_OVERFLOW_FIELD_NUMBER: _ClassVar[int]
     skip_cold_memories: bool
     skip_hot_memories: bool
     recency_weight: float
@@ -63,7 +64,8 @@ class AssemblyOptions(_message.Message):
     usefulness_weight: float
     confidence_weight: float
     max_memories: int
-    def __init__(self, skip_cold_memories: _Optional[bool] = ..., skip_hot_memories: _Optional[bool] = ..., recency_weight: _Optional[float] = ..., relevance_weight: _Optional[float] = ..., usefulness_weight: _Optional[float] = ..., confidence_weight: _Optional[float] = ..., max_memories: _Optional[int] = ...) -> None: ...
+    reject_history_overflow: bool
+    def __init__(self, skip_cold_memories: _Optional[bool] = ..., skip_hot_memories: _Optional[bool] = ..., recency_weight: _Optional[float] = ..., relevance_weight: _Optional[float] = ..., usefulness_weight: _Optional[float] = ..., confidence_weight: _Optional[float] = ..., max_memories: _Optional[int] = ..., reject_history_overflow: _Optional[bool] = ...) -> None: ...
 
 class AssembleContextResponse(_message.Message):
     __slots__ = ("assembled_context", "tokens_used", "memories_included", "memories_used", "directive_tokens", "history_tokens", "memory_tokens", "metrics", "request_id", "trace_id", "span_id", "score_schema", "degradation_level", "branches", "budget", "pack", "excluded")
@@ -164,7 +166,7 @@ class BranchOutcome(_message.Message):
     def __init__(self, source: _Optional[str] = ..., status: _Optional[str] = ..., latency_ms: _Optional[float] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class TokenBudget(_message.Message):
-    __slots__ = ("context_window", "response_reserve", "safety_buffer", "directive_tokens", "messages_tokens", "tool_schema_tokens", "formatter_overhead_tokens", "usable_budget", "constrained", "tokenizer_family", "estimate_kind")
+    __slots__ = ("context_window", "response_reserve", "safety_buffer", "directive_tokens", "messages_tokens", "tool_schema_tokens", "formatter_overhead_tokens", "usable_budget", "constrained", "tokenizer_family", "estimate_kind", "messages_dropped", "messages_dropped_tokens")
     CONTEXT_WINDOW_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_RESERVE_FIELD_NUMBER: _ClassVar[int]
     SAFETY_BUFFER_FIELD_NUMBER: _ClassVar[int]
@@ -176,6 +178,8 @@ class TokenBudget(_message.Message):
     CONSTRAINED_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FAMILY_FIELD_NUMBER: _ClassVar[int]
     ESTIMATE_KIND_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_DROPPED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     context_window: int
     response_reserve: int
     safety_buffer: int
@@ -187,21 +191,25 @@ class TokenBudget(_message.Message):
     constrained: bool
     tokenizer_family: str
     estimate_kind: str
-    def __init__(self, context_window: _Optional[int] = ..., response_reserve: _Optional[int] = ..., safety_buffer: _Optional[int] = ..., directive_tokens: _Optional[int] = ..., messages_tokens: _Optional[int] = ..., tool_schema_tokens: _Optional[int] = ..., formatter_overhead_tokens: _Optional[int] = ..., usable_budget: _Optional[int] = ..., constrained: _Optional[bool] = ..., tokenizer_family: _Optional[str] = ..., estimate_kind: _Optional[str] = ...) -> None: ...
+    messages_dropped: int
+    messages_dropped_tokens: int
+    def __init__(self, context_window: _Optional[int] = ..., response_reserve: _Optional[int] = ..., safety_buffer: _Optional[int] = ..., directive_tokens: _Optional[int] = ..., messages_tokens: _Optional[int] = ..., tool_schema_tokens: _Optional[int] = ..., formatter_overhead_tokens: _Optional[int] = ..., usable_budget: _Optional[int] = ..., constrained: _Optional[bool] = ..., tokenizer_family: _Optional[str] = ..., estimate_kind: _Optional[str] = ..., messages_dropped: _Optional[int] = ..., messages_dropped_tokens: _Optional[int] = ...) -> None: ...
 
 class PackSummary(_message.Message):
-    __slots__ = ("path", "candidates_evaluated", "excluded_for_budget", "budget_reached", "total_score")
+    __slots__ = ("path", "candidates_evaluated", "excluded_for_budget", "budget_reached", "total_score", "tenant_filtered")
     PATH_FIELD_NUMBER: _ClassVar[int]
     CANDIDATES_EVALUATED_FIELD_NUMBER: _ClassVar[int]
     EXCLUDED_FOR_BUDGET_FIELD_NUMBER: _ClassVar[int]
     BUDGET_REACHED_FIELD_NUMBER: _ClassVar[int]
     TOTAL_SCORE_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FILTERED_FIELD_NUMBER: _ClassVar[int]
     path: str
     candidates_evaluated: int
     excluded_for_budget: int
     budget_reached: bool
     total_score: float
-    def __init__(self, path: _Optional[str] = ..., candidates_evaluated: _Optional[int] = ..., excluded_for_budget: _Optional[int] = ..., budget_reached: _Optional[bool] = ..., total_score: _Optional[float] = ...) -> None: ...
+    tenant_filtered: int
+    def __init__(self, path: _Optional[str] = ..., candidates_evaluated: _Optional[int] = ..., excluded_for_budget: _Optional[int] = ..., budget_reached: _Optional[bool] = ..., total_score: _Optional[float] = ..., tenant_filtered: _Optional[int] = ...) -> None: ...
 
 class SearchMemoriesRequest(_message.Message):
     __slots__ = ("agent_id", "org_id", "query", "limit", "min_similarity", "categories", "tags", "session_id")
