@@ -53,9 +53,7 @@ def grpcio_request(messages: list[tuple[str, str]], **options: Any) -> Any:
 
 @pytest.fixture
 async def daemon() -> AsyncIterator[RunningDaemon]:
-    # No shedding on event-loop lag: these tests are about inputs, and a loaded
-    # test machine must not turn an answer into an overload refusal.
-    async with running_daemon(shed_lag=10.0) as d:
+    async with running_daemon() as d:
         yield d
 
 

@@ -162,8 +162,11 @@ async def test_unix_socket_url(
 
 
 async def test_tenants_get_their_own_directive_concurrently(
-    redis_server: RedisServer, source: RedisDirectiveSource
+    redis_server: RedisServer, trio_asyncio_loop: trio_asyncio.TrioEventLoop
 ) -> None:
+    # Isolation, not time, is under test: generous backstops so 60 concurrent first
+    # connects on a loaded machine cannot turn into timeouts.
+    source = RedisDirectiveSource(redis_server.url, connect_timeout=5.0, socket_timeout=5.0)
     tenants = [(str(uuid.uuid4()), str(uuid.uuid4())) for _ in range(20)]
     for org, agent in tenants:
         redis_server.set(directive_key(org, agent), envelope(content=f"for {org}/{agent}"))
@@ -172,10 +175,14 @@ async def test_tenants_get_their_own_directive_concurrently(
     async def one(org: str, agent: str) -> None:
         results[org, agent] = await source.get_directive(org, agent)
 
-    async with trio.open_nursery() as nursery:
-        for _ in range(3):
-            for org, agent in tenants:
-                nursery.start_soon(one, org, agent)
+    try:
+        async with trio.open_nursery() as nursery:
+            for _ in range(3):
+                for org, agent in tenants:
+                    nursery.start_soon(one, org, agent)
+    finally:
+        await source.aclose()
+    assert len(results) == len(tenants)
     for (org, agent), got in results.items():
         assert got is not None
         assert got.content == f"for {org}/{agent}"
