@@ -16,7 +16,7 @@ from ibex.config import ConfigError, Settings, load_settings, unknown_variables
 SAMPLE_ORG = "00000000-0000-4000-8000-000000000001"
 SAMPLE_AGENT = "00000000-0000-4000-8000-0000000000a1"
 
-log = logging.getLogger("ibex.cli")
+log = logging.getLogger(__name__)
 
 
 def _settings() -> Settings:

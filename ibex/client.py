@@ -306,6 +306,3 @@ class ContextClient:
     async def assemble_trio(self, request: Any | None = None, **kw: Any) -> Assembled:
         result: Assembled = await trio_asyncio.aio_as_trio(self.assemble)(request, **kw)
         return result
-
-    async def search_trio(self, **kw: Any) -> Any:
-        return await trio_asyncio.aio_as_trio(self.search)(**kw)

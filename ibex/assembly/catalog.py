@@ -35,10 +35,6 @@ class FamilyPolicy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     encoding: str | None = None
     name: str = ""
 
-    @property
-    def exact(self) -> bool:
-        return self.encoding is not None
-
 
 class ModelCapability(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     provider: str

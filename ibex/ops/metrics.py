@@ -86,7 +86,7 @@ from prometheus_client.registry import Collector
 
 from ibex.assembly.structs import AssemblyResult
 
-log = logging.getLogger("ibex.ops.metrics")
+log = logging.getLogger(__name__)
 
 MULTIPROC_ENV: Final = "PROMETHEUS_MULTIPROC_DIR"
 

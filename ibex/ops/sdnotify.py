@@ -25,7 +25,7 @@ from typing import Final
 
 import trio
 
-log = logging.getLogger("ibex.ops.sdnotify")
+log = logging.getLogger(__name__)
 
 NOTIFY_ENV: Final = "NOTIFY_SOCKET"
 _WATCHDOG_ENVS: Final = ("WATCHDOG_USEC", "WATCHDOG_PID")

@@ -40,7 +40,7 @@ import trio
 from ibex.config import Settings
 from ibex.ops.sdnotify import Notifier, run_watchdog
 
-log = logging.getLogger("ibex.ops.workers")
+log = logging.getLogger(__name__)
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 WORKER_WATCHDOG_USEC = 4_000_000  # workers ping every 2 s
