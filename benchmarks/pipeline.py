@@ -42,10 +42,10 @@ from ibex.assembly.pipeline import (
 )
 from ibex.assembly.structs import AssemblyRequest, BranchOutcome, Directive, MemoryHit, Message
 from ibex.assembly.tokens import Tokenizers
+from tests.samples import AGENT, ORG
 
 RESULTS = Path(__file__).parent / "results" / "pipeline.json"
-ORG = "00000000-0000-4000-8000-000000000001"
-AGENT = "00000000-0000-4000-8000-0000000000a1"
+
 ITERATIONS = 2_000
 TARGET_MEDIAN_US = 1_000.0
 

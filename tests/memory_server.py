@@ -51,10 +51,11 @@ import pytest
 import trio
 
 from ibex.sources.memory_http import MemoryHttpSource
+from tests.samples import AGENT, ORG
 
 DEFAULT_TOKEN = "test-memory-token-0123456789"
-DEMO_ORG = "00000000-0000-4000-8000-000000000001"
-DEMO_AGENT = "00000000-0000-4000-8000-0000000000a1"
+DEMO_ORG = ORG
+DEMO_AGENT = AGENT
 
 Fault = Literal["none", "malformed", "hang", "reset"]
 

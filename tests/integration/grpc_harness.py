@@ -37,8 +37,7 @@ from ibex.service.daemon import Daemon
 from ibex.service.root import load_static, make_daemon
 
 ROOT = Path(__file__).resolve().parents[2]
-ORG = "00000000-0000-4000-8000-000000000001"
-AGENT = "00000000-0000-4000-8000-0000000000a1"
+
 SERVICE = "ibex.context.v1.ContextAssemblyService"
 T = TypeVar("T")
 

@@ -19,9 +19,8 @@ import trio.testing
 import trustme
 
 from tests.memory_server import FakeMemoryServer, make_memories
+from tests.samples import AGENT, ORG
 
-ORG = "00000000-0000-4000-8000-000000000001"
-AGENT = "00000000-0000-4000-8000-0000000000a1"
 STRAY_ORG = "00000000-0000-4000-8000-000000000002"
 STRAY_AGENT = "00000000-0000-4000-8000-0000000000b2"
 CAP = 10.0

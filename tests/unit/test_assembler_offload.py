@@ -13,9 +13,7 @@ import ibex.service.assembler as assembler_module
 from ibex.assembly.structs import AssemblyRequest, Message
 from ibex.config import Settings
 from ibex.service.root import open_assembler
-
-ORG = "00000000-0000-4000-8000-000000000001"
-AGENT = "00000000-0000-4000-8000-0000000000a1"
+from tests.samples import AGENT, ORG
 
 
 @pytest.fixture

@@ -22,9 +22,8 @@ from ibex.sources.local_file import LocalFileError, LocalFileSource
 from ibex.sources.memory_http import DEFAULT_MAX_RESPONSE_BYTES
 from ibex.sources.redis_directive import decode_directive
 from ibex.sources.wire import DEFAULT_MAX_CONTENT_BYTES, decode_hits
+from tests.samples import AGENT, ORG
 
-ORG = "00000000-0000-4000-8000-000000000001"
-AGENT = "00000000-0000-4000-8000-0000000000a1"
 NOW = 1_760_000_000.0
 NESTED = b"[" * 100_000
 

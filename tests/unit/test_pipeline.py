@@ -42,9 +42,8 @@ from ibex.assembly.structs import (
 )
 from ibex.assembly.tokens import ESTIMATE_V1, EXACT, TokenCounter, Tokenizers, estimate_v1
 from ibex.errors import InputError, TooLargeError
+from tests.samples import AGENT, ORG
 
-ORG = "00000000-0000-4000-8000-000000000001"
-AGENT = "00000000-0000-4000-8000-0000000000a1"
 OTHER_ORG = "00000000-0000-4000-8000-000000000002"
 OTHER_AGENT = "00000000-0000-4000-8000-0000000000b2"
 NONCE = "0f1e2d3c4b5a69788796a5b4c3d2e1f0"

@@ -25,9 +25,8 @@ from ibex.service.root import open_assembler
 from ibex.sources.base import SourceError
 from ibex.sources.local_file import SAMPLE_AGENT_ID, SAMPLE_ORG_ID
 from ibex.sources.retrieval import RetrievalConfig, Retrieved, request_wall, retrieve
+from tests.samples import AGENT, ORG
 
-ORG = "00000000-0000-4000-8000-000000000001"
-AGENT = "00000000-0000-4000-8000-0000000000a1"
 MS = 0.001
 DEFAULTS = RetrievalConfig()
 INJECTION_ID = "10000000-0000-4000-8000-000000000019"
