@@ -69,7 +69,6 @@ class Endpoint:
     status: int = 200
     fault: Fault = "none"
     body: bytes | None = None  # raw body override (e.g. a bad shape), sent with `status`
-    ignore_limit: bool = False  # answer every stored result, whatever `limit` asked for
     # A whole HTTP response sent right after the real answer, in the same TCP
     # segment (TCP_CORK): over TLS the client's TLS layer reads it off the
     # socket together with the answer, so it waits above the socket.
@@ -262,13 +261,9 @@ class FakeMemoryServer:
             self._sockets.discard(sock)
             self._stats.open_connections -= 1
 
-    def _results(
-        self, name: str, agent_id: str, limit: int, min_conf: float, *, ignore_limit: bool = False
-    ) -> bytes:
+    def _results(self, name: str, agent_id: str, limit: int, min_conf: float) -> bytes:
         with self._lock:
             items = list(self._items.get(agent_id, ()))
-        if ignore_limit:
-            limit = len(items)
         items = [i for i in items if _num(i["memory"].get("confidence")) >= min_conf]
         if name == "hot":
             items.sort(key=lambda i: (-_num(i["memory"].get("confidence")), str(i["memory"]["id"])))
@@ -276,6 +271,21 @@ class FakeMemoryServer:
             items.sort(key=lambda i: (-_num(i.get("similarity")), str(i["memory"]["id"])))
         results = [{**item, "rank": n} for n, item in enumerate(items[:limit], start=1)]
         return json.dumps({"data": {"results": results}}, ensure_ascii=False).encode()
+
+    def results_body(
+        self,
+        endpoint: Literal["hot", "cold"],
+        agent_id: str,
+        *,
+        limit: int,
+        min_confidence: float = 0.0,
+    ) -> bytes:
+        """The answer the endpoint would give now, encoded once up front.
+
+        For megabyte answers: set it as `Endpoint.body` so the server thread does
+        not hold the GIL in json.dumps while the test's event loop waits.
+        """
+        return self._results(endpoint, agent_id, limit, min_confidence)
 
     def _delay(self, ep: Endpoint) -> float:
         with self._lock:
@@ -382,9 +392,7 @@ class _Handler(BaseHTTPRequestHandler):
             except (KeyError, IndexError, ValueError, TypeError):
                 self._send(400, b'{"error": "bad request"}')
                 return
-            payload = owner._results(
-                name, agent, int(limit), float(min_conf), ignore_limit=ep.ignore_limit
-            )
+            payload = owner._results(name, agent, int(limit), float(min_conf))
         if ep.fault == "reset":
             self._reset(payload)
             return

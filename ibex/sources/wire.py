@@ -90,6 +90,14 @@ class WireResult(msgspec.Struct, frozen=True):
             raise ValueError("similarity must be finite")
 
 
+class WireData(msgspec.Struct, frozen=True):
+    results: list[WireResult]
+
+
+class WireResponse(msgspec.Struct, frozen=True):
+    data: WireData
+
+
 class _RawData(msgspec.Struct, frozen=True):
     results: list[msgspec.Raw]
 
@@ -98,6 +106,8 @@ class _RawResponse(msgspec.Struct, frozen=True):
     data: _RawData
 
 
+_ONE_PASS_BYTES: Final = 64 * 1024
+_DECODER = msgspec.json.Decoder(WireResponse)
 _ENVELOPE = msgspec.json.Decoder(_RawResponse)
 _RESULT = msgspec.json.Decoder(WireResult)
 
@@ -153,22 +163,8 @@ def decode_hits(
     so they are safe to carry in the branch detail.
     """
     try:
-        results = _ENVELOPE.decode(body).data.results
-        if limit is not None:
-            results = results[: max(0, limit)]
-        hits: list[MemoryHit] = []
-        for i, raw in enumerate(results):
-            try:
-                result = _RESULT.decode(raw)
-            except msgspec.ValidationError as exc:
-                text, at = str(exc), f"$.data.results[{i}]"
-                where = (
-                    text.replace("- at `$", f"- at `{at}")
-                    if "- at `$" in text
-                    else f"{text} - at `{at}`"
-                )
-                raise msgspec.ValidationError(where) from None
-            hits.append(to_hit(result, branch, max_content_bytes))
+        results = _first_results(body, limit)
+        hits = [to_hit(r, branch, max_content_bytes) for r in results]
     except msgspec.ValidationError as exc:
         raise SourceError(_detail(f"{branch}: bad response shape: {exc}")) from None
     except msgspec.DecodeError as exc:
@@ -176,6 +172,30 @@ def decode_hits(
     except RecursionError:
         raise SourceError(f"{branch}: invalid JSON: nested too deeply") from None
     return hits
+
+
+def _first_results(body: bytes, limit: int | None) -> list[WireResult]:
+    """The first `limit` results, validated; later ones are never validated.
+
+    A small body (the usual answer: 20 memories are about 20 KiB) is decoded in
+    one pass, which is cheapest. A larger one, or one that fails validation
+    (the bad item may lie past the limit), goes item by item: the results are
+    split as raw JSON and only the first `limit` are decoded, so the work is
+    bounded by what was asked for, not by what was sent.
+    """
+    n = None if limit is None else max(0, limit)
+    if len(body) <= _ONE_PASS_BYTES:
+        try:
+            return _DECODER.decode(body).data.results[:n]
+        except msgspec.ValidationError:
+            pass
+    out: list[WireResult] = []
+    for i, raw in enumerate(_ENVELOPE.decode(body).data.results[:n]):
+        try:
+            out.append(_RESULT.decode(raw))
+        except msgspec.ValidationError as exc:
+            raise msgspec.ValidationError(_at_item(str(exc), i)) from None
+    return out
 
 
 def _at_item(text: str, i: int) -> str:

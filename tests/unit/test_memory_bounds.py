@@ -53,6 +53,18 @@ def test_only_the_requested_number_of_results_become_hits() -> None:
     assert decode_hits(_body(*results), "hot", limit=0) == []
 
 
+def test_a_large_answer_is_decoded_only_up_to_the_limit() -> None:
+    results = [_result(i, "x" * 100) for i in range(2000)]  # about 400 KiB
+    results[1500]["memory"]["confidence"] = 7.0  # past the limit: never looked at
+    body = _body(*results)
+    assert len(body) > 256 * 1024
+    hits = decode_hits(body, "cold", limit=20)
+    assert [h.memory_id for h in hits] == [f"m{i}" for i in range(20)]
+    results[5]["memory"]["confidence"] = 7.0
+    with pytest.raises(SourceError, match=r"\$\.data\.results\[5\]\.memory\.confidence"):
+        decode_hits(_body(*results), "cold", limit=20)
+
+
 def test_a_bad_item_within_the_limit_still_fails_the_answer_naming_its_path() -> None:
     results = [_result(i) for i in range(5)]
     results[2]["memory"]["confidence"] = 7.0
