@@ -51,7 +51,7 @@ class Bench:
 
     def requests(self, n: int) -> list[bytes]:
         self.salt += 1
-        return build_requests(self.stack.tenants, min(n, 4096), self.salt)
+        return build_requests(self.stack.tenants, min(n, 4096), self.salt, versions=True)
 
     async def measure(self, name: str, go: Any, n_hint: int) -> tuple[dict[str, Any], Calls]:
         requests = self.requests(n_hint)

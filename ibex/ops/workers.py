@@ -26,6 +26,7 @@ metrics server and the watchdog; nothing outlives `supervise`.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import shutil
@@ -167,7 +168,10 @@ class Supervisor:
         await sock.bind(str(worker.notify_path))
         try:
             process = await trio.lowlevel.open_process(
-                self._argv(worker), env=self._env(worker), stdin=subprocess.DEVNULL
+                self._argv(worker),
+                env=self._env(worker),
+                stdin=subprocess.DEVNULL,
+                preexec_fn=die_with_parent,
             )
             worker.process = process
             worker.serving = trio.Event()
@@ -218,6 +222,24 @@ def _forget(pid: int) -> None:
         from ibex.ops.metrics import mark_process_dead
 
         mark_process_dead(pid)
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """In the forked worker: SIGTERM when the supervisor dies, however it dies.
+
+    Under systemd (KillMode=mixed) or in a container the workers go with the
+    unit anyway; started by hand, a supervisor killed with SIGKILL would
+    otherwise leave its workers serving on the port with nobody to restart or
+    stop them. Linux only; elsewhere a no-op.
+    """
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
 
 
 def supervise(settings: Settings) -> int:
