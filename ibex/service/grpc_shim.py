@@ -141,6 +141,46 @@ def track_connections(server: grpclib.server.Server, connections: Connections) -
     server._protocol_factory = factory  # type: ignore[method-assign]
 
 
+class _CorkedTransport:
+    """A transport whose writes within one loop iteration go out as one.
+
+    grpclib writes each HTTP/2 step as it happens: a unary answer is three
+    writes (headers, data, trailers), three syscalls and three segments the
+    client wakes for. Buffered until the end of the current loop iteration
+    (`call_soon`), they leave as one, in order. Closing flushes first.
+    """
+
+    __slots__ = ("_buffer", "_flush_pending", "_transport")
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self._transport = transport
+        self._buffer: list[bytes] = []
+        self._flush_pending = False
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        if not data:
+            return
+        self._buffer.append(bytes(data))
+        if not self._flush_pending:
+            self._flush_pending = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_pending = False
+        if self._buffer:
+            data = b"".join(self._buffer) if len(self._buffer) > 1 else self._buffer[0]
+            self._buffer.clear()
+            if not self._transport.is_closing():
+                self._transport.write(data)
+
+    def close(self) -> None:
+        self._flush()
+        self._transport.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
 class _TrackedProtocol(H2Protocol):
     """grpclib's protocol plus admission, activity reports and a two-step GOAWAY."""
 
@@ -158,7 +198,8 @@ class _TrackedProtocol(H2Protocol):
             self.handler.close()  # lets grpclib forget the handler
             cast(asyncio.Transport, transport).abort()
             return
-        super().connection_made(transport)
+        corked = _CorkedTransport(cast(asyncio.Transport, transport))
+        super().connection_made(cast(asyncio.Transport, corked))
 
     def data_received(self, data: bytes) -> None:
         if self._refused:
