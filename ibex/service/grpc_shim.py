@@ -150,10 +150,11 @@ class _CorkedTransport:
     (`call_soon`), they leave as one, in order. Closing flushes first.
     """
 
-    __slots__ = ("_buffer", "_flush_pending", "_transport")
+    __slots__ = ("_buffer", "_flush_pending", "_loop", "_transport")
 
-    def __init__(self, transport: asyncio.Transport) -> None:
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
         self._transport = transport
+        self._loop = loop  # writes also come from Trio tasks (GOAWAY), outside asyncio
         self._buffer: list[bytes] = []
         self._flush_pending = False
 
@@ -163,7 +164,7 @@ class _CorkedTransport:
         self._buffer.append(bytes(data))
         if not self._flush_pending:
             self._flush_pending = True
-            asyncio.get_running_loop().call_soon(self._flush)
+            self._loop.call_soon(self._flush)
 
     def _flush(self) -> None:
         self._flush_pending = False
@@ -198,7 +199,7 @@ class _TrackedProtocol(H2Protocol):
             self.handler.close()  # lets grpclib forget the handler
             cast(asyncio.Transport, transport).abort()
             return
-        corked = _CorkedTransport(cast(asyncio.Transport, transport))
+        corked = _CorkedTransport(cast(asyncio.Transport, transport), asyncio.get_running_loop())
         super().connection_made(cast(asyncio.Transport, corked))
 
     def data_received(self, data: bytes) -> None:
