@@ -110,7 +110,10 @@ class ResponseParser:
 
     def __init__(self, max_body: int) -> None:
         self._max_body = max_body
-        self._parser = httptools.HttpResponseParser(self)
+        # The parser holds our bound callbacks and we hold it: a reference cycle,
+        # broken (`_parser = None`) as soon as the answer is complete or failed,
+        # so the body is freed by reference counting, not by the cyclic GC.
+        self._parser: httptools.HttpResponseParser | None = httptools.HttpResponseParser(self)
         self._done = False
         self._leftover = False
         self._keep = False
@@ -147,9 +150,13 @@ class ResponseParser:
         if self._done:  # the caller reads past the answer only by mistake: not reusable
             self._leftover = self._leftover or bool(data)
             return True
+        parser = self._parser
+        if parser is None:  # fed again after a failure
+            raise malformed()
         try:
-            self._parser.feed_data(data)
+            parser.feed_data(data)
         except httptools.HttpParserError:
+            self._parser = None
             if self._error is not None:
                 raise self._error from None
             if self._done:  # bytes after the answer that are not even HTTP
@@ -157,22 +164,26 @@ class ResponseParser:
                 return True
             raise malformed() from None
         if self._done:
+            self._parser = None
             return True
         # Bytes that are not body (heads, interim answers, chunk sizes and
         # extensions, trailers) are bounded too: llhttp would buffer an endless
         # trailer, and endless 1xx answers would never end the exchange.
         self._fed_total += len(data)
         if self._fed_total - self._body_len > _MAX_OVERHEAD + 8 * self._body_len:
+            self._parser = None
             raise malformed()
         if not self._headers_done:
             # llhttp buffers a header it has not finished; bound what it may hold.
             self._fed_head += len(data)
             if self._fed_head > MAX_HEAD_BYTES:
+                self._parser = None
                 raise malformed()
         return False
 
     def feed_eof(self) -> Response:
         """The server closed the connection: the end of a close-delimited body, else an error."""
+        self._parser = None
         if self._done:
             return self.response
         if self._close_delimited:
@@ -206,6 +217,8 @@ class ResponseParser:
 
     def on_headers_complete(self) -> None:
         parser = self._parser
+        if parser is None:  # only llhttp calls this, from feed(), which holds it
+            raise self._fail(malformed())
         status = parser.get_status_code()
         if (
             self._head_bytes > MAX_HEAD_BYTES
@@ -240,7 +253,7 @@ class ResponseParser:
             self._reset()
             return
         self._done = True
-        self._keep = self._parser.should_keep_alive()
+        self._keep = self._parser is not None and self._parser.should_keep_alive()
 
     def _too_large(self) -> ResponseTooLarge:
         return ResponseTooLarge(f"response larger than {self._max_body} bytes")

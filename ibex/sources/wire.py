@@ -130,7 +130,10 @@ def to_hit(
     Content over `max_content_bytes` is dropped and the hit flagged `oversized`.
     """
     m = result.memory
-    oversized = content_over(m.content, max_content_bytes)
+    n = len(m.content)  # content_over, inlined: this runs for every hit
+    oversized = n > max_content_bytes or (
+        4 * n > max_content_bytes and content_over(m.content, max_content_bytes)
+    )
     return MemoryHit(
         memory_id=m.id,
         org_id=m.org_id,

@@ -7,6 +7,8 @@ failure must be a TransportError; no llhttp exception may escape.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import itertools
 
 import pytest
@@ -277,3 +279,22 @@ def test_mutated_answers_raise_only_transport_errors(
         i = at % (len(raw) + 1)
         raw[i : i + 1] = insert  # replace one byte, or delete it, or insert several
     _feed_all([bytes(raw[i : i + 7]) for i in range(0, len(raw), 7)], eof=True)
+
+
+def test_a_finished_parser_leaves_no_reference_cycle() -> None:
+    """The body must be freed by reference counting when the exchange ends, not
+    wait for the cyclic GC (the parser holds our callbacks; we drop it)."""
+    gc.collect()
+    gc.disable()
+    try:
+        for raw in (VALID["content-length"][0], REJECTED["nul in value"]):
+            parser = ResponseParser(CAP)
+            with contextlib.suppress(TransportError):
+                parser.feed(raw)
+        parser = ResponseParser(CAP)
+        parser.feed(b"HTTP/1.1 200 OK\r\n\r\nbody")
+        parser.feed_eof()
+        del parser
+        assert gc.collect() == 0
+    finally:
+        gc.enable()
