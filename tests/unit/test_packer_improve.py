@@ -419,3 +419,48 @@ def test_any_bucket_gives_a_feasible_answer_at_least_greedy(bucket: int) -> None
         r = pack(ms, budget, bucket=bucket, fine_cells=0)
         assert r.total_tokens <= budget
         assert r.total_score >= greedy_score(ms, budget) - 1e-9
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"bucket": 0}, "bucket must be >= 1, got 0"),
+        ({"dp_cell_ceiling": -1}, "dp_cell_ceiling must be >= 0, got -1"),
+        ({"fine_cells": -2}, "fine_cells must be >= 0, got -2"),
+        ({"max_consecutive_skips": -3}, "max_consecutive_skips must be >= 0, got -3"),
+    ],
+)
+def test_parameter_errors_say_which(kwargs: dict[str, int], message: str) -> None:
+    with pytest.raises(ValueError) as info:
+        pack([mem(0, 0.5, 10)], 100, **kwargs)  # type: ignore[arg-type]
+    assert str(info.value) == message
+
+
+@pytest.mark.parametrize("kwargs", [{"bucket": 1}, {"dp_cell_ceiling": 0}, {"fine_cells": 0}])
+def test_parameter_lower_bounds_are_accepted(kwargs: dict[str, int]) -> None:
+    assert [m.memory_id for m in pack([mem(0, 0.5, 10)], 100, **kwargs).packed] == ["m000"]  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        (mem("b", 1.5, 10), "memory 'b': composite_score must be finite in [0, 1]"),
+        (mem("b", -0.5, 10), "memory 'b': composite_score must be finite in [0, 1]"),
+        (mem("b", 0.5, 0), "memory 'b': token_estimate must be an int >= 1"),
+        (mem("a", 0.4, 10), "duplicate memory_id 'a'; dedupe before packing"),
+    ],
+)
+def test_candidate_errors_say_which(bad: ScoredMemory, message: str) -> None:
+    with pytest.raises(ValueError) as info:
+        pack([mem("a", 0.5, 10), bad], 100)
+    assert str(info.value) == message
+
+
+def test_non_int_token_estimate_is_refused() -> None:
+    with pytest.raises(ValueError, match="token_estimate"):
+        pack([mem("a", 0.5, 1.5)], 100)  # type: ignore[arg-type]
+
+
+def test_bounds_of_valid_candidates_are_accepted() -> None:
+    r = pack([mem("a", 0.0, 1), mem("b", 1.0, 1)], 2)
+    assert [m.memory_id for m in r.packed] == ["b", "a"]

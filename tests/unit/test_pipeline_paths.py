@@ -524,7 +524,9 @@ def test_nonce_shape(nonce: str, ok: bool) -> None:
         r = run(request(), cold=[hit("m")], nonce=nonce)
         assert f'<memories nonce="{nonce}">' in r.assembled_context
     else:
-        with pytest.raises(ValueError, match="nonce"):
+        with pytest.raises(
+            ValueError, match=r"^nonce must be 2 to 160 lower-case hex or decimal digits$"
+        ):
             run(request(), nonce=nonce)
 
 

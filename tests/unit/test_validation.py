@@ -297,3 +297,43 @@ def test_message_role_length(role: str, ok: bool) -> None:
         assert not isinstance(err, TooLargeError)
         assert err.field == "recent_messages[1].role"
         assert "64" in str(err)
+
+
+# --------------------------------------------------------------------------- messages
+
+# The caller sees these strings (INVALID_ARGUMENT / RESOURCE_EXHAUSTED details):
+# each names the field and the bound that was broken.
+MESSAGES = [
+    (req(org_id=""), "org_id: is required (a UUID)"),
+    (req(agent_id="nope"), "agent_id: is not a valid UUID"),
+    (req(agent_id="urn:" * 8 + AGENT), "agent_id: is not a valid UUID"),
+    (req(directive_version_id="v"), "directive_version_id: is not a valid UUID"),
+    (req(available_tokens=-1), "available_tokens: must be >= 0"),
+    (req(span_id="s" * 257), "span_id: longer than 256 characters"),
+    (
+        req(options=AssemblyOptions(confidence_weight=math.nan)),
+        "options.confidence_weight: must be a finite number >= 0",
+    ),
+    (
+        req(options=AssemblyOptions(max_memories=-1)),
+        "options.max_memories: must be >= 0 (0 = no cap)",
+    ),
+    (
+        req(recent_messages=tuple(Message("u", "") for _ in range(4))),
+        "recent_messages: more than 3 messages",
+    ),
+    (req(tool_schemas=("", "", "")), "tool_schemas: more than 2 entries"),
+    (req(query="q" * 13), "query: exceeds 12 bytes"),
+    (
+        req(recent_messages=(Message("r" * 65, ""),)),
+        "recent_messages[0].role: longer than 64 characters",
+    ),
+    (req(tool_schemas=("é" * 7,)), "tool_schemas[0]: exceeds 12 bytes"),
+]
+
+
+@pytest.mark.parametrize(("request_", "message"), MESSAGES)
+def test_error_messages_name_the_field_and_the_bound(
+    request_: AssemblyRequest, message: str
+) -> None:
+    assert str(refused(request_)) == message
