@@ -232,3 +232,10 @@ def test_rank_search_drops_unscorable_hits_and_applies_the_limit() -> None:
     assert [h.hit.memory_id for h in res.hits] == ["m5", "m4", "m3"]
     assert res.own_candidates == 7
     assert rank_search(hits, flt(limit=0), NOW).hits == ()
+
+
+def test_rank_search_accepts_hits_with_a_creation_date() -> None:
+    hits = [hit("dated", 0.9, created_at="2025-01-01T00:00:00+00:00"), hit("undated", 0.8)]
+    res = rank_search(hits, flt(), NOW)
+    assert [h.hit.memory_id for h in res.hits] == ["dated", "undated"]
+    assert res.hits[0].score == pytest.approx(0.85 * 0.9 + 0.15 * 0.5)

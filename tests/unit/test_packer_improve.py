@@ -238,6 +238,9 @@ def test_dp_small_exact_cases() -> None:
     assert _dp([8, 1], [0.9, 0.1], 4) == [1]  # an item heavier than the table is skipped
     assert _dp([1, 1, 1], [0.3, 0.3, 0.3], 2) == [0, 1]  # ties: the earlier items
     assert _dp([2, 2], [0.5, 0.5], 2) == [0]
+    # Everything fits exactly: everything is taken, a zero score included.
+    assert _dp([1, 1], [0.5, 0.0], 2) == [0, 1]
+    assert _dp([1, 1], [0.5, 0.0], 3) == [0, 1]
 
 
 def test_dp_matches_brute_force() -> None:
@@ -267,6 +270,7 @@ def test_greedy_first_fit_and_skip_limit() -> None:
     assert _greedy([5, 5], 10, 1) == [0, 1]
     assert _greedy([11, 1], 10, 1) == []
     assert _greedy([10], 10, 1) == [0]
+    assert _greedy([11, 5, 5], 10, 2) == [1, 2]  # one misfit before any fit is not two
 
 
 # --------------------------------------------------------------------------- pack()
