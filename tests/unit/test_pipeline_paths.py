@@ -539,3 +539,41 @@ def test_identical_inputs_give_identical_results_but_timings() -> None:
 
 def test_module_constant_for_unknown_output() -> None:
     assert pipeline.UNKNOWN_MODEL_MAX_OUTPUT == 4096
+
+
+def test_a_block_that_exactly_fills_the_ceiling_keeps_every_memory() -> None:
+    cold = [hit("a", similarity=0.9), hit("b", similarity=0.5)]
+    window = 500 + memory_overhead() + 2 * block_len(cold[0])
+    r = run(request(), cold=cold, cat=catalog(window=window, max_out=500))
+    assert r.budget.usable_budget == 2 * block_len(cold[0])
+    assert ids(r) == ["a", "b"]
+    assert r.tokens_used == r.budget.ceiling == len(r.assembled_context)
+    assert r.pack.budget_reached is False
+
+
+class _Clock:
+    """A stand-in for the time module whose perf_counter advances one second per call."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def perf_counter(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+def test_stage_timings_are_whole_milliseconds_and_add_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pipeline, "time", _Clock())
+    r = run(request(messages=[Message("user", "hi")]), cold=[hit("a")], retrieval_ms=250.0)
+    m = r.metrics
+    stages = (m.budget_calculation_ms, m.ranking_ms, m.packing_ms, m.formatting_ms)
+    for ms in stages:
+        assert type(ms) is int
+        assert ms >= 1_000 and ms % 1_000 == 0  # one fake second per clock read
+    assert m.total_ms == sum(stages) + 250
+    assert type(m.total_ms) is int
+
+
+def test_unknown_model_with_one_available_token() -> None:
+    got = pipeline.resolve_model(catalog(), "not-in-catalog", 1)
+    assert (got.context_window, got.tokenizer_family) == (1, "unknown")
