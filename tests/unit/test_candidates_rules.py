@@ -24,7 +24,7 @@ from ibex.assembly.candidates import (
 )
 from ibex.assembly.structs import AssemblyOptions, AssemblyRequest, MemoryHit, ScoredMemory
 
-ORG = "00000000-0000-4000-8000-000000000001"
+ORG = "0000000a-000b-4000-8000-00000000000c"
 AGENT = "00000000-0000-4000-8000-0000000000a1"
 OTHER = "00000000-0000-4000-8000-000000000002"
 NOW = 1_760_000_000.0

@@ -460,6 +460,12 @@ def test_candidate_errors_say_which(bad: ScoredMemory, message: str) -> None:
     assert str(info.value) == message
 
 
+def test_the_duplicate_named_is_the_repeated_one() -> None:
+    with pytest.raises(ValueError) as info:
+        pack([mem("b", 0.5, 10), mem("a", 0.5, 10), mem("c", 0.5, 10), mem("a", 0.4, 10)], 100)
+    assert str(info.value) == "duplicate memory_id 'a'; dedupe before packing"
+
+
 def test_non_int_token_estimate_is_refused() -> None:
     with pytest.raises(ValueError, match="token_estimate"):
         pack([mem("a", 0.5, 1.5)], 100)  # type: ignore[arg-type]

@@ -255,6 +255,7 @@ def test_without_memories_no_safety_sentence_or_wrapper_is_counted() -> None:
 def test_directive_without_version_reports_empty_version() -> None:
     r = run(request(), directive=Directive("x", version_id=None))
     assert r.directive_version_id == ""
+    assert run(request(), directive=None).directive_version_id == ""
 
 
 def test_the_counter_is_asked_for_the_models_family() -> None:
