@@ -474,3 +474,31 @@ def test_non_int_token_estimate_is_refused() -> None:
 def test_bounds_of_valid_candidates_are_accepted() -> None:
     r = pack([mem("a", 0.0, 1), mem("b", 1.0, 1)], 2)
     assert [m.memory_id for m in r.packed] == ["b", "a"]
+
+
+def test_a_one_token_budget_holds_a_one_token_memory() -> None:
+    r = pack([mem(0, 0.5, 1), mem(1, 0.4, 2)], 1)
+    assert [m.memory_id for m in r.packed] == ["m000"]
+    assert r.path == "dp"
+
+
+def test_one_token_memories_weigh_one_cell_in_the_fine_table() -> None:
+    # Optimum 1.8 = 0.7 + 0.6 + 0.5 in 3 + 2 + 1 tokens; greedy stops at 1.3.
+    ms = [
+        mem(i, s, t)
+        for i, (s, t) in enumerate([(0.7, 4), (0.7, 3), (0.6, 2), (0.5, 3), (0.5, 1), (0.4, 3)])
+    ]
+    assert greedy_score(ms, 6) == pytest.approx(1.3)
+    r = pack(ms, 6)
+    assert r.total_score == pytest.approx(1.8)
+    assert [m.memory_id for m in r.packed] == ["m001", "m002", "m004"]
+
+
+def test_a_tie_with_greedy_keeps_the_dp_answer() -> None:
+    # DP: 0.6 + 0.5 + 0.3 in 3 tokens; greedy: 0.8 + 0.6, the same 1.4. Greedy
+    # replaces the DP's answer only when strictly better.
+    specs = [(0.8, 2), (0.6, 1), (0.5, 1), (0.4, 2), (0.3, 3), (0.3, 1), (0.2, 1)]
+    ms = [mem(i, s, t) for i, (s, t) in enumerate(specs)]
+    r = pack(ms, 3)
+    assert math.fsum(m.composite_score for m in r.packed) == math.fsum([0.8, 0.6])
+    assert [m.memory_id for m in r.packed] == ["m001", "m002", "m005"]
