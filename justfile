@@ -62,3 +62,4 @@ mutate *ARGS:
     rm -rf mutants
     .venv/bin/mutmut run --max-children "${IBEX_MUTATE_CHILDREN:-2}" {{ARGS}}
     {{py}} -m tests.mutation_report --equivalent tests/mutation_equivalent.txt --survivors
+    {{py}} -m tests.mutation_constants
