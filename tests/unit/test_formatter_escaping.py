@@ -181,65 +181,69 @@ def test_every_ascii_character_in_attributes() -> None:
 
 # --------------------------------------------------------------------------- tags
 
-
-def test_directive_open_carries_mode_and_escaped_version() -> None:
-    assert fmt.directive_open(Directive("x", "system_first", "v1")) == (
-        '<directive mode="system_first" version="v1">\n'
-    )
-    assert fmt.directive_open(Directive("x", "user_prepend", 'a"b')) == (
-        '<directive mode="user_prepend" version="a&quot;b">\n'
-    )
-    assert fmt.directive_open(Directive("x", "system_append", None)) == (
-        '<directive mode="system_append">\n'
-    )
-    assert fmt.directive_open(Directive("x", "system_append", "")) == (
-        '<directive mode="system_append">\n'
-    )
+# Through `render` and by attribute, so that attributes added to a tag later
+# (the nonce on every section) do not break these; the goldens pin whole tags.
 
 
-def test_directive_section_skips_an_empty_directive() -> None:
-    assert fmt.directive_section(None) == []
-    assert fmt.directive_section(Directive("  \n ")) == []
-    assert fmt.directive_section(Directive("hi")) == [
-        '<directive mode="system_first">\n',
-        "hi\n",
-        "</directive>\n",
-    ]
+def _render(
+    directive: Directive | None = None,
+    messages: list[Message] | None = None,
+    memories: list[ScoredMemory] | None = None,
+    tools: list[str] | None = None,
+) -> str:
+    return fmt.render(
+        directive=directive,
+        messages=messages or [],
+        memories=memories or [],
+        tool_schemas=tools or [],
+        nonce="42",
+    )
+
+
+def test_directive_carries_mode_and_escaped_version() -> None:
+    text = _render(Directive("x", "system_first", "v1"))
+    assert text.startswith("<directive ")
+    assert ' mode="system_first"' in text and ' version="v1"' in text
+    assert ' version="a&quot;b"' in _render(Directive("x", "user_prepend", 'a"b'))
+    assert ' mode="user_prepend"' in _render(Directive("x", "user_prepend", 'a"b'))
+    assert "version=" not in _render(Directive("x", "system_append", None))
+    assert "version=" not in _render(Directive("x", "system_append", ""))
+    assert ' mode="system_append"' in _render(Directive("x", "system_append", ""))
+
+
+def test_an_empty_directive_is_left_out() -> None:
+    assert _render(Directive("  \n ")) == ""
+    assert "<directive" not in _render(Directive(""), [Message("user", "hi")])
+    assert "hi\n</directive>\n" in _render(Directive("hi"))
 
 
 def _m(mid: str, category: str = "factual", content: str = "c", score: float = 0.5) -> ScoredMemory:
     return ScoredMemory(mid, category, content, score, score, score, 1)
 
 
-def test_memory_block_tags() -> None:
-    m = _m('i"d', "fact ual", "body")
-    assert fmt.memory_open_suffix(m) == '" id="i&quot;d" category="fact&#x20;ual">\n'
-    assert (
-        fmt.memory_open("42", m) == '<memory nonce="42" id="i&quot;d" category="fact&#x20;ual">\n'
-    )
-    assert fmt.memory_block("42", m) == [fmt.memory_open("42", m), "body\n", "</memory>\n"]
-    assert fmt.memories_open("42") == '<memories nonce="42">\n'
+def test_memory_tags_escape_id_and_category() -> None:
+    text = _render(memories=[_m('i"d', "fact ual", "body")])
+    assert '<memory nonce="42" id="i&quot;d" category="fact&#x20;ual">\nbody\n</memory>\n' in text
+    assert text.endswith("</memories>\n")
+    m = _m("a")
+    assert fmt.memory_open("42", m) == fmt.MEMORY_OPEN_PREFIX + "42" + fmt.memory_open_suffix(m)
     assert fmt.MEMORY_OPEN_PREFIX == '<memory nonce="'
     assert (fmt.MEMORY_CLOSE, fmt.MEMORIES_CLOSE) == ("</memory>\n", "</memories>\n")
 
 
 def test_message_role_is_escaped() -> None:
-    assert fmt.message_open("user") == '<message role="user">\n'
-    assert fmt.message_open("a b") == '<message role="a&#x20;b">\n'
+    assert ' role="user"' in _render(messages=[Message("user", "m")])
+    assert ' role="a&#x20;b"' in _render(messages=[Message("a b", "m")])
 
 
-def test_sections_are_empty_without_content() -> None:
-    assert fmt.history_section([]) == []
-    assert fmt.tools_section([]) == []
-    assert fmt.memories_section("1", []) == []
-    assert fmt.history_section([Message("user", "hi")]) == [
-        "<history>\n",
-        '<message role="user">\n',
-        "hi\n",
-        "</message>\n",
-        "</history>\n",
-    ]
-    assert fmt.tools_section(["{}"]) == ["<tools>\n", "<tool>\n", "{}\n", "</tool>\n", "</tools>\n"]
+def test_sections_appear_only_with_content() -> None:
+    assert _render() == ""
+    history = _render(messages=[Message("user", "hi")])
+    assert history.startswith("<history") and history.endswith("</message>\n</history>\n")
+    assert "\nhi\n</message>\n" in history
+    tools = _render(tools=["{}"])
+    assert tools.startswith("<tools") and tools.endswith("\n{}\n</tool>\n</tools>\n")
+    assert "<safety" not in history + tools
 
 
 def test_memory_order_categories_then_score_then_id() -> None:
