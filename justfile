@@ -67,3 +67,12 @@ proto-check:
 # Benchmarks: print tables and write JSON under benchmarks/results/.
 bench *ARGS: redis
     {{py}} -m benchmarks {{ARGS}}
+
+# Config: [tool.mutmut] in pyproject.toml; README "Mutation testing". Not in CI (tens of
+# minutes on two cores). Afterwards: `.venv/bin/mutmut results` / `mutmut show NAME`.
+# Mutation testing of ibex/assembly against tests/unit (mutmut), per-module scores.
+mutate *ARGS:
+    if [ -z "{{ARGS}}" ]; then rm -rf mutants; fi  # a full run starts clean; named mutants re-run
+    .venv/bin/mutmut run --max-children "${IBEX_MUTATE_CHILDREN:-2}" {{ARGS}}
+    {{py}} -m tests.mutation_report --equivalent tests/mutation_equivalent.txt --survivors
+    {{py}} -m tests.mutation_constants

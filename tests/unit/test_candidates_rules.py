@@ -1,0 +1,241 @@
+"""Candidate selection and SearchMemories ranking (ibex/assembly/candidates.py).
+
+README: candidates are filtered by tenant, scored (``failed`` when unusable),
+deduplicated by memory id (the better score wins), capped by ``max_memories``
+and the hard cap of 100 (``truncated``). SearchMemories applies the tenant
+rule first, then ``min_similarity``, categories and tags, scores with the
+default formula and returns the best ``limit``, ties by id.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from ibex.assembly.candidates import (
+    MAX_MEMORIES_HARD_CAP,
+    SearchFilter,
+    hit_used,
+    is_own,
+    rank_search,
+    select_candidates,
+    used,
+)
+from ibex.assembly.structs import AssemblyOptions, AssemblyRequest, MemoryHit, ScoredMemory
+
+ORG = "0000000a-000b-4000-8000-00000000000c"
+AGENT = "00000000-0000-4000-8000-0000000000a1"
+OTHER = "00000000-0000-4000-8000-000000000002"
+NOW = 1_760_000_000.0
+
+
+def hit(mid: str, similarity: float = 0.5, **kw: object) -> MemoryHit:
+    base: dict[str, object] = {
+        "memory_id": mid,
+        "org_id": ORG,
+        "agent_id": AGENT,
+        "content": f"content of {mid}",
+        "category": "factual",
+        "confidence": 0.5,
+        "similarity": similarity,
+        "rank": 1,
+    }
+    base.update(kw)
+    return MemoryHit(**base)  # type: ignore[arg-type]
+
+
+def req(**opts: object) -> AssemblyRequest:
+    return AssemblyRequest(agent_id=AGENT, org_id=ORG, options=AssemblyOptions(**opts))  # type: ignore[arg-type]
+
+
+def test_hard_cap_is_one_hundred() -> None:
+    assert MAX_MEMORIES_HARD_CAP == 100
+
+
+def test_is_own_compares_canonical_lower_case() -> None:
+    assert is_own(hit("a"), ORG, AGENT)
+    assert is_own(hit("a", org_id=ORG.upper(), agent_id=AGENT.upper()), ORG, AGENT)
+    assert not is_own(hit("a", org_id=OTHER), ORG, AGENT)
+    assert not is_own(hit("a", agent_id=OTHER), ORG, AGENT)
+
+
+def test_upper_case_hit_ids_are_still_the_callers_own() -> None:
+    ranked, excluded = select_candidates(
+        req(), [], [hit("a", org_id=ORG.upper(), agent_id=AGENT.upper())], NOW
+    )
+    assert [m.memory_id for m in ranked] == ["a"]
+    assert excluded == []
+
+
+def test_ranked_best_first_ties_by_id() -> None:
+    cold = [hit("c", 0.5), hit("a", 0.9), hit("b", 0.5), hit("d", 0.1)]
+    ranked, _ = select_candidates(req(), [], cold, NOW)
+    assert [m.memory_id for m in ranked] == ["a", "b", "c", "d"]
+
+
+@pytest.mark.parametrize(
+    ("skip_hot", "skip_cold", "kept", "filtered"),
+    [
+        (False, False, ["h", "c"], []),
+        (True, False, ["c"], ["h"]),
+        (False, True, ["h"], ["c"]),
+        (True, True, [], ["h", "c"]),
+    ],
+)
+def test_skip_options(
+    skip_hot: bool, skip_cold: bool, kept: list[str], filtered: list[str]
+) -> None:
+    ranked, excluded = select_candidates(
+        req(skip_hot_memories=skip_hot, skip_cold_memories=skip_cold),
+        [hit("h", 0.9, branch="hot")],
+        [hit("c", 0.8)],
+        NOW,
+    )
+    assert [m.memory_id for m in ranked] == kept
+    assert [(m.memory_id, m.exclusion) for m in excluded] == [(f, "filter") for f in filtered]
+
+
+def test_unusable_hits_fail_with_finite_reported_values() -> None:
+    cold = [hit("nan", math.nan), hit("inf", 0.5, confidence=math.inf), hit("ok", 0.5)]
+    ranked, excluded = select_candidates(req(), [], cold, NOW)
+    assert [m.memory_id for m in ranked] == ["ok"]
+    assert [(m.memory_id, m.exclusion) for m in excluded] == [("nan", "failed"), ("inf", "failed")]
+    assert (excluded[0].similarity, excluded[0].confidence) == (0.0, 0.5)
+    assert (excluded[1].similarity, excluded[1].confidence) == (0.5, 0.0)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_hit_used_never_reports_a_non_finite_number(bad: float) -> None:
+    u = hit_used(hit("x", bad, confidence=bad, rank=7, category="episodic"), "failed")
+    assert (u.similarity, u.confidence) == (0.0, 0.0)
+    assert (u.memory_id, u.rank, u.category, u.exclusion) == ("x", 7, "episodic", "failed")
+    ok = hit_used(hit("y", 0.25, confidence=0.75), "filter")
+    assert (ok.similarity, ok.confidence, ok.exclusion) == (0.25, 0.75, "filter")
+
+
+def test_used_copies_every_reported_field() -> None:
+    m = ScoredMemory(
+        memory_id="m",
+        category="episodic",
+        content="secret text",
+        composite_score=0.7,
+        similarity=0.6,
+        confidence=0.4,
+        rank=3,
+        relevance_score=0.6,
+        recency_score=0.2,
+        usefulness_score=0.1,
+        token_estimate=42,
+    )
+    u = used(m, "budget")
+    assert (u.memory_id, u.category, u.rank, u.exclusion, u.token_estimate) == (
+        "m",
+        "episodic",
+        3,
+        "budget",
+        42,
+    )
+    assert (u.composite_score, u.similarity, u.confidence) == (0.7, 0.6, 0.4)
+    assert (u.relevance_score, u.recency_score, u.usefulness_score) == (0.6, 0.2, 0.1)
+
+
+@pytest.mark.parametrize(("cap", "kept"), [(0, 5), (1, 1), (4, 4), (5, 5), (6, 5)])
+def test_max_memories_cap(cap: int, kept: int) -> None:
+    cold = [hit(f"m{i}", 0.1 * i) for i in range(5)]
+    ranked, excluded = select_candidates(req(max_memories=cap), [], cold, NOW)
+    assert len(ranked) == kept
+    assert [m.memory_id for m in ranked] == [f"m{i}" for i in range(4, 4 - kept, -1)]
+    assert [(m.memory_id, m.exclusion) for m in excluded] == [
+        (f"m{i}", "truncated") for i in range(4 - kept, -1, -1)
+    ]
+
+
+@pytest.mark.parametrize(("cap", "kept"), [(0, 100), (100, 100), (101, 100), (150, 100), (99, 99)])
+def test_hard_cap_applies_whatever_max_memories_says(cap: int, kept: int) -> None:
+    cold = [hit(f"m{i:03d}", 0.5) for i in range(120)]
+    ranked, excluded = select_candidates(req(max_memories=cap), [], cold, NOW)
+    assert len(ranked) == kept
+    assert len(excluded) == 120 - kept
+    assert {m.exclusion for m in excluded} <= {"truncated"}
+
+
+def test_dedupe_counts_a_memory_once() -> None:
+    hot = [hit("a", 0.3, branch="hot"), hit("b", 0.9, branch="hot")]
+    cold = [hit("a", 0.6), hit("a", 0.1)]
+    ranked, excluded = select_candidates(req(), hot, cold, NOW)
+    assert [(m.memory_id, m.similarity) for m in ranked] == [("b", 0.9), ("a", 0.6)]
+    assert excluded == []
+
+
+# --------------------------------------------------------------------------- SearchMemories
+
+
+def flt(**kw: object) -> SearchFilter:
+    base: dict[str, object] = {"org_id": ORG, "agent_id": AGENT, "limit": 10}
+    base.update(kw)
+    return SearchFilter(**base)  # type: ignore[arg-type]
+
+
+def test_narrows() -> None:
+    assert not flt().narrows
+    assert flt(min_similarity=0.1).narrows
+    assert flt(categories=frozenset({"factual"})).narrows
+    assert flt(tags=frozenset({"t"})).narrows
+    assert not flt(min_similarity=0.0).narrows
+
+
+def test_rank_search_tenant_rule_and_counts() -> None:
+    hits = [hit("a", 0.9), hit("x", 0.99, org_id=OTHER), hit("y", 0.99, agent_id=OTHER), hit("b")]
+    res = rank_search(hits, flt(), NOW)
+    assert [h.hit.memory_id for h in res.hits] == ["a", "b"]
+    assert (res.own_candidates, res.tenant_filtered) == (2, 2)
+
+
+def test_rank_search_scores_with_the_interim_formula_best_first() -> None:
+    hits = [
+        hit("b", 0.5, confidence=1.0),
+        hit("a", 0.5, confidence=1.0),
+        hit("c", 0.8, confidence=0.0),
+    ]
+    res = rank_search(hits, flt(), NOW)
+    assert [h.hit.memory_id for h in res.hits] == ["c", "a", "b"]
+    assert [h.score for h in res.hits] == pytest.approx([0.68, 0.575, 0.575])
+
+
+def test_rank_search_min_similarity_is_inclusive() -> None:
+    hits = [hit("lo", 0.49), hit("eq", 0.5), hit("hi", 0.51)]
+    res = rank_search(hits, flt(min_similarity=0.5), NOW)
+    assert [h.hit.memory_id for h in res.hits] == ["hi", "eq"]
+    assert res.own_candidates == 3
+
+
+def test_rank_search_categories_and_tags() -> None:
+    hits = [
+        hit("f", category="factual", tags=("deploy",)),
+        hit("e", category="episodic", tags=("deploy", "ci")),
+        hit("n", category="factual"),
+    ]
+    by_cat = rank_search(hits, flt(categories=frozenset({"factual"})), NOW)
+    assert sorted(h.hit.memory_id for h in by_cat.hits) == ["f", "n"]
+    by_tag = rank_search(hits, flt(tags=frozenset({"ci", "other"})), NOW)
+    assert [h.hit.memory_id for h in by_tag.hits] == ["e"]  # a hit without tags never matches
+    both = rank_search(
+        hits, flt(categories=frozenset({"factual"}), tags=frozenset({"deploy"})), NOW
+    )
+    assert [h.hit.memory_id for h in both.hits] == ["f"]
+
+
+def test_rank_search_drops_unscorable_hits_and_applies_the_limit() -> None:
+    hits = [hit("bad", math.nan), *(hit(f"m{i}", 0.1 * i) for i in range(6))]
+    res = rank_search(hits, flt(limit=3), NOW)
+    assert [h.hit.memory_id for h in res.hits] == ["m5", "m4", "m3"]
+    assert res.own_candidates == 7
+    assert rank_search(hits, flt(limit=0), NOW).hits == ()
+
+
+def test_rank_search_accepts_hits_with_a_creation_date() -> None:
+    hits = [hit("dated", 0.9, created_at="2025-01-01T00:00:00+00:00"), hit("undated", 0.8)]
+    res = rank_search(hits, flt(), NOW)
+    assert [h.hit.memory_id for h in res.hits] == ["dated", "undated"]
+    assert res.hits[0].score == pytest.approx(0.85 * 0.9 + 0.15 * 0.5)
