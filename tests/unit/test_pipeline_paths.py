@@ -53,6 +53,7 @@ class CharCounter:
     """One token per character, cached or not alike."""
 
     estimate_kind = "chars"
+    max_token_bytes = 4  # one character, up to 4 UTF-8 bytes
 
     def __init__(self, whole_text_extra: int = 0) -> None:
         self.extra = whole_text_extra
@@ -67,6 +68,15 @@ class CharCounter:
         # as if every memory's joins merged into longer tokens.
         return len(text) + self.extra * text.count(fmt.MEMORY_CLOSE)
 
+    def peek(self, text: str) -> int | None:
+        return None  # nothing cached: every count goes through count_uncached
+
+    def remember(self, items: Sequence[tuple[str, int]]) -> None:
+        pass
+
+    def additive_cut(self, text: str) -> int:
+        return len(text)  # a character count is additive at every cut
+
 
 class Source:
     def __init__(self, counter: CharCounter) -> None:
@@ -79,8 +89,10 @@ class Source:
 
 
 def catalog(window: int = 100_000, max_out: int = 8_000, safety: float = 0.0) -> Catalog:
+    # The stub counter is exact (a token per character), so the family names an exact
+    # encoding: the catalog refuses estimate families below the measured undercount.
     return Catalog(
-        {"unknown": FamilyPolicy(0.05), "chars": FamilyPolicy(safety)},
+        {"unknown": FamilyPolicy(0.05), "chars": FamilyPolicy(safety, encoding="cl100k_base")},
         {MODEL: ModelCapability("stub", window, max_out, "chars")},
     )
 
@@ -205,9 +217,9 @@ def test_counts_add_up_to_the_text_and_every_term_is_reported() -> None:
     r = run(request(messages=messages, tools=tools), cold=cold, directive=directive)
     text = r.assembled_context
     assert r.tokens_used == len(text)
-    directive_len = len("".join(fmt.directive_section(directive)))
-    history_len = len("".join(fmt.history_section(messages)))
-    tools_len = len("".join(fmt.tools_section(tools)))
+    directive_len = len("".join(fmt.directive_section(directive, NONCE)))
+    history_len = len("".join(fmt.history_section(messages, NONCE)))
+    tools_len = len("".join(fmt.tools_section(tools, NONCE)))
     safety_len = len(fmt.safety_piece(NONCE))
     wrapper_len = len(fmt.memories_open(NONCE)) + len(fmt.MEMORIES_CLOSE)
     mem_len = block_len(cold[0]) + block_len(cold[1])
@@ -242,7 +254,7 @@ def test_without_memories_no_safety_sentence_or_wrapper_is_counted() -> None:
     r = run(request(messages=[Message("user", "hello")]), directive=directive)
     assert r.memories_used == ()
     assert r.tokens_used == len(r.assembled_context)
-    assert r.directive_tokens == len("".join(fmt.directive_section(directive)))
+    assert r.directive_tokens == len("".join(fmt.directive_section(directive, NONCE)))
     assert r.formatter_tokens == 0
     assert r.memory_tokens == 0
     assert fmt.safety_piece(NONCE) not in r.assembled_context
@@ -263,15 +275,18 @@ def test_the_counter_is_asked_for_the_models_family() -> None:
     src = Source(counter)
     inputs = AssemblyInputs(request(), None, (), (), OK3, NONCE, NOW)
     assemble_pure(inputs, catalog=catalog(), tokenizers=src)
-    assert src.asked == [("chars", None)]
+    assert src.asked == [("chars", "cl100k_base")]
 
 
-def test_nonce_bearing_pieces_are_counted_uncached() -> None:
+def test_nonce_bearing_pieces_are_counted_by_their_zeros_shaped_twin() -> None:
+    """A decimal nonce costs what zeros of its width cost, so the pieces that carry it
+    are counted once in that shape (and then cached), never with the nonce itself."""
     counter = CharCounter()
     run(request(), cold=[hit("m1")], counter=counter)
-    assert fmt.safety_piece(NONCE) in counter.uncached
-    assert fmt.memories_open(NONCE) in counter.uncached
-    assert NONCE in counter.uncached
+    twin = "0" * len(NONCE)
+    assert fmt.safety_piece(twin) in counter.uncached
+    assert fmt.memories_open(twin) in counter.uncached
+    assert not any(NONCE in text for text in counter.uncached)
 
 
 def test_available_tokens_cap_the_window_in_the_pipeline() -> None:
