@@ -111,10 +111,11 @@ class Admission:
             self._shed("in_flight", f"overloaded: {self.in_flight} requests in flight")
 
     @contextmanager
-    def admitted(self, remaining: float | None) -> Iterator[Ticket]:
+    def admitted(self, arrived: float, remaining: float | None) -> Iterator[Ticket]:
         """The request has arrived: count it in flight until it ends; refuse what cannot fit.
 
-        `remaining` is the caller's time left (seconds, None without a deadline).
+        `arrived` is when the call reached the process (`time.monotonic()`), the start
+        of its sojourn; `remaining` the caller's time left now (None without a deadline).
         """
         now = time.monotonic()
         self.check_open()
@@ -136,7 +137,7 @@ class Admission:
         self.in_flight += 1
         self.pending += 1
         self.idle.clear()
-        ticket = Ticket(now, None if remaining is None else now + remaining)
+        ticket = Ticket(min(arrived, now), None if remaining is None else now + remaining)
         try:
             with self.metrics.in_flight():
                 yield ticket

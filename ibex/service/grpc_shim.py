@@ -67,6 +67,16 @@ async def recv_bounded(stream: grpclib.server.Stream[Any, Any], limit: int) -> A
     return message
 
 
+def arrival(stream: grpclib.server.Stream[Any, Any]) -> float | None:
+    """When the call's HEADERS were read off its connection (`time.monotonic()`), or None.
+
+    grpclib starts a call's handler as a task; under load it runs well after the
+    request arrived, and grpclib's own deadline starts counting only then.
+    """
+    arrived = getattr(stream._stream, "ibex_arrived", None)
+    return arrived if isinstance(arrived, float) else None
+
+
 def bound_port(server: grpclib.server.Server) -> int:
     """The port the server listens on (after `start`, also when it asked for port 0)."""
     assert server._server is not None
@@ -213,9 +223,18 @@ class _TrackedProtocol(H2Protocol):
             return
         self.connection.flush()
         h2 = self.connection._connection
+        now = time.monotonic()
         for event in events:
-            if isinstance(event, RequestReceived) and self._refuse(event.stream_id):
-                h2.reset_stream(event.stream_id, ErrorCodes.REFUSED_STREAM)
+            if isinstance(event, RequestReceived):
+                if self._refuse(event.stream_id):
+                    h2.reset_stream(event.stream_id, ErrorCodes.REFUSED_STREAM)
+                    continue
+                self.processor.process(event)
+                # When the call arrived: its handler task runs later, behind everything
+                # else the loop has to do, and that wait is queueing (see `arrival`).
+                stream = self.processor.streams.get(event.stream_id)
+                if stream is not None:
+                    stream.ibex_arrived = now  # type: ignore[attr-defined]
                 continue
             if isinstance(event, PingAckReceived) and event.ping_data == GOAWAY_PING:
                 self._connections.acked(self)

@@ -37,7 +37,7 @@ from ibex.service import wire as pb
 from ibex.service.admission import Admission, Ticket
 from ibex.service.assembler import Assembler
 from ibex.service.auth import Authenticator, check_principal
-from ibex.service.grpc_shim import recv_bounded
+from ibex.service.grpc_shim import arrival, recv_bounded
 from ibex.service.status import grpc_error
 
 log = logging.getLogger(__name__)
@@ -151,7 +151,7 @@ class ContextService:
 
     async def assemble_context(self, stream: grpclib.server.Stream[Any, Any]) -> None:
         msg = await self._receive(stream)
-        with self.admission.admitted(_remaining(stream)) as ticket:
+        with self.admission.admitted(*_timing(stream)) as ticket:
             request = self.assembler.check_request(convert.request_from_proto(msg))
             principal = msg.principal_context if msg.HasField("principal_context") else None
             check_principal(principal, request.org_id, request.agent_id)
@@ -181,7 +181,7 @@ class ContextService:
 
     async def search_memories(self, stream: grpclib.server.Stream[Any, Any]) -> None:
         msg = await self._receive(stream)
-        with self.admission.admitted(_remaining(stream)) as ticket:
+        with self.admission.admitted(*_timing(stream)) as ticket:
             flt = self._search_filter(msg)
             fetch = MAX_MEMORIES_HARD_CAP if flt.narrows else flt.limit
             t0 = time.perf_counter()
@@ -270,5 +270,16 @@ class ContextService:
         )
 
 
-def _remaining(stream: grpclib.server.Stream[Any, Any]) -> float | None:
-    return stream.deadline.time_remaining() if stream.deadline else None
+def _timing(stream: grpclib.server.Stream[Any, Any]) -> tuple[float, float | None]:
+    """When the call arrived and how much of the caller's deadline is left now.
+
+    grpclib's deadline counts from when the handler started; the caller's counts
+    from when it sent the call, so the wait before the handler ran is taken off.
+    """
+    now = time.monotonic()
+    arrived = arrival(stream)
+    if arrived is None or arrived > now:
+        arrived = now
+    if stream.deadline is None:
+        return arrived, None
+    return arrived, stream.deadline.time_remaining() - (now - arrived)

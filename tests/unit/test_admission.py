@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import trio
 
@@ -64,25 +66,30 @@ def test_the_wait_estimate_follows_the_sojourns() -> None:
 
 def test_too_little_deadline_is_deadline_exceeded_even_when_idle() -> None:
     a = admission()
-    with pytest.raises(DeadlineError), a.admitted(0.0019):
+    with pytest.raises(DeadlineError), a.admitted(time.monotonic(), 0.0019):
         pass
     assert a.in_flight == 0 and a.pending == 0
     assert shed(a, "deadline") == 0 and shed(a, "queue") == 0
-    with a.admitted(0.0021):  # just enough for a degraded answer: admitted
+    with a.admitted(time.monotonic(), 0.0021):  # just enough for a degraded answer: admitted
         assert a.in_flight == 1
 
 
 def test_no_deadline_is_always_admitted_below_the_cap() -> None:
     a = admission()
-    with a.admitted(None) as ticket:
+    with a.admitted(time.monotonic(), None) as ticket:
         assert ticket.remaining(123.0) is None
 
 
 def test_the_hard_cap_refuses_as_overload() -> None:
     a = admission()
-    with a.admitted(1.0), a.admitted(1.0), a.admitted(1.0), a.admitted(1.0):
+    with (
+        a.admitted(time.monotonic(), 1.0),
+        a.admitted(time.monotonic(), 1.0),
+        a.admitted(time.monotonic(), 1.0),
+        a.admitted(time.monotonic(), 1.0),
+    ):
         assert a.in_flight == 4
-        with pytest.raises(Overloaded) as info, a.admitted(1.0):
+        with pytest.raises(Overloaded) as info, a.admitted(time.monotonic(), 1.0):
             pass
         assert info.value.reason == "in_flight" and info.value.status == "RESOURCE_EXHAUSTED"
     assert a.in_flight == 0 and a.idle.is_set()
@@ -105,15 +112,15 @@ def _standing(a: Admission, wait: float) -> None:
 def test_a_standing_queue_refuses_only_calls_it_would_leave_too_little_time() -> None:
     a = admission()
     _standing(a, 0.030)
-    with a.admitted(1.0):  # queued behind the waiting call: 1 s leaves plenty
+    with a.admitted(time.monotonic(), 1.0):  # queued behind the waiting call: 1 s leaves plenty
         assert a.pending == 1
-        with a.admitted(1.0):
+        with a.admitted(time.monotonic(), 1.0):
             pass
         # 45 ms - 30 ms of expected wait < 20 ms needed for a useful answer
-        with pytest.raises(Overloaded) as info, a.admitted(0.045):
+        with pytest.raises(Overloaded) as info, a.admitted(time.monotonic(), 0.045):
             pass
         assert info.value.reason == "queue"
-        with a.admitted(0.060):  # 30 ms left after the wait: served
+        with a.admitted(time.monotonic(), 0.060):  # 30 ms left after the wait: served
             pass
     assert shed(a, "queue") == 1
 
@@ -122,7 +129,7 @@ def test_a_standing_estimate_with_nobody_waiting_refuses_nothing() -> None:
     """After a burst the estimate lingers; with no queue in front, nothing is refused."""
     a = admission()
     _standing(a, 0.030)
-    with a.admitted(0.045):
+    with a.admitted(time.monotonic(), 0.045):
         pass
     assert shed(a, "queue") == 0
 
@@ -137,7 +144,7 @@ async def test_slots_bound_concurrent_assemblies_and_feed_the_detector() -> None
 
     async def call() -> None:
         nonlocal running, peak
-        with a.admitted(2.0) as ticket:
+        with a.admitted(time.monotonic(), 2.0) as ticket:
             async with a.slot(ticket):
                 running += 1
                 peak = max(peak, running)
@@ -159,13 +166,13 @@ async def test_no_slot_within_the_deadline_is_deadline_exceeded_without_a_queue(
     outcome: list[BaseException] = []
 
     async def holder() -> None:
-        with a.admitted(5.0) as ticket:
+        with a.admitted(time.monotonic(), 5.0) as ticket:
             async with a.slot(ticket):
                 await release.wait()
 
     async def late() -> None:
         try:
-            with a.admitted(0.050) as ticket:
+            with a.admitted(time.monotonic(), 0.050) as ticket:
                 async with a.slot(ticket):
                     pass
         except (DeadlineError, Overloaded) as exc:
@@ -179,3 +186,12 @@ async def test_no_slot_within_the_deadline_is_deadline_exceeded_without_a_queue(
             nursery.start_soon(late)
     assert len(outcome) == 1 and isinstance(outcome[0], DeadlineError)
     assert a.in_flight == 0 and a.pending == 0
+
+
+def test_the_sojourn_starts_when_the_call_arrived_not_when_its_handler_ran() -> None:
+    """A call that waited 30 ms for its handler task has waited 30 ms: the ticket keeps
+    the arrival, so the wait feeds the queue detector with it."""
+    a = admission()
+    arrived = time.monotonic() - 0.030
+    with a.admitted(arrived, 1.0) as ticket:
+        assert ticket.arrived == arrived
