@@ -110,6 +110,32 @@ class Admission:
         if self.in_flight >= self.config.max_in_flight:
             self._shed("in_flight", f"overloaded: {self.in_flight} requests in flight")
 
+    def standing_queue_refuses(self, remaining: float | None) -> str | None:
+        """The refusal message for a call with `remaining` seconds left, or None to admit.
+
+        Only while the queue stands and calls are waiting in front: the expected
+        wait would leave this one less than `min_useful`.
+        """
+        if (
+            remaining is not None
+            and self.queue.standing
+            and self.pending > 0
+            and remaining - self.queue.estimate < self.config.min_useful
+        ):
+            return (
+                f"overloaded: about {self.queue.estimate * 1000:.0f}ms of queue "
+                f"before a call with {remaining * 1000:.0f}ms left"
+            )
+        return None
+
+    def gate(self, method: str, remaining: float | None) -> str | None:
+        """Asked as a call's HEADERS arrive, before any per-call work (`grpc_shim`)."""
+        message = self.standing_queue_refuses(remaining)
+        if message is not None:
+            self.metrics.shed("queue")
+            self.metrics.observe_request(method.rsplit("/", 1)[-1], "RESOURCE_EXHAUSTED", 0.0)
+        return message
+
     @contextmanager
     def admitted(self, arrived: float, remaining: float | None) -> Iterator[Ticket]:
         """The request has arrived: count it in flight until it ends; refuse what cannot fit.
@@ -123,17 +149,9 @@ class Admission:
             raise DeadlineError(
                 f"{max(0.0, remaining) * 1000:.1f}ms of the deadline left: too little to answer in"
             )
-        if (
-            remaining is not None
-            and self.queue.standing
-            and self.pending > 0
-            and remaining - self.queue.estimate < self.config.min_useful
-        ):
-            self._shed(
-                "queue",
-                f"overloaded: about {self.queue.estimate * 1000:.0f}ms of queue "
-                f"before a call with {remaining * 1000:.0f}ms left",
-            )
+        message = self.standing_queue_refuses(remaining)
+        if message is not None:
+            self._shed("queue", message)
         self.in_flight += 1
         self.pending += 1
         self.idle.clear()

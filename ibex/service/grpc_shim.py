@@ -16,13 +16,14 @@ import ssl as _ssl
 import struct
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, cast
 
 import grpclib.server
 import grpclib.utils
-from grpclib.metadata import Deadline
+from grpclib.const import Status
+from grpclib.metadata import Deadline, decode_timeout, encode_grpc_message
 from grpclib.protocol import H2Protocol
 from h2.errors import ErrorCodes
 from h2.events import PingAckReceived, RequestReceived
@@ -135,18 +136,25 @@ def answer_expired_deadlines() -> None:
     grpclib.utils.DeadlineWrapper.start = _deadline_start  # type: ignore[method-assign]
 
 
-def track_connections(server: grpclib.server.Server, connections: Connections) -> None:
+Gate = Callable[[str, float | None], str | None]
+"""(method path, the call's grpc-timeout in seconds) -> a refusal message, or None to admit."""
+
+
+def track_connections(
+    server: grpclib.server.Server, connections: Connections, gate: Gate | None = None
+) -> None:
     """Route every connection `server` accepts through `connections` (call before `start`).
 
     `Server.start` builds protocols with `self._protocol_factory`; an instance
     attribute of that name wins over the method, so each accepted socket gets a
-    `_TrackedProtocol` carrying the same grpclib handler.
+    `_TrackedProtocol` carrying the same grpclib handler. `gate` is asked about
+    every new call before grpclib starts a task for it (see `_refuse_early`).
     """
     original = server._protocol_factory
 
     def factory() -> H2Protocol:
         base = original()
-        return _TrackedProtocol(base.handler, base.config, base.h2_config, connections)
+        return _TrackedProtocol(base.handler, base.config, base.h2_config, connections, gate)
 
     server._protocol_factory = factory  # type: ignore[method-assign]
 
@@ -198,9 +206,17 @@ class _TrackedProtocol(H2Protocol):
     _refused = False
     _last_stream_id: int | None = None  # set by the final GOAWAY: later streams are refused
 
-    def __init__(self, handler: Any, config: Any, h2_config: Any, connections: Connections):
+    def __init__(
+        self,
+        handler: Any,
+        config: Any,
+        h2_config: Any,
+        connections: Connections,
+        gate: Gate | None = None,
+    ):
         super().__init__(handler, config, h2_config)
         self._connections = connections
+        self._gate = gate
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         if not self._connections.admit(self):
@@ -229,6 +245,8 @@ class _TrackedProtocol(H2Protocol):
                 if self._refuse(event.stream_id):
                     h2.reset_stream(event.stream_id, ErrorCodes.REFUSED_STREAM)
                     continue
+                if self._refuse_early(event):
+                    continue
                 self.processor.process(event)
                 # When the call arrived: its handler task runs later, behind everything
                 # else the loop has to do, and that wait is queueing (see `arrival`).
@@ -241,6 +259,43 @@ class _TrackedProtocol(H2Protocol):
             self.processor.process(event)
         self.connection.flush()
         self._connections.active(self)
+
+    def _refuse_early(self, event: RequestReceived) -> bool:
+        """Answer RESOURCE_EXHAUSTED (trailers only) before grpclib starts a task for the call.
+
+        Under overload most of a refusal's cost is grpclib's per-call machinery
+        (a Stream, a task, the handler, reading the message); a call the gate
+        turns away here costs one HEADERS frame. Its request body, if still to
+        come, is acknowledged and dropped by grpclib as for any unknown stream.
+        """
+        if self._gate is None or event.stream_id is None:
+            return False
+        path = ""
+        timeout: float | None = None
+        try:
+            for name, value in event.headers or ():
+                key = name.decode() if isinstance(name, bytes) else name
+                if key == ":path":
+                    path = value.decode() if isinstance(value, bytes) else value
+                elif key == "grpc-timeout":
+                    raw = value.decode() if isinstance(value, bytes) else value
+                    timeout = decode_timeout(raw)
+        except ValueError:
+            return False  # grpclib answers a malformed timeout itself
+        message = self._gate(path, timeout)
+        if message is None:
+            return False
+        self.connection._connection.send_headers(
+            event.stream_id,
+            [
+                (":status", "200"),
+                ("content-type", "application/grpc"),
+                ("grpc-status", str(Status.RESOURCE_EXHAUSTED.value)),
+                ("grpc-message", encode_grpc_message(message)),
+            ],
+            end_stream=True,
+        )
+        return True
 
     def _refuse(self, stream_id: int | None) -> bool:
         return (

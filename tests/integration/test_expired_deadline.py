@@ -8,6 +8,7 @@ client sends on purpose but a slow network delivers all the time.
 
 from __future__ import annotations
 
+import functools
 import logging
 import socket
 import struct
@@ -23,7 +24,7 @@ from tests.grpcio_stubs import context_pb2
 from .grpc_harness import AGENT, ORG, SERVICE, RunningDaemon, in_thread, running_daemon
 
 
-def raw_call(port: int, timeout_header: str) -> dict[str, str]:
+def raw_call(port: int, timeout_header: str, *, send_body: bool = True) -> dict[str, str]:
     """One unary AssembleContext over h2; the response trailers (or headers) as a dict."""
     body = context_pb2.AssembleContextRequest(org_id=ORG, agent_id=AGENT, model="gpt-4o")
     payload = body.SerializeToString()
@@ -45,7 +46,8 @@ def raw_call(port: int, timeout_header: str) -> dict[str, str]:
                 ("grpc-timeout", timeout_header),
             ],
         )
-        conn.send_data(stream, frame, end_stream=True)
+        if send_body:
+            conn.send_data(stream, frame, end_stream=True)
         sock.sendall(conn.data_to_send())
         result: dict[str, str] = {}
         while "grpc-status" not in result:
@@ -84,3 +86,27 @@ async def test_an_expired_deadline_is_deadline_exceeded_and_not_an_error(
     assert expired["grpc-status"] == "4"  # DEADLINE_EXCEEDED
     assert normal["grpc-status"] == "0"
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+
+
+async def test_a_standing_queue_refuses_a_short_call_before_grpclib_starts_it(
+    daemon: RunningDaemon,
+) -> None:
+    """While the queue stands, a call whose deadline the expected wait would eat is answered
+    RESOURCE_EXHAUSTED from its HEADERS alone (trailers only), and counted as shed; a call
+    with room is still served."""
+    state = daemon.daemon.state
+    started = len(state.metrics.requests.collect()[0].samples)
+    state.queue.standing, state.queue.estimate, state.pending = True, 0.5, 1
+    try:
+        # Headers only: refused from them alone (a handler would wait for the body
+        # until the 45 ms deadline and answer DEADLINE_EXCEEDED instead).
+        short = await in_thread(functools.partial(raw_call, send_body=False), daemon.port, "45m")
+        roomy = await in_thread(raw_call, daemon.port, "5S")
+    finally:
+        state.queue.standing, state.queue.estimate, state.pending = False, 0.0, 0
+    assert short["grpc-status"] == "8"
+    assert short["grpc-message"].startswith("overloaded")
+    assert ":status" in short and "grpc-message" in short  # one trailers-only HEADERS frame
+    assert roomy["grpc-status"] == "0"
+    assert state.metrics.shed_requests.labels("queue")._value.get() == 1
+    assert len(state.metrics.requests.collect()[0].samples) > started
