@@ -77,18 +77,9 @@ class Assembler:
         return request
 
     async def assemble(
-        self,
-        request: AssemblyRequest,
-        *,
-        deadline: float | None = None,
-        arrived: float | None = None,
-        validated: bool = False,
+        self, request: AssemblyRequest, *, deadline: float | None = None, validated: bool = False
     ) -> AssemblyResult:
-        """Retrieve within the wall (and the caller's deadline), then run the pipeline.
-
-        `deadline` and `arrived` (when the call reached the process; the wall counts
-        from it) are on the Trio clock.
-        """
+        """Retrieve within the wall (and the caller's deadline), then run the pipeline."""
         if not validated:
             request = self.check_request(request)
         got = await retrieve(
@@ -97,7 +88,6 @@ class Assembler:
             memory_source=self.memory_source,
             config=self.retrieval,
             deadline=deadline,
-            arrived=arrived,
         )
         inputs = AssemblyInputs(
             request=request,

@@ -172,14 +172,10 @@ class ContextService:
 
     async def _assemble_in_trio(self, request: AssemblyRequest, ticket: Ticket) -> AssemblyResult:
         async with self.admission.slot(ticket):
-            now, trio_now = time.monotonic(), trio.current_time()
-            remaining = ticket.remaining(now)
-            deadline = None if remaining is None else trio_now + remaining
-            arrived = trio_now - (now - ticket.arrived)  # the same instant on Trio's clock
+            remaining = ticket.remaining(time.monotonic())
+            deadline = None if remaining is None else trio.current_time() + remaining
             with bind_request(request.request_id, request.trace_id):
-                return await self.assembler.assemble(
-                    request, deadline=deadline, arrived=arrived, validated=True
-                )
+                return await self.assembler.assemble(request, deadline=deadline, validated=True)
 
     # --- SearchMemories ------------------------------------------------------
 

@@ -71,19 +71,12 @@ class _Branch(msgspec.Struct, frozen=True):
     skipped: str = ""
 
 
-def request_wall(
-    config: RetrievalConfig, deadline: float | None, arrived: float | None = None
-) -> float:
+def request_wall(config: RetrievalConfig, deadline: float | None) -> float:
     """min(TIMEOUT, DEADLINE_MS, caller's remaining time - pipeline headroom), >= 0.
 
-    `deadline` and `arrived` are absolute on the Trio clock (trio.current_time()).
-    The wall counts from the call's arrival when given: time a call spent queued
-    is time its answer is already late by, so queueing shortens retrieval rather
-    than delaying the answer.
+    `deadline` is absolute on the Trio clock (trio.current_time()).
     """
     wall = config.wall
-    if arrived is not None and math.isfinite(arrived):
-        wall -= max(0.0, trio.current_time() - arrived)
     if deadline is not None and math.isfinite(deadline):
         wall = min(wall, deadline - trio.current_time() - config.pipeline_headroom)
     return max(0.0, wall)
@@ -185,13 +178,12 @@ async def retrieve(
     memory_source: MemorySource | None,
     config: RetrievalConfig,
     deadline: float | None = None,
-    arrived: float | None = None,
 ) -> Retrieved:
     """Run the branch table concurrently within the request's wall."""
     outcomes: dict[BranchSource, BranchOutcome] = {}
     values: dict[BranchSource, Any] = {}
     started = trio.current_time()
-    wall = request_wall(config, deadline, arrived)
+    wall = request_wall(config, deadline)
     rows = _branches(request, directive_source, memory_source, config)
     with trio.move_on_after(wall):
         async with trio.open_nursery() as nursery:

@@ -494,25 +494,3 @@ async def test_a_directive_of_another_version_is_served_and_flagged(
     same = msgspec.structs.replace(request(), directive_version_id=have.version_id)
     got, _ = await fetch(FakeSources({"directive": Plan(answer=have)}), same)
     assert got.branches[0].detail == ""
-
-
-async def test_the_wall_counts_from_the_calls_arrival(
-    autojump_clock: trio.testing.MockClock,
-) -> None:
-    """A call that queued 15 ms gets 25 ms of retrieval, not 40: queueing shortens
-    retrieval instead of delaying the answer; the caller's deadline still caps it."""
-    now = trio.current_time()
-    assert request_wall(DEFAULTS, None, now - 0.015) == pytest.approx(0.025)
-    assert request_wall(DEFAULTS, None, now - 0.050) == 0.0
-    assert request_wall(DEFAULTS, None, now) == pytest.approx(0.040)
-    assert request_wall(DEFAULTS, now + 0.030, now - 0.015) == pytest.approx(0.020)
-    fake = FakeSources({"directive": Plan(1 * MS), "hot": Plan(4 * MS), "cold": Plan(30 * MS)})
-    got = await retrieve(
-        request(),
-        directive_source=fake,
-        memory_source=fake,
-        config=DEFAULTS,
-        arrived=trio.current_time() - 0.015,
-    )
-    assert statuses(got) == {"directive": "success", "hot": "success", "cold": "timeout"}
-    assert "25ms" in got.branches[2].detail
