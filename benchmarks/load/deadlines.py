@@ -96,7 +96,7 @@ async def scenarios(args: argparse.Namespace) -> dict[str, Any]:
         "command": " ".join(["python -m benchmarks.load.deadlines", *sys.argv[1:]])
     }
     step = args.step
-    with Stack() as stack, stack.daemon(1) as daemon:
+    with Stack() as stack, stack.daemon(1, **args.extra_env) as daemon:
         driver = Driver(daemon.addr, channels=4)
         try:
             await driver.ready()
@@ -209,7 +209,15 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument(
+        "--daemon-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra daemon setting, e.g. IBEX_CONTEXT_MAX_CONCURRENT_ASSEMBLIES=8 (repeatable)",
+    )
     args = p.parse_args(argv)
+    args.extra_env = dict(kv.split("=", 1) for kv in args.daemon_env)
     args.step, args.repeats, args.overload, args.after = (
         (4.0, 1, 5.0, 3.0) if args.quick else (8.0, 3, 10.0, 5.0)
     )
