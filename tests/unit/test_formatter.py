@@ -10,20 +10,13 @@ from hypothesis import strategies as st
 
 from ibex.assembly import formatter as fmt
 from ibex.assembly.structs import Directive, Message, ScoredMemory
+from tests.samples import scored
 
 NONCE = "0f1e2d3c4b5a69788796a5b4c3d2e1f0"
 
 
 def mem(mid: str, content: str, category: str = "factual", score: float = 0.5) -> ScoredMemory:
-    return ScoredMemory(
-        memory_id=mid,
-        category=category,
-        content=content,
-        composite_score=score,
-        similarity=score,
-        confidence=score,
-        rank=1,
-    )
+    return scored(mid, score, content=content, category=category)
 
 
 ADVERSARIAL = [

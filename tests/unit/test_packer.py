@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from ibex.assembly.packer import _repair, pack
 from ibex.assembly.structs import ScoredMemory
+from tests.samples import scored
 
 # fine_cells=0 forces the 16-token grain even for tiny budgets; the default may
 # refine it, which the exactness test below relies on.
@@ -19,16 +20,7 @@ FINE = [0, 1 << 16]
 
 
 def mem(i: int | str, score: float, tokens: int) -> ScoredMemory:
-    return ScoredMemory(
-        memory_id=i if isinstance(i, str) else f"m{i:03d}",
-        category="factual",
-        content="",
-        composite_score=score,
-        similarity=score,
-        confidence=score,
-        rank=1,
-        token_estimate=tokens,
-    )
+    return scored(i, score, tokens=tokens)
 
 
 def order(ms: list[ScoredMemory]) -> list[ScoredMemory]:

@@ -19,19 +19,11 @@ import pytest
 from ibex.assembly import packer
 from ibex.assembly.packer import _dp, _grain, _greedy, _improve, _repair, pack
 from ibex.assembly.structs import ScoredMemory
+from tests.samples import scored
 
 
 def mem(i: int | str, score: float, tokens: int) -> ScoredMemory:
-    return ScoredMemory(
-        memory_id=i if isinstance(i, str) else f"m{i:03d}",
-        category="factual",
-        content="",
-        composite_score=score,
-        similarity=score,
-        confidence=score,
-        rank=1,
-        token_estimate=tokens,
-    )
+    return scored(i, score, tokens=tokens)
 
 
 def optimum(tokens: list[int], scores: list[float], capacity: int) -> float:

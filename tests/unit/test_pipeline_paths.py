@@ -36,9 +36,8 @@ from ibex.assembly.structs import (
     Message,
     ScoredMemory,
 )
+from tests.samples import AGENT, ORG
 
-ORG = "00000000-0000-4000-8000-000000000001"
-AGENT = "00000000-0000-4000-8000-0000000000a1"
 NONCE = "1234567890"
 NOW = 1_760_000_000.0
 MODEL = "stub-model"

@@ -25,9 +25,8 @@ from ibex.assembly.validation import (
     validate_request,
 )
 from ibex.errors import InputError, TooLargeError
+from tests.samples import AGENT, ORG
 
-ORG = "00000000-0000-4000-8000-000000000001"
-AGENT = "00000000-0000-4000-8000-0000000000a1"
 VERSION = "00000000-0000-4000-8000-00000000d1d1"
 SMALL = RequestLimits(max_history_messages=3, max_text_bytes=12, max_tool_schemas=2)
 

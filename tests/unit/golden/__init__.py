@@ -16,21 +16,14 @@ from pathlib import Path
 
 from ibex.assembly import formatter as fmt
 from ibex.assembly.structs import Directive, Message, ScoredMemory
+from tests.samples import scored
 
 GOLDEN_DIR = Path(__file__).resolve().parent
 NONCE = "0123456789"
 
 
 def _mem(mid: str, category: str, content: str, score: float) -> ScoredMemory:
-    return ScoredMemory(
-        memory_id=mid,
-        category=category,
-        content=content,
-        composite_score=score,
-        similarity=score,
-        confidence=score,
-        rank=1,
-    )
+    return scored(mid, score, content=content, category=category)
 
 
 def _full() -> str:
