@@ -104,46 +104,34 @@ def _branches(
                 else (lambda: src.get_directive(org, agent)),
             )
         )
-    mem = memory_source
-    hot_skip = (
-        "no memory source configured"
-        if mem is None
-        else "skip_hot_memories"
-        if opts.skip_hot_memories
-        else ""
-    )
-    cold_skip = (
-        "no memory source configured"
-        if mem is None
-        else "skip_cold_memories"
-        if opts.skip_cold_memories
-        else "empty query"
-        if not request.query.strip()
-        else ""
-    )
-    limit, floor = config, config.min_confidence
-    rows.append(
-        _Branch(
-            "hot",
-            config.hot_timeout,
-            None
-            if hot_skip or mem is None
-            else lambda: mem.hot(org, agent, limit=limit.hot_limit, min_confidence=floor),
-            hot_skip,
+    mem, floor = memory_source, config.min_confidence
+    if mem is None:
+        rows.append(_Branch("hot", 0.0, None, "no memory source configured"))
+        rows.append(_Branch("cold", 0.0, None, "no memory source configured"))
+        return rows
+    if opts.skip_hot_memories:
+        rows.append(_Branch("hot", 0.0, None, "skip_hot_memories"))
+    else:
+        rows.append(
+            _Branch(
+                "hot",
+                config.hot_timeout,
+                lambda: mem.hot(org, agent, limit=config.hot_limit, min_confidence=floor),
+            )
         )
-    )
-    rows.append(
-        _Branch(
-            "cold",
-            config.cold_timeout,
-            None
-            if cold_skip or mem is None
-            else lambda: mem.cold(
-                org, agent, request.query, limit=limit.cold_limit, min_confidence=floor
-            ),
-            cold_skip,
+    if opts.skip_cold_memories or not request.query.strip():
+        why = "skip_cold_memories" if opts.skip_cold_memories else "empty query"
+        rows.append(_Branch("cold", 0.0, None, why))
+    else:
+        rows.append(
+            _Branch(
+                "cold",
+                config.cold_timeout,
+                lambda: mem.cold(
+                    org, agent, request.query, limit=config.cold_limit, min_confidence=floor
+                ),
+            )
         )
-    )
     return rows
 
 
