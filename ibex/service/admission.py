@@ -179,9 +179,13 @@ class Admission:
         remaining = ticket.remaining(time.monotonic())
         limit = math.inf if remaining is None else remaining - self.config.min_answer
         acquired = False
-        with trio.move_on_after(max(0.0, limit)):
-            await self._slots.acquire()
+        try:  # a free slot is taken without a pass through the scheduler
+            self._slots.acquire_nowait()
             acquired = True
+        except trio.WouldBlock:
+            with trio.move_on_after(max(0.0, limit)):
+                await self._slots.acquire()
+                acquired = True
         if not acquired:
             if self.queue.standing:
                 self._shed("queue", "overloaded: no assembly slot within the deadline")

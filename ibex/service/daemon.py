@@ -31,6 +31,7 @@ from ibex.assembly.tokens import Tokenizers
 from ibex.ops.metrics import Metrics
 from ibex.ops.sdnotify import Notifier, run_watchdog
 from ibex.service.admission import Admission, AdmissionConfig
+from ibex.service.aio_loop import batch_ready_callbacks
 from ibex.service.assembler import Assembler
 from ibex.service.auth import Authenticator
 from ibex.service.connections import Connections, ConnectionsConfig, LoopErrorHandler
@@ -133,6 +134,7 @@ class Daemon:
             log.warning("insecure_bind", extra={"detail": warning})
         ssl_ctx = self._ssl_context()
         answer_expired_deadlines()
+        batch_ready_callbacks()
         notifier = notifier or Notifier.from_env()
         shutdown = shutdown if shutdown is not None else trio.Event()
         async with trio_asyncio.open_loop() as loop, self._open_assembler() as assembler:

@@ -67,15 +67,25 @@ class DirectiveCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    async def fetch(self, org_id: str, agent_id: str, version: str) -> Answer:
-        """The directive (detail `cache` when no round trip was needed)."""
+    def cached(self, org_id: str, agent_id: str, version: str) -> Answer | None:
+        """The cached answer (detail `cache`) when it may serve, else None; no I/O.
+
+        Retrieval asks this first, so a hit costs no task and no scheduler pass.
+        """
         key = (org_id, agent_id)
         entry = self._entries.get(key)
-        now = self._clock()
-        if entry is not None and self._fresh(entry, version, now):
-            self._entries.move_to_end(key)
-            self.hits += 1
-            return Answer(entry.directive, "cache")
+        if entry is None or not self._fresh(entry, version, self._clock()):
+            return None
+        self._entries.move_to_end(key)
+        self.hits += 1
+        return Answer(entry.directive, "cache")
+
+    async def fetch(self, org_id: str, agent_id: str, version: str) -> Answer:
+        """The directive (detail `cache` when no round trip was needed)."""
+        hit = self.cached(org_id, agent_id, version)
+        if hit is not None:
+            return hit
+        key = (org_id, agent_id)
         self.misses += 1
         directive = await self.source.get_directive(org_id, agent_id)
         self._store(key, directive, self._clock())

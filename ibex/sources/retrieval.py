@@ -69,6 +69,7 @@ class _Branch(msgspec.Struct, frozen=True):
     timeout: float
     call: Callable[[], Awaitable[Any]] | None
     skipped: str = ""
+    ready: Answer | None = None  # answered already (the directive cache): no task to run
 
 
 def request_wall(config: RetrievalConfig, deadline: float | None) -> float:
@@ -95,15 +96,18 @@ def _branches(
     else:
         src = directive_source
         version = request.directive_version_id
-        rows.append(
-            _Branch(
-                "directive",
-                config.directive_timeout,
-                (lambda: src.fetch(org, agent, version))
-                if isinstance(src, DirectiveCache)
-                else (lambda: src.get_directive(org, agent)),
+        if isinstance(src, DirectiveCache):
+            hit = src.cached(org, agent, version)
+            call: Callable[[], Awaitable[Any]] | None = (
+                None if hit is not None else (lambda: src.fetch(org, agent, version))
             )
-        )
+            rows.append(_Branch("directive", config.directive_timeout, call, ready=hit))
+        else:
+            rows.append(
+                _Branch(
+                    "directive", config.directive_timeout, lambda: src.get_directive(org, agent)
+                )
+            )
     mem, floor = memory_source, config.min_confidence
     if mem is None:
         rows.append(_Branch("hot", 0.0, None, "no memory source configured"))
@@ -176,7 +180,12 @@ async def retrieve(
     with trio.move_on_after(wall):
         async with trio.open_nursery() as nursery:
             for row in rows:
-                if row.call is None:
+                if row.ready is not None:
+                    values[row.source] = row.ready.value
+                    outcomes[row.source] = BranchOutcome(
+                        row.source, "success", 0.0, row.ready.detail
+                    )
+                elif row.call is None:
                     outcomes[row.source] = BranchOutcome(row.source, "skipped", 0.0, row.skipped)
                 else:
                     nursery.start_soon(_run_branch, row, outcomes, values)

@@ -23,6 +23,7 @@ from ibex.assembly.structs import AssemblyOptions, AssemblyRequest, Directive, M
 from ibex.config import Settings
 from ibex.service.root import open_assembler
 from ibex.sources.base import SourceError
+from ibex.sources.directive_cache import DirectiveCache, DirectiveCacheConfig
 from ibex.sources.local_file import SAMPLE_AGENT_ID, SAMPLE_ORG_ID
 from ibex.sources.retrieval import RetrievalConfig, Retrieved, request_wall, retrieve
 from tests.samples import AGENT, ORG
@@ -494,3 +495,30 @@ async def test_a_directive_of_another_version_is_served_and_flagged(
     same = msgspec.structs.replace(request(), directive_version_id=have.version_id)
     got, _ = await fetch(FakeSources({"directive": Plan(answer=have)}), same)
     assert got.branches[0].detail == ""
+
+
+async def test_a_cached_directive_is_served_without_a_call_even_past_the_wall(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A cache hit is an answer in hand: no task, no time, so even an expired wall keeps it."""
+    version = "00000000-0000-4000-8000-0000000000d1"
+    have = Directive("Be precise.", version_id=version)
+    fake = FakeSources({"directive": Plan(answer=have)})
+    cache = DirectiveCache(fake, DirectiveCacheConfig())
+    req = msgspec.structs.replace(request(), directive_version_id=version)
+    first = await retrieve(req, directive_source=cache, memory_source=fake, config=DEFAULTS)
+    assert first.directive == have and first.branches[0].detail == ""
+    assert fake.calls["directive"] == 1
+
+    got = await retrieve(
+        req,
+        directive_source=cache,
+        memory_source=fake,
+        config=DEFAULTS,
+        deadline=trio.current_time() - 0.001,
+    )
+    assert fake.calls["directive"] == 1
+    assert got.directive == have
+    assert (got.branches[0].status, got.branches[0].detail) == ("success", "cache")
+    assert got.branches[0].latency_ms == 0.0
+    assert statuses(got)["hot"] == statuses(got)["cold"] == "timeout"
