@@ -12,6 +12,7 @@ test_connections.py and test_client_balancing.py exercise every function below).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ssl as _ssl
 import struct
 import time
@@ -243,7 +244,8 @@ class _TrackedProtocol(H2Protocol):
         for event in events:
             if isinstance(event, RequestReceived):
                 if self._refuse(event.stream_id):
-                    h2.reset_stream(event.stream_id, ErrorCodes.REFUSED_STREAM)
+                    with contextlib.suppress(ProtocolError):  # reset by the client already
+                        h2.reset_stream(event.stream_id, ErrorCodes.REFUSED_STREAM)
                     continue
                 if self._refuse_early(event):
                     continue
@@ -285,16 +287,22 @@ class _TrackedProtocol(H2Protocol):
         message = self._gate(path, timeout)
         if message is None:
             return False
-        self.connection._connection.send_headers(
-            event.stream_id,
-            [
-                (":status", "200"),
-                ("content-type", "application/grpc"),
-                ("grpc-status", str(Status.RESOURCE_EXHAUSTED.value)),
-                ("grpc-message", encode_grpc_message(message)),
-            ],
-            end_stream=True,
-        )
+        # The caller may have reset the stream in the same read (its deadline passed
+        # while the request sat in the socket buffer, common under overload): h2 then
+        # no longer knows the stream and raises. There is nobody left to answer, and
+        # letting the error out would have the loop close the whole connection,
+        # failing every other call on it.
+        with contextlib.suppress(ProtocolError):
+            self.connection._connection.send_headers(
+                event.stream_id,
+                [
+                    (":status", "200"),
+                    ("content-type", "application/grpc"),
+                    ("grpc-status", str(Status.RESOURCE_EXHAUSTED.value)),
+                    ("grpc-message", encode_grpc_message(message)),
+                ],
+                end_stream=True,
+            )
         return True
 
     def _refuse(self, stream_id: int | None) -> bool:

@@ -24,6 +24,7 @@ import trio
 import trio_asyncio
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
+from h2.exceptions import StreamClosedError
 
 from ibex.assembly.candidates import MAX_MEMORIES_HARD_CAP, SearchFilter, rank_search
 from ibex.assembly.structs import AssemblyRequest, AssemblyResult, MemoryHit
@@ -128,6 +129,12 @@ class ContextService:
                     code = "DEADLINE_EXCEEDED"
                     log.info("deadline_missed", extra={"method": method, "detail": "cancelled"})
                 raise
+            except StreamClosedError:
+                # The caller reset the stream (gave up, usually at its deadline) while
+                # the answer was being made: nobody to answer, and not our failure.
+                code = "CANCELLED"
+                log.info("caller_gone", extra={"method": method})
+                raise GRPCError(Status.CANCELLED, "the caller reset the stream") from None
             except Exception:
                 code = "INTERNAL"
                 log.exception("handler_failed", extra={"method": method})

@@ -12,13 +12,16 @@ import functools
 import logging
 import socket
 import struct
+import unittest.mock
 from typing import Any
 
 import h2.config
 import h2.connection
 import h2.events
 import pytest
+from h2.exceptions import StreamClosedError
 
+from ibex.service.handlers import ContextService
 from tests.grpcio_stubs import context_pb2
 
 from .grpc_harness import AGENT, ORG, SERVICE, RunningDaemon, in_thread, running_daemon
@@ -110,3 +113,84 @@ async def test_a_standing_queue_refuses_a_short_call_before_grpclib_starts_it(
     assert roomy["grpc-status"] == "0"
     assert state.metrics.shed_requests.labels("queue")._value.get() == 1
     assert len(state.metrics.requests.collect()[0].samples) > started
+
+
+def reset_then_call(port: int) -> dict[str, str]:
+    """Stream 1: HEADERS, then RST_STREAM in the same write (a caller that gave up while
+    its request sat in the socket buffer); then stream 3, an ordinary call, on the same
+    connection. Stream 3's trailers."""
+    body = context_pb2.AssembleContextRequest(org_id=ORG, agent_id=AGENT, model="gpt-4o")
+    payload = body.SerializeToString()
+    frame = struct.pack(">?I", False, len(payload)) + payload
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    conn.initiate_connection()
+
+    def headers(timeout: str) -> list[tuple[str, str]]:
+        return [
+            (":method", "POST"),
+            (":scheme", "http"),
+            (":path", f"/{SERVICE}/AssembleContext"),
+            (":authority", f"127.0.0.1:{port}"),
+            ("content-type", "application/grpc"),
+            ("te", "trailers"),
+            ("grpc-timeout", timeout),
+        ]
+
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        conn.send_headers(1, headers("45m"))
+        conn.reset_stream(1)
+        sock.sendall(conn.data_to_send())
+        conn.send_headers(3, headers("5S"))
+        conn.send_data(3, frame, end_stream=True)
+        sock.sendall(conn.data_to_send())
+        result: dict[str, str] = {}
+        while "grpc-status" not in result:
+            data = sock.recv(65536)
+            if not data:
+                break
+            for event in conn.receive_data(data):
+                if (
+                    isinstance(event, h2.events.ResponseReceived | h2.events.TrailersReceived)
+                    and event.stream_id == 3
+                ):
+                    result.update((_text(k), _text(v)) for k, v in event.headers)
+            sock.sendall(conn.data_to_send())
+        return result
+
+
+async def test_a_refused_stream_already_reset_by_its_caller_leaves_the_connection_up(
+    daemon: RunningDaemon, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Under overload a caller's RST_STREAM often arrives in the same read as its HEADERS.
+    The early refusal then has no stream to answer; it must not raise out of
+    data_received, which would close the connection and fail every call on it."""
+    state = daemon.daemon.state
+    state.queue.standing, state.queue.estimate, state.pending = True, 0.5, 1
+    try:
+        with caplog.at_level(logging.INFO):
+            other = await in_thread(reset_then_call, daemon.port)
+    finally:
+        state.queue.standing, state.queue.estimate, state.pending = False, 0.0, 0
+    assert other.get("grpc-status") == "0"
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+
+
+async def test_a_caller_gone_when_the_answer_is_sent_is_not_an_error(
+    daemon: RunningDaemon, caplog: pytest.LogCaptureFixture
+) -> None:
+    """h2 raises StreamClosedError when the answer's send finds the stream reset (the
+    caller gave up while its answer was being made; under overload, when the reset is
+    read before grpclib could cancel the handler). That is a caller gone, logged at
+    info and counted CANCELLED, never an error-level "Application error"."""
+
+    async def gone(self: Any, stream: Any, result: Any) -> None:
+        raise StreamClosedError(1)
+
+    with (
+        unittest.mock.patch.object(ContextService, "_send_assembly", gone),
+        caplog.at_level(logging.INFO),
+    ):
+        answer = await in_thread(raw_call, daemon.port, "5S")
+    assert answer["grpc-status"] == "1"  # CANCELLED
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+    assert any(getattr(r, "event", r.getMessage()) == "caller_gone" for r in caplog.records)
