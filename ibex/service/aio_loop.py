@@ -8,9 +8,9 @@ loop runs every callback that is ready when an iteration starts, then polls;
 `batch_ready_callbacks` makes trio-asyncio do the same. After the callback it
 waited for, the loop runs as many more as were queued at that moment (so
 callbacks that keep scheduling callbacks still let Trio run between rounds),
-in the same order, with due timers first as before. It stops at a Trio task
-start (`AsyncHandle`, e.g. a crossing into Trio), which keeps the original's
-wait for the task to start.
+each through the original's own no-wait form (due timers first, as before;
+a Trio task start, e.g. a crossing into Trio, still waits for the task to
+begin).
 
 This is the only module that touches trio-asyncio internals; it checks them at
 install and leaves the loop as it is (logging why) when they have changed.
@@ -18,53 +18,34 @@ install and leaves the loop as it is (logging why) when they have changed.
 
 from __future__ import annotations
 
-import asyncio
-import heapq
 import logging
 from typing import Any
 
 import trio
 import trio_asyncio._base as _base
-from sniffio import thread_local as _sniffio
-from trio_asyncio._handles import AsyncHandle
 
 log = logging.getLogger(__name__)
 
 _Loop = _base.BaseTrioEventLoop
 _original = _Loop._main_loop_one
-# What the replacement relies on, as the original uses it.
-_NEEDS = frozenset({"_q_recv", "_timers", "_nursery", "_started", "_context", "_cancelled"})
+# What the replacement relies on: the queue it sizes a batch by, and the original's
+# no-wait form, which takes one object from that queue with receive_nowait.
+_NEEDS = frozenset({"_q_recv", "receive_nowait"})
 
 
 async def _main_loop_one(self: Any, no_wait: bool = False) -> None:
     await _original(self, no_wait)
     if no_wait:
         return
-    queue = self._q_recv
-    for _ in range(queue.statistics().current_buffer_used):
+    # The original's own no-wait form takes one queued object (or a due timer)
+    # without yielding; only a Trio task start waits, for the task to begin.
+    for _ in range(self._q_recv.statistics().current_buffer_used):
         if self._stopped.is_set():
             return
-        timers = self._timers
-        if timers and timers[0]._when <= self.time():
-            obj = heapq.heappop(timers)
-        else:
-            try:
-                obj = queue.receive_nowait()
-            except trio.WouldBlock:
-                return
-            if isinstance(obj, asyncio.TimerHandle):
-                heapq.heappush(timers, obj)
-                continue
-        if isinstance(obj, AsyncHandle):
-            obj._context.run(self._nursery.start_soon, obj._run, name=obj._callback)
-            await obj._started.wait()
+        try:
+            await _original(self, True)
+        except trio.WouldBlock:
             return
-        if not obj._cancelled:
-            previous, _sniffio.name = _sniffio.name, "asyncio"
-            try:
-                obj._run()
-            finally:
-                _sniffio.name = previous
 
 
 _main_loop_one.batched = True  # type: ignore[attr-defined]
@@ -75,7 +56,7 @@ def batch_ready_callbacks() -> bool:
     if getattr(_Loop._main_loop_one, "batched", False):
         return True
     code = getattr(_original, "__code__", None)
-    if code is None or not set(code.co_names) >= _NEEDS:
+    if code is None or "no_wait" not in code.co_varnames or not set(code.co_names) >= _NEEDS:
         log.warning("aio_batching_off", extra={"detail": "trio_asyncio main loop changed"})
         return False
     _Loop._main_loop_one = _main_loop_one

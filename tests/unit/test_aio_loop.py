@@ -3,7 +3,7 @@
 Pinned: callbacks queued together run in one Trio step of the loop's task (the
 saving), in FIFO order, with a callback scheduled by one of them running after
 those queued before it (asyncio's order); timers still fire in time order; and
-crossings both ways still work (a Trio task start ends a batch).
+crossings both ways still work (a Trio task start inside a batch waits for the task).
 """
 
 from __future__ import annotations
