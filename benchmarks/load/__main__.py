@@ -30,7 +30,14 @@ from typing import Any
 from benchmarks.load.driver import Calls, Driver, build_requests, fixed_rate, health
 from benchmarks.load.profile import top_entries
 from benchmarks.load.report import recovery, summarize, table
-from benchmarks.load.stack import Daemon, Stack, cpu_seconds, system_busy_seconds
+from benchmarks.load.stack import (
+    Daemon,
+    Stack,
+    add_daemon_env,
+    cpu_seconds,
+    daemon_env,
+    system_busy_seconds,
+)
 
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "load.json"
 TARGETS = {
@@ -271,15 +278,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--profile-seconds", type=float, default=10.0)
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     p.add_argument("--out", type=Path, default=RESULTS)
-    p.add_argument(
-        "--daemon-env",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="extra daemon setting, e.g. IBEX_CONTEXT_MAX_IN_FLIGHT=16 (repeatable)",
-    )
+    add_daemon_env(p, "IBEX_CONTEXT_MAX_IN_FLIGHT=16")
     args = p.parse_args(argv)
-    args.extra_env = dict(kv.split("=", 1) for kv in args.daemon_env)
+    args.extra_env = daemon_env(args)
     if args.quick:
         args.rates, args.repeats, args.step, args.callers = [150, 300, 450, 600], 1, 3.0, [8]
         args.warmup, args.moderate, args.cold_duration = 1.5, 150.0, 4.0

@@ -33,7 +33,7 @@ from typing import Any
 
 from benchmarks.load.driver import Calls, Driver, build_requests, fixed_rate
 from benchmarks.load.report import recovery, summarize, table
-from benchmarks.load.stack import Daemon, Stack, cpu_seconds
+from benchmarks.load.stack import Daemon, Stack, add_daemon_env, cpu_seconds, daemon_env
 
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "load.deadlines.json"
 LONG = 1.0  # the "caller deadline 1 s unless stated" of the issue
@@ -209,15 +209,9 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", type=Path, default=RESULTS)
-    p.add_argument(
-        "--daemon-env",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="extra daemon setting, e.g. IBEX_CONTEXT_MAX_CONCURRENT_ASSEMBLIES=8 (repeatable)",
-    )
+    add_daemon_env(p, "IBEX_CONTEXT_MAX_CONCURRENT_ASSEMBLIES=8")
     args = p.parse_args(argv)
-    args.extra_env = dict(kv.split("=", 1) for kv in args.daemon_env)
+    args.extra_env = daemon_env(args)
     args.step, args.repeats, args.overload, args.after = (
         (4.0, 1, 5.0, 3.0) if args.quick else (8.0, 3, 10.0, 5.0)
     )

@@ -8,6 +8,7 @@ worker children, so a multi-worker daemon is charged for all of its processes.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -28,6 +29,21 @@ from tests.redis_server import RedisServer
 
 ROOT = Path(__file__).resolve().parents[2]
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def add_daemon_env(parser: argparse.ArgumentParser, example: str) -> None:
+    """`--daemon-env KEY=VALUE` (repeatable): extra daemon settings; see `daemon_env`."""
+    parser.add_argument(
+        "--daemon-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help=f"extra daemon setting, e.g. {example} (repeatable)",
+    )
+
+
+def daemon_env(args: argparse.Namespace) -> dict[str, str]:
+    return dict(kv.split("=", 1) for kv in args.daemon_env)
 
 
 def free_port() -> int:
