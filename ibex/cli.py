@@ -67,7 +67,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
 
     try:
-        trio.run(daemon.serve)
+        if args.supervisor_fd is None:
+            trio.run(daemon.serve)
+        else:
+            trio.run(_serve_while_supervised, daemon, args.supervisor_fd)
     except Exception as exc:
         error = _startup_error(exc)
         if error is None:
@@ -75,6 +78,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"ibex: configuration error: {error}", file=sys.stderr)
         return 2
     return 0
+
+
+async def _serve_while_supervised(daemon: Any, supervisor_fd: int) -> None:
+    """A worker's life: serve until a signal, or until the supervisor is gone."""
+    import trio
+
+    from ibex.ops.workers import leave_with_supervisor
+
+    shutdown = trio.Event()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(leave_with_supervisor, supervisor_fd, shutdown)
+        await daemon.serve(shutdown=shutdown)
+        nursery.cancel_scope.cancel()
 
 
 def _warn_unknown_variables() -> None:
@@ -259,6 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
     # Set by the supervisor (ibex/ops/workers.py): this worker's slot, for its own
     # port (IBEX_CONTEXT_WORKER_PORT_BASE + index) and the x-ibex-worker trailer.
     s.add_argument("--worker-index", type=int, default=None, help=argparse.SUPPRESS)
+    # Set by the supervisor: a pipe that turns readable when it is gone (leave_with_supervisor).
+    s.add_argument("--supervisor-fd", type=int, default=None, help=argparse.SUPPRESS)
     s.set_defaults(func=cmd_serve)
 
     a = sub.add_parser("assemble", help="ask a running daemon for a context block")

@@ -26,7 +26,6 @@ metrics server and the watchdog; nothing outlives `supervise`.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import shutil
@@ -88,8 +87,14 @@ class Supervisor:
         env.pop("IBEX_CONTEXT_METRICS_ADDR", None)  # the supervisor serves the aggregate
         return env
 
-    def _argv(self, worker: Worker) -> list[str]:
-        return [*self.argv, "--worker-index", str(worker.index)]
+    def _argv(self, worker: Worker, supervisor_fd: int) -> list[str]:
+        return [
+            *self.argv,
+            "--worker-index",
+            str(worker.index),
+            "--supervisor-fd",
+            str(supervisor_fd),
+        ]
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         runtime = Path(tempfile.mkdtemp(prefix="ibex-workers-"))
@@ -166,13 +171,20 @@ class Supervisor:
         sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_DGRAM)
         worker.notify_path.unlink(missing_ok=True)
         await sock.bind(str(worker.notify_path))
+        # The worker's end of a pipe only this process writes to: it sees EOF when we die
+        # (see `leave_with_supervisor`). Both ends are non-inheritable; `pass_fds` hands
+        # the read end to this worker alone.
+        theirs, ours = os.pipe()
         try:
-            process = await trio.lowlevel.open_process(
-                self._argv(worker),
-                env=self._env(worker),
-                stdin=subprocess.DEVNULL,
-                preexec_fn=die_with_parent,
-            )
+            try:
+                process = await trio.lowlevel.open_process(
+                    self._argv(worker, theirs),
+                    env=self._env(worker),
+                    stdin=subprocess.DEVNULL,
+                    pass_fds=(theirs,),
+                )
+            finally:
+                os.close(theirs)
             worker.process = process
             worker.serving = trio.Event()
             worker.last_ping = trio.current_time()
@@ -185,6 +197,7 @@ class Supervisor:
             _forget(process.pid)
             return int(process.returncode or 0)
         finally:
+            os.close(ours)
             sock.close()
 
     async def _listen(self, worker: Worker, sock: trio.socket.SocketType) -> None:
@@ -224,22 +237,22 @@ def _forget(pid: int) -> None:
         mark_process_dead(pid)
 
 
-_PR_SET_PDEATHSIG = 1
+async def leave_with_supervisor(fd: int, shutdown: trio.Event) -> None:
+    """In a worker: drain and exit once the supervisor is gone, however it went.
 
-
-def die_with_parent() -> None:
-    """In the forked worker: SIGTERM when the supervisor dies, however it dies.
-
-    Under systemd (KillMode=mixed) or in a container the workers go with the
-    unit anyway; started by hand, a supervisor killed with SIGKILL would
-    otherwise leave its workers serving on the port with nobody to restart or
-    stop them. Linux only; elsewhere a no-op.
+    The supervisor holds the write end of a pipe whose read end is `fd`; the
+    kernel closes it when the supervisor dies (SIGKILL included), and the read
+    end turns readable (EOF). Under systemd (KillMode=mixed) or in a container
+    the workers go with the unit anyway; started by hand, a supervisor killed
+    with SIGKILL would otherwise leave its workers serving on the port with
+    nobody to restart or stop them. (Not PR_SET_PDEATHSIG: it fires when the
+    *thread* that forked the child exits, and trio forks from a worker thread
+    that its thread cache retires after 10 idle seconds: every worker was
+    sent SIGTERM about 10 s after it started.)
     """
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
+    await trio.lowlevel.wait_readable(fd)
+    log.warning("supervisor_gone", extra={"detail": "draining"})
+    shutdown.set()
 
 
 def supervise(settings: Settings) -> int:

@@ -18,6 +18,18 @@ is served with whatever time its deadline leaves. What is refused, and why:
   with room (a 1 s deadline behind a closed loop of 32 callers) are queued,
   never refused.
 
+- `RESOURCE_EXHAUSTED` (`cpu`): the loop is saturated and the calls already
+  let in would not leave a new one time to finish. Once the loop is busy,
+  admitted calls share it: each one's latency grows with every other one
+  let in, and past a point all of them miss their deadlines together while
+  no queue for a slot ever forms. By Little's law a saturated loop finishes a
+  new call after about (calls ahead + 1) x CPU per finished call; the HEADERS
+  gate (before grpclib spends a task on the call) refuses it when that
+  exceeds its deadline less `wait_margin`. Calls waiting on a slow dependency
+  hold no CPU, so the estimate is used only while the loop thread is busy at
+  least `saturated` of the time; and a call with less than `min_useful` left
+  is never refused as overload (an idle daemon could not serve it either).
+
 Refusing costs microseconds; a call that cannot be served in time would cost
 the core and delay every admitted call behind it. The event loop's timer
 lateness is not used: bursts, a GC, one big call or another process on the
@@ -30,7 +42,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 
 import msgspec
@@ -40,6 +52,8 @@ from ibex.errors import DeadlineError, Overloaded, Unavailable
 from ibex.ops.metrics import Metrics
 
 _EWMA = 0.2  # weight of the newest sample in the wait and service estimates
+_CPU_WINDOW = 0.025  # seconds of loop-thread CPU accounting per utilisation sample
+_CPU_EWMA = 0.5  # weight of the newest window in the utilisation and CPU-per-call estimates
 
 
 class AdmissionConfig(msgspec.Struct, frozen=True):
@@ -52,6 +66,8 @@ class AdmissionConfig(msgspec.Struct, frozen=True):
     queue_target: float = 0.005
     queue_interval: float = 0.100
     read_timeout: float = 5.0
+    saturated: float = 0.5
+    wait_margin: float = 0.005
 
 
 class QueueDelay:
@@ -73,6 +89,55 @@ class QueueDelay:
             self._above_since = now
         elif now - self._above_since >= self.interval:
             self.standing = True
+
+
+class CpuLoad:
+    """The loop thread's utilisation and CPU per finished call, over short windows.
+
+    `time.thread_time` counts this thread only: worker threads (large counts)
+    neither raise the estimate nor make the loop look busy, and neither does
+    another process taking the core.
+    """
+
+    def __init__(
+        self,
+        window: float = _CPU_WINDOW,
+        cpu_clock: Callable[[], float] = time.thread_time,
+        now: float | None = None,
+    ) -> None:
+        self.window = window
+        self.utilisation = 0.0
+        self.per_call = 0.0
+        self._cpu_clock = cpu_clock
+        self._t0 = time.monotonic() if now is None else now
+        self._cpu0 = cpu_clock()
+        self._calls = 0
+
+    def finished(self, now: float) -> None:
+        """One call ended (any outcome after it passed the gate)."""
+        self._calls += 1
+        self.sample(now)
+
+    def sample(self, now: float) -> None:
+        elapsed = now - self._t0
+        if elapsed < self.window:
+            return
+        cpu = self._cpu_clock()
+        used = cpu - self._cpu0
+        self.utilisation += _CPU_EWMA * (min(1.0, used / elapsed) - self.utilisation)
+        if self._calls:
+            self.per_call += _CPU_EWMA * (used / self._calls - self.per_call)
+        self._t0, self._cpu0, self._calls = now, cpu, 0
+
+    def latency(self, ahead: int, saturated: float) -> float:
+        """A new call's expected time to finish behind `ahead` calls, when CPU-bound.
+
+        0 while the loop is less than `saturated` busy: then calls wait on I/O, not
+        on each other, and no estimate from CPU applies.
+        """
+        if self.utilisation < saturated:
+            return 0.0
+        return (ahead + 1) * self.per_call
 
 
 class Ticket:
@@ -97,6 +162,8 @@ class Admission:
         self.metrics = metrics
         self.in_flight = 0
         self.pending = 0  # arrived, not yet assembling
+        self.gated = 0  # passed the HEADERS gate, handler not yet started
+        self.cpu = CpuLoad()
         self.draining = False
         self.idle = asyncio.Event()
         self.idle.set()
@@ -128,13 +195,42 @@ class Admission:
             )
         return None
 
+    def cpu_wait_refuses(self, remaining: float | None, now: float) -> str | None:
+        """The refusal message when a saturated loop could not finish the call in time, or None.
+
+        Calls an idle daemon could not serve usefully either (less than `min_useful`
+        left) are not refused here: they get their degraded answer or
+        DEADLINE_EXCEEDED downstream, never an overload status.
+        """
+        if remaining is None or remaining < self.config.min_useful:
+            return None
+        self.cpu.sample(now)
+        latency = self.cpu.latency(self.gated + self.in_flight, self.config.saturated)
+        if latency <= remaining - self.config.wait_margin:
+            return None
+        return (
+            f"overloaded: about {latency * 1000:.0f}ms to finish behind the calls in flight, "
+            f"{remaining * 1000:.0f}ms left"
+        )
+
     def gate(self, method: str, remaining: float | None) -> str | None:
-        """Asked as a call's HEADERS arrive, before any per-call work (`grpc_shim`)."""
-        message = self.standing_queue_refuses(remaining)
-        if message is not None:
-            self.metrics.shed("queue")
-            self.metrics.observe_request(method.rsplit("/", 1)[-1], "RESOURCE_EXHAUSTED", 0.0)
+        """Asked as a call's HEADERS arrive, before any per-call work (`grpc_shim`).
+
+        None admits the call past the gate (counted in `gated` until `left_gate`).
+        """
+        reason, message = "cpu", self.cpu_wait_refuses(remaining, time.monotonic())
+        if message is None:
+            reason, message = "queue", self.standing_queue_refuses(remaining)
+        if message is None:
+            self.gated += 1
+            return None
+        self.metrics.shed(reason)
+        self.metrics.observe_request(method.rsplit("/", 1)[-1], "RESOURCE_EXHAUSTED", 0.0)
         return message
+
+    def left_gate(self) -> None:
+        """A call that passed the gate has started its handler (or ended without one)."""
+        self.gated -= 1
 
     @contextmanager
     def admitted(self, arrived: float, remaining: float | None) -> Iterator[Ticket]:
@@ -163,6 +259,7 @@ class Admission:
             if not ticket.started:  # refused or failed before its assembly began
                 self.pending -= 1
             self.in_flight -= 1
+            self.cpu.finished(time.monotonic())
             if self.in_flight == 0:
                 self.idle.set()
 

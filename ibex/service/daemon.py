@@ -143,7 +143,9 @@ class Daemon:
             self.metrics.set_token_cache_source(lambda: _cache_totals(tokenizers))
             server = self.build_server(assembler)
             self.server = server
-            track_connections(server, self.connections, gate=self.state.gate)
+            track_connections(
+                server, self.connections, gate=self.state.gate, gate_left=self.state.left_gate
+            )
             # Start-up objects (catalog, rank tables, modules) live for the process:
             # move them out of the collector's reach so a full collection cannot
             # stall the loop for tens of milliseconds inside a 5 ms branch budget.

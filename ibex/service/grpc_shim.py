@@ -79,6 +79,13 @@ def arrival(stream: grpclib.server.Stream[Any, Any]) -> float | None:
     return arrived if isinstance(arrived, float) else None
 
 
+def handler_started(stream: grpclib.server.Stream[Any, Any]) -> None:
+    """The handler of a call the gate let through now runs: it no longer waits to start."""
+    left = stream._stream.__dict__.pop("ibex_gate_left", None)
+    if left is not None:
+        left()
+
+
 def bound_port(server: grpclib.server.Server) -> int:
     """The port the server listens on (after `start`, also when it asked for port 0)."""
     assert server._server is not None
@@ -140,22 +147,32 @@ def answer_expired_deadlines() -> None:
 Gate = Callable[[str, float | None], str | None]
 """(method path, the call's grpc-timeout in seconds) -> a refusal message, or None to admit."""
 
+GateLeft = Callable[[], None]
+"""Called once for every call the gate admitted, when its handler starts or its task ends."""
+
 
 def track_connections(
-    server: grpclib.server.Server, connections: Connections, gate: Gate | None = None
+    server: grpclib.server.Server,
+    connections: Connections,
+    gate: Gate | None = None,
+    gate_left: GateLeft | None = None,
 ) -> None:
     """Route every connection `server` accepts through `connections` (call before `start`).
 
     `Server.start` builds protocols with `self._protocol_factory`; an instance
     attribute of that name wins over the method, so each accepted socket gets a
     `_TrackedProtocol` carrying the same grpclib handler. `gate` is asked about
-    every new call before grpclib starts a task for it (see `_refuse_early`).
+    every new call before grpclib starts a task for it (see `_refuse_early`);
+    `gate_left` hears once for each call it let through, when the handler starts
+    (`handler_started`) or, if it never does, when the call's task ends.
     """
     original = server._protocol_factory
 
     def factory() -> H2Protocol:
         base = original()
-        return _TrackedProtocol(base.handler, base.config, base.h2_config, connections, gate)
+        return _TrackedProtocol(
+            base.handler, base.config, base.h2_config, connections, gate, gate_left
+        )
 
     server._protocol_factory = factory  # type: ignore[method-assign]
 
@@ -214,10 +231,12 @@ class _TrackedProtocol(H2Protocol):
         h2_config: Any,
         connections: Connections,
         gate: Gate | None = None,
+        gate_left: GateLeft | None = None,
     ):
         super().__init__(handler, config, h2_config)
         self._connections = connections
         self._gate = gate
+        self._gate_left = gate_left
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         if not self._connections.admit(self):
@@ -255,6 +274,7 @@ class _TrackedProtocol(H2Protocol):
                 stream = self.processor.streams.get(event.stream_id)
                 if stream is not None:
                     stream.ibex_arrived = now  # type: ignore[attr-defined]
+                self._track_gated(stream)
                 continue
             if isinstance(event, PingAckReceived) and event.ping_data == GOAWAY_PING:
                 self._connections.acked(self)
@@ -304,6 +324,25 @@ class _TrackedProtocol(H2Protocol):
                 end_stream=True,
             )
         return True
+
+    def _track_gated(self, stream: Any) -> None:
+        """Hand `gate_left` to the call the gate just let through: its handler calls it on
+        start (`handler_started`); a task cancelled before it ran calls it when done."""
+        left = self._gate_left
+        if self._gate is None or left is None:
+            return
+        tasks = getattr(self.handler, "_tasks", {})  # grpclib's Handler: stream -> task
+        task = tasks.get(stream) if stream is not None else None
+        if task is None:  # grpclib answered it without a task (it cannot today)
+            left()
+            return
+        stream.ibex_gate_left = left
+
+        def done(_: object) -> None:
+            if stream.__dict__.pop("ibex_gate_left", None) is not None:
+                left()
+
+        task.add_done_callback(done)
 
     def _refuse(self, stream_id: int | None) -> bool:
         return (

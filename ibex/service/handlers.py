@@ -38,7 +38,7 @@ from ibex.service import wire as pb
 from ibex.service.admission import Admission, Ticket
 from ibex.service.assembler import Assembler
 from ibex.service.auth import Authenticator, check_principal
-from ibex.service.grpc_shim import arrival, recv_bounded
+from ibex.service.grpc_shim import arrival, handler_started, recv_bounded
 from ibex.service.status import grpc_error
 
 log = logging.getLogger(__name__)
@@ -106,6 +106,7 @@ class ContextService:
         """Admission, authentication, the one error-to-status mapping, accounting."""
 
         async def run(stream: grpclib.server.Stream[Any, Any]) -> None:
+            handler_started(stream)
             t0 = time.perf_counter()
             code = "OK"
             try:
@@ -113,6 +114,8 @@ class ContextService:
                 peer_cert = stream.peer.cert() if self.auth.mtls else None
                 self.auth.authenticate(stream.metadata or {}, peer_cert)
                 await handler(stream)
+                if _cancel_swallowed():
+                    raise asyncio.CancelledError
             except IbexError as exc:
                 code = exc.status
                 if isinstance(exc, DeadlineError):
@@ -134,6 +137,8 @@ class ContextService:
                 # the answer was being made: nobody to answer, and not our failure.
                 code = "CANCELLED"
                 log.info("caller_gone", extra={"method": method})
+                if _cancel_swallowed():  # grpclib saw the reset too: end as it expects
+                    raise asyncio.CancelledError from None
                 raise GRPCError(Status.CANCELLED, "the caller reset the stream") from None
             except Exception:
                 code = "INTERNAL"
@@ -275,6 +280,19 @@ class ContextService:
         raise UnimplementedError(
             "RecordMemoryFeedback: the memory service offers no feedback endpoint yet"
         )
+
+
+def _cancel_swallowed() -> bool:
+    """True when grpclib cancelled this handler's task but the cancel never surfaced.
+
+    grpclib cancels the task at the caller's deadline or reset. When the Trio side
+    has already passed its last checkpoint, trio-asyncio delivers its result
+    anyway and the cancel is lost; finishing normally then makes grpclib log
+    "Failed to handle cancellation" at error level. Ending cancelled makes it a
+    deadline miss (or a caller gone), as it is.
+    """
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 def _timing(stream: grpclib.server.Stream[Any, Any]) -> tuple[float, float | None]:

@@ -12,6 +12,7 @@ import functools
 import logging
 import socket
 import struct
+import time
 import unittest.mock
 from typing import Any
 
@@ -19,6 +20,7 @@ import h2.config
 import h2.connection
 import h2.events
 import pytest
+import trio
 from h2.exceptions import StreamClosedError
 
 from ibex.service.handlers import ContextService
@@ -194,3 +196,43 @@ async def test_a_caller_gone_when_the_answer_is_sent_is_not_an_error(
     assert answer["grpc-status"] == "1"  # CANCELLED
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
     assert any(getattr(r, "event", r.getMessage()) == "caller_gone" for r in caplog.records)
+
+
+async def test_an_answer_finished_after_grpclib_gave_up_is_a_deadline_miss_not_an_error(
+    daemon: RunningDaemon, caplog: pytest.LogCaptureFixture
+) -> None:
+    """grpclib cancels the handler at the caller's deadline, but an assembly that cannot be
+    interrupted (counting in a worker thread) still returns its answer to the handler.
+    Finishing normally after grpclib's cancel made it log "Failed to handle cancellation"
+    at error level for every such call under overload; it is a deadline miss (info)."""
+    real = ContextService._assemble_in_trio
+
+    async def slow(self: Any, request: Any, ticket: Any) -> Any:
+        result = await real(self, request, ticket)
+        # The Trio task is cancelled while the thread runs, but reaches no checkpoint
+        # after it: trio-asyncio hands the result to the cancelled asyncio task.
+        await trio.to_thread.run_sync(time.sleep, 0.3)
+        return result
+
+    with (
+        unittest.mock.patch.object(ContextService, "_assemble_in_trio", slow),
+        caplog.at_level(logging.INFO),
+    ):
+        late = await in_thread(raw_call, daemon.port, "50m")
+    assert late["grpc-status"] == "4"  # DEADLINE_EXCEEDED
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+    assert any(getattr(r, "event", r.getMessage()) == "deadline_missed" for r in caplog.records)
+
+
+async def test_every_call_the_gate_lets_through_is_released(daemon: RunningDaemon) -> None:
+    """The gate counts calls between their HEADERS and their handler's start (the CPU wait
+    estimate depends on it); whatever becomes of a call, the count returns to zero."""
+    state = daemon.daemon.state
+    await in_thread(raw_call, daemon.port, "5S")  # served
+    await in_thread(raw_call, daemon.port, "1n")  # expired on arrival
+    await in_thread(reset_then_call, daemon.port)  # reset in the same read, then served
+    await in_thread(functools.partial(raw_call, send_body=False), daemon.port, "45m")  # no body
+    with trio.fail_after(10):
+        while state.gated or state.in_flight:  # noqa: ASYNC110 (state of another loop)
+            await trio.sleep(0.01)
+    assert state.gated == 0 and state.in_flight == 0

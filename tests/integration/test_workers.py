@@ -293,3 +293,47 @@ async def test_worker_never_ready_is_restarted(monkeypatch: pytest.MonkeyPatch) 
         assert not sup.all_ready.is_set()
         await sup.stop()
         nursery.cancel_scope.cancel()
+
+
+def _gone(pid: int) -> bool:
+    """Exited: no such process, or a zombie nobody has reaped yet."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] == "Z"
+
+
+def test_workers_drain_and_exit_when_the_supervisor_is_killed(
+    supervisor: tuple[subprocess.Popen[str], int, int, socket.socket, Path],
+) -> None:
+    """SIGKILL leaves the supervisor no time to stop its workers: each notices on its own
+    (EOF on the pipe it holds) and drains, instead of serving on with nobody to stop it."""
+    proc, _, _, notify, log_path = supervisor
+    wait_ready(notify)
+    workers = children(proc.pid)
+    assert len(workers) == 2
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=10)
+    wait_for(lambda: all(_gone(w) for w in workers), 30, "the orphaned workers to exit")
+    stderr = log_path.read_text()
+    assert stderr.count('"event":"supervisor_gone"') == 2
+    assert stderr.count('"event":"stopped"') == 2
+
+
+async def test_a_worker_outlives_the_thread_that_started_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """trio starts processes from a cached worker thread that retires when idle. A worker
+    tied to its parent *thread* (PR_SET_PDEATHSIG) was sent SIGTERM when that thread
+    retired, about 10 s after every start; here the thread retires within 0.1 s."""
+    monkeypatch.setattr(trio._core._thread_cache, "IDLE_TIMEOUT", 0.1)
+    sup = await run_fake(monkeypatch, 0.0)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sup.run)
+        with trio.fail_after(30):
+            await sup.all_ready.wait()
+        await trio.sleep(1.0)
+        assert sup.restart_metric.counts == {"exited": 0, "unresponsive": 0}
+        await sup.stop()
+        nursery.cancel_scope.cancel()

@@ -9,7 +9,7 @@ import trio
 
 from ibex.errors import DeadlineError, Overloaded, Unavailable
 from ibex.ops.metrics import Metrics
-from ibex.service.admission import Admission, AdmissionConfig, QueueDelay
+from ibex.service.admission import Admission, AdmissionConfig, CpuLoad, QueueDelay
 
 CONFIG = AdmissionConfig(
     max_in_flight=4,
@@ -195,3 +195,96 @@ def test_the_sojourn_starts_when_the_call_arrived_not_when_its_handler_ran() -> 
     arrived = time.monotonic() - 0.030
     with a.admitted(arrived, 1.0) as ticket:
         assert ticket.arrived == arrived
+
+
+# -- the CPU gate (HEADERS time) ----------------------------------------------------------------
+
+
+class FakeCpu:
+    """The loop thread's CPU clock, advanced by hand."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def __call__(self) -> float:
+        return self.seconds
+
+
+def test_cpu_load_measures_utilisation_and_cpu_per_finished_call() -> None:
+    cpu = FakeCpu()
+    load = CpuLoad(window=0.025, cpu_clock=cpu, now=0.0)
+    t = 0.0
+    for _ in range(20):  # 25 ms windows, the loop busy 100 %, 5 calls each: 5 ms per call
+        cpu.seconds += 0.025
+        for _ in range(5):
+            load.finished(t)
+        t += 0.025
+        load.finished(t)
+    assert load.utilisation == pytest.approx(1.0, abs=0.01)
+    assert load.per_call == pytest.approx(0.025 / 6, rel=0.05)
+    # A second of idle loop: the next sample reads idle at once (one window's weight).
+    load.sample(t + 1.0)
+    assert load.utilisation < 0.55
+
+
+def test_windows_shorter_than_the_window_are_not_sampled() -> None:
+    cpu = FakeCpu()
+    load = CpuLoad(window=0.025, cpu_clock=cpu, now=0.0)
+    cpu.seconds = 0.010
+    load.finished(0.010)
+    assert load.utilisation == 0.0 and load.per_call == 0.0
+
+
+def _saturated(a: Admission, per_call: float) -> None:
+    a.cpu.utilisation, a.cpu.per_call = 1.0, per_call
+    a.cpu.sample = lambda now: None  # type: ignore[method-assign]  # keep the state set here
+
+
+def test_a_saturated_loop_refuses_a_call_it_could_not_finish_in_time() -> None:
+    """Little's law: behind n calls a saturated loop finishes a new one after (n+1) x CPU
+    per call; refused when that passes the deadline less the margin (5 ms)."""
+    a = admission(AdmissionConfig(max_in_flight=64, wait_margin=0.005))
+    _saturated(a, 0.004)
+    a.in_flight = 9  # (9 + 1) x 4 ms = 40 ms = 45 ms - 5 ms: still fits
+    assert a.gate("/svc/AssembleContext", 0.045) is None
+    assert a.gated == 1
+    a.in_flight, a.gated = 5, 5  # calls let in and not started count as ahead too
+    message = a.gate("/svc/AssembleContext", 0.045)
+    assert message is not None and message.startswith("overloaded")
+    assert a.gated == 5  # a refused call is not counted
+    assert a.gate("/svc/AssembleContext", 1.0) is None  # a 1 s call has room
+    assert a.gate("/svc/AssembleContext", None) is None  # no deadline: only the cap applies
+    assert shed(a, "cpu") == 1
+
+
+def test_the_cpu_gate_never_refuses_a_call_an_idle_daemon_could_not_serve_either() -> None:
+    """Less than min_useful left: the call gets its degraded answer or DEADLINE_EXCEEDED
+    downstream, never RESOURCE_EXHAUSTED."""
+    a = admission(AdmissionConfig(max_in_flight=64, min_useful=0.020))
+    _saturated(a, 0.004)
+    a.in_flight = 60
+    assert a.gate("/svc/AssembleContext", 0.005) is None
+    assert a.gate("/svc/AssembleContext", 0.0199) is None
+    assert a.gate("/svc/AssembleContext", 0.020) is not None
+    assert shed(a, "cpu") == 1
+
+
+def test_a_loop_that_is_not_saturated_refuses_nothing_for_cpu() -> None:
+    """Calls waiting on a slow dependency hold no CPU: many in flight on a half-idle loop
+    are no queue."""
+    a = admission(AdmissionConfig(max_in_flight=64, saturated=0.5))
+    _saturated(a, 0.004)
+    a.cpu.utilisation = 0.45
+    a.in_flight = 40
+    assert a.gate("/svc/AssembleContext", 0.045) is None
+    assert shed(a, "cpu") == 0
+
+
+def test_left_gate_undoes_what_gate_counted() -> None:
+    a = admission()
+    assert a.gate("/svc/AssembleContext", 1.0) is None
+    assert a.gate("/svc/AssembleContext", None) is None
+    assert a.gated == 2
+    a.left_gate()
+    a.left_gate()
+    assert a.gated == 0
