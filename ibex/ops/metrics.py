@@ -68,7 +68,7 @@ import os
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 import trio
 from prometheus_client import (
@@ -333,13 +333,22 @@ class Metrics:
         self._level = {level: self.degradation.labels(level) for level in LEVELS}
         self._path = {path: self.pack_path.labels(path) for path in PACK_PATHS}
         self._shed = {reason: self.shed_requests.labels(reason) for reason in SHED_REASONS}
+        # (method, code) -> label children: `labels()` takes a lock and validates on every
+        # call, a cost the overload path pays per refusal. Methods are the service's own
+        # names (callers map anything else to one label), codes the gRPC status names,
+        # so this stays a few dozen entries.
+        self._request_children: dict[tuple[str, str], tuple[Any, Any]] = {}
 
     # ------------------------------------------------------------------ recording
 
     def observe_request(self, method: str, code: str, seconds: float) -> None:
         """One finished RPC: short method name, gRPC status name, handling time."""
-        self.requests.labels(method, code).inc()
-        self.request_duration.labels(method).observe(max(0.0, seconds))
+        children = self._request_children.get((method, code))
+        if children is None:
+            children = (self.requests.labels(method, code), self.request_duration.labels(method))
+            self._request_children[method, code] = children
+        children[0].inc()
+        children[1].observe(max(0.0, seconds))
 
     def in_flight(self) -> AbstractContextManager[None]:
         """Count the enclosed block as an in-flight request, however it ends."""

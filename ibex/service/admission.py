@@ -56,6 +56,10 @@ _CPU_WINDOW = 0.025  # seconds of loop-thread CPU accounting per utilisation sam
 _CPU_EWMA = 0.5  # weight of the newest window in the utilisation and CPU-per-call estimates
 
 
+GATE_CPU_MESSAGE = "overloaded: the calls in flight leave this one too little time"
+GATE_QUEUE_MESSAGE = "overloaded: a standing queue leaves this call too little time"
+
+
 class AdmissionConfig(msgspec.Struct, frozen=True):
     """Admission limits (seconds); defaults live here only."""
 
@@ -67,7 +71,7 @@ class AdmissionConfig(msgspec.Struct, frozen=True):
     queue_interval: float = 0.100
     read_timeout: float = 5.0
     saturated: float = 0.5
-    wait_margin: float = 0.005
+    wait_margin: float = 0.010
 
 
 class QueueDelay:
@@ -195,37 +199,36 @@ class Admission:
             )
         return None
 
-    def cpu_wait_refuses(self, remaining: float | None, now: float) -> str | None:
-        """The refusal message when a saturated loop could not finish the call in time, or None.
+    def cpu_wait_refuses(self, remaining: float | None, now: float) -> bool:
+        """True when a saturated loop could not finish the call in time.
 
         Calls an idle daemon could not serve usefully either (less than `min_useful`
         left) are not refused here: they get their degraded answer or
         DEADLINE_EXCEEDED downstream, never an overload status.
         """
         if remaining is None or remaining < self.config.min_useful:
-            return None
+            return False
         self.cpu.sample(now)
         latency = self.cpu.latency(self.gated + self.in_flight, self.config.saturated)
-        if latency <= remaining - self.config.wait_margin:
-            return None
-        return (
-            f"overloaded: about {latency * 1000:.0f}ms to finish behind the calls in flight, "
-            f"{remaining * 1000:.0f}ms left"
-        )
+        return latency > remaining - self.config.wait_margin
 
     def gate(self, method: str, remaining: float | None) -> str | None:
         """Asked as a call's HEADERS arrive, before any per-call work (`grpc_shim`).
 
-        None admits the call past the gate (counted in `gated` until `left_gate`).
+        `method` is the short method name, or one label for anything unknown (it is a
+        metrics label: a caller's path must not make new ones). None admits the call
+        past the gate (counted in `gated` until `left_gate`). The refusal messages are
+        constant: HPACK then sends each as an index into its table, not a new string.
         """
-        reason, message = "cpu", self.cpu_wait_refuses(remaining, time.monotonic())
-        if message is None:
-            reason, message = "queue", self.standing_queue_refuses(remaining)
-        if message is None:
+        if self.cpu_wait_refuses(remaining, time.monotonic()):
+            reason, message = "cpu", GATE_CPU_MESSAGE
+        elif self.standing_queue_refuses(remaining) is not None:
+            reason, message = "queue", GATE_QUEUE_MESSAGE
+        else:
             self.gated += 1
             return None
         self.metrics.shed(reason)
-        self.metrics.observe_request(method.rsplit("/", 1)[-1], "RESOURCE_EXHAUSTED", 0.0)
+        self.metrics.observe_request(method, "RESOURCE_EXHAUSTED", 0.0)
         return message
 
     def left_gate(self) -> None:

@@ -77,9 +77,17 @@ class Assembler:
         return request
 
     async def assemble(
-        self, request: AssemblyRequest, *, deadline: float | None = None, validated: bool = False
+        self,
+        request: AssemblyRequest,
+        *,
+        deadline: float | None = None,
+        arrived: float | None = None,
+        validated: bool = False,
     ) -> AssemblyResult:
-        """Retrieve within the wall (and the caller's deadline), then run the pipeline."""
+        """Retrieve within the wall (and the caller's deadline), then run the pipeline.
+
+        `deadline` and `arrived` (when the call reached the process) are on the Trio clock.
+        """
         if not validated:
             request = self.check_request(request)
         got = await retrieve(
@@ -88,6 +96,7 @@ class Assembler:
             memory_source=self.memory_source,
             config=self.retrieval,
             deadline=deadline,
+            arrived=arrived,
         )
         inputs = AssemblyInputs(
             request=request,

@@ -42,7 +42,7 @@ from ibex.service.grpc_shim import (
     stop_accepting,
     track_connections,
 )
-from ibex.service.handlers import ContextService, EdgeConfig
+from ibex.service.handlers import ContextService, EdgeConfig, method_label
 from ibex.service.reflection import with_reflection
 
 log = logging.getLogger(__name__)
@@ -144,7 +144,7 @@ class Daemon:
             server = self.build_server(assembler)
             self.server = server
             track_connections(
-                server, self.connections, gate=self.state.gate, gate_left=self.state.left_gate
+                server, self.connections, gate=self._gate, gate_left=self.state.left_gate
             )
             # Start-up objects (catalog, rank tables, modules) live for the process:
             # move them out of the collector's reach so a full collection cannot
@@ -185,6 +185,9 @@ class Daemon:
                 await self.drain(server)
                 nursery.cancel_scope.cancel()
             log.info("stopped", extra={"in_flight": self.state.in_flight})
+
+    def _gate(self, path: str, remaining: float | None) -> str | None:
+        return self.state.gate(method_label(path), remaining)
 
     async def drain(self, server: grpclib.server.Server) -> None:
         """Stop listening, GOAWAY every connection, wait for in-flight calls, then close.

@@ -48,6 +48,14 @@ _PREFIX = f"/{SERVICE}/"
 SEARCH_DEFAULT_LIMIT = 10
 
 Handler = Callable[[grpclib.server.Stream[Any, Any]], Awaitable[None]]
+METHODS = frozenset({"AssembleContext", "SearchMemories", "RecordMemoryFeedback"})
+
+
+def method_label(path: str) -> str:
+    """A call's `:path` as the metrics' method label: the short name, or "other"."""
+    if path.startswith(_PREFIX) and (name := path[len(_PREFIX) :]) in METHODS:
+        return name
+    return "other"
 
 
 class EdgeConfig(msgspec.Struct, frozen=True):
@@ -184,10 +192,14 @@ class ContextService:
 
     async def _assemble_in_trio(self, request: AssemblyRequest, ticket: Ticket) -> AssemblyResult:
         async with self.admission.slot(ticket):
-            remaining = ticket.remaining(time.monotonic())
-            deadline = None if remaining is None else trio.current_time() + remaining
+            now, trio_now = time.monotonic(), trio.current_time()
+            remaining = ticket.remaining(now)
+            deadline = None if remaining is None else trio_now + remaining
+            arrived = trio_now - (now - ticket.arrived)
             with bind_request(request.request_id, request.trace_id):
-                return await self.assembler.assemble(request, deadline=deadline, validated=True)
+                return await self.assembler.assemble(
+                    request, deadline=deadline, arrived=arrived, validated=True
+                )
 
     # --- SearchMemories ------------------------------------------------------
 

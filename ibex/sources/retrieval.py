@@ -72,14 +72,23 @@ class _Branch(msgspec.Struct, frozen=True):
     ready: Answer | None = None  # answered already (the directive cache): no task to run
 
 
-def request_wall(config: RetrievalConfig, deadline: float | None) -> float:
-    """min(TIMEOUT, DEADLINE_MS, caller's remaining time - pipeline headroom), >= 0.
+def request_wall(
+    config: RetrievalConfig, deadline: float | None, arrived: float | None = None
+) -> float:
+    """Seconds of retrieval left now: min(TIMEOUT, DEADLINE_MS) from the call's arrival,
+    and never past the caller's deadline less the pipeline headroom; >= 0.
 
-    `deadline` is absolute on the Trio clock (trio.current_time()).
+    `deadline` and `arrived` are absolute on the Trio clock (trio.current_time()).
+    The wall counts from when the call reached the process, not from when its
+    retrieval started: time it waited before (reading, admission, a slot) is
+    time the caller waited too, so the answer still leaves at the wall.
     """
+    now = trio.current_time()
     wall = config.wall
+    if arrived is not None and arrived < now:
+        wall -= now - arrived
     if deadline is not None and math.isfinite(deadline):
-        wall = min(wall, deadline - trio.current_time() - config.pipeline_headroom)
+        wall = min(wall, deadline - now - config.pipeline_headroom)
     return max(0.0, wall)
 
 
@@ -170,12 +179,13 @@ async def retrieve(
     memory_source: MemorySource | None,
     config: RetrievalConfig,
     deadline: float | None = None,
+    arrived: float | None = None,
 ) -> Retrieved:
-    """Run the branch table concurrently within the request's wall."""
+    """Run the branch table concurrently within the request's wall (see `request_wall`)."""
     outcomes: dict[BranchSource, BranchOutcome] = {}
     values: dict[BranchSource, Any] = {}
     started = trio.current_time()
-    wall = request_wall(config, deadline)
+    wall = request_wall(config, deadline, arrived)
     rows = _branches(request, directive_source, memory_source, config)
     with trio.move_on_after(wall):
         async with trio.open_nursery() as nursery:

@@ -23,6 +23,7 @@ import pytest
 import trio
 from h2.exceptions import StreamClosedError
 
+from ibex.service.assembler import Assembler
 from ibex.service.handlers import ContextService
 from tests.grpcio_stubs import context_pb2
 
@@ -236,3 +237,20 @@ async def test_every_call_the_gate_lets_through_is_released(daemon: RunningDaemo
         while state.gated or state.in_flight:  # noqa: ASYNC110 (state of another loop)
             await trio.sleep(0.01)
     assert state.gated == 0 and state.in_flight == 0
+
+
+async def test_the_wall_is_anchored_at_the_calls_arrival(daemon: RunningDaemon) -> None:
+    """The handler hands the assembly when the call's HEADERS were read (on the Trio
+    clock), so the retrieval wall counts from there, not from when retrieval began."""
+    seen: dict[str, Any] = {}
+    real = Assembler.assemble
+
+    async def spy(self: Any, request: Any, **kw: Any) -> Any:
+        seen.update(kw, now=trio.current_time())
+        return await real(self, request, **kw)
+
+    with unittest.mock.patch.object(Assembler, "assemble", spy):
+        answer = await in_thread(raw_call, daemon.port, "5S")
+    assert answer["grpc-status"] == "0"
+    assert seen["arrived"] is not None
+    assert 0.0 <= seen["now"] - seen["arrived"] < 5.0

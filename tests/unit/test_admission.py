@@ -10,6 +10,7 @@ import trio
 from ibex.errors import DeadlineError, Overloaded, Unavailable
 from ibex.ops.metrics import Metrics
 from ibex.service.admission import Admission, AdmissionConfig, CpuLoad, QueueDelay
+from ibex.service.handlers import method_label
 
 CONFIG = AdmissionConfig(
     max_in_flight=4,
@@ -288,3 +289,13 @@ def test_left_gate_undoes_what_gate_counted() -> None:
     a.left_gate()
     a.left_gate()
     assert a.gated == 0
+
+
+def test_the_gate_labels_a_refusal_by_known_method_only() -> None:
+    """The gate sees a caller's raw `:path`; as a metrics label it must not mint new series."""
+    prefix = "/ibex.context.v1.ContextAssemblyService/"
+    assert method_label(prefix + "AssembleContext") == "AssembleContext"
+    assert method_label(prefix + "SearchMemories") == "SearchMemories"
+    assert method_label(prefix + "Nope") == "other"
+    assert method_label("/evil.Service/AssembleContext") == "other"
+    assert method_label("/" + "x" * 10_000) == "other"

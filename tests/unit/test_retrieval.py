@@ -133,6 +133,7 @@ async def fetch(
     *,
     settings: RetrievalConfig = DEFAULTS,
     deadline: float | None = None,
+    arrived: float | None = None,
 ) -> tuple[Retrieved, float]:
     """Retrieve with the fake as both sources; also the mock-clock time it took."""
     start = trio.current_time()
@@ -143,6 +144,7 @@ async def fetch(
             memory_source=fake,
             config=settings,
             deadline=deadline,
+            arrived=arrived,
         )
     return got, trio.current_time() - start
 
@@ -522,3 +524,21 @@ async def test_a_cached_directive_is_served_without_a_call_even_past_the_wall(
     assert (got.branches[0].status, got.branches[0].detail) == ("success", "cache")
     assert got.branches[0].latency_ms == 0.0
     assert statuses(got)["hot"] == statuses(got)["cold"] == "timeout"
+
+
+async def test_the_wall_counts_from_the_calls_arrival(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Time a call waited before its retrieval (reading, admission, a slot) is time its
+    caller waited too: the wall is 40 ms from arrival, so the answer still leaves at it."""
+    now = trio.current_time()
+    assert request_wall(DEFAULTS, None, arrived=now - 0.015) == pytest.approx(0.025)
+    assert request_wall(DEFAULTS, None, arrived=now - 0.050) == 0.0
+    assert request_wall(DEFAULTS, None, arrived=now + 1.0) == pytest.approx(0.040)  # clock skew
+    # The caller's deadline still caps it: 20 ms left - 10 ms headroom.
+    assert request_wall(DEFAULTS, now + 0.020, arrived=now - 0.001) == pytest.approx(0.010)
+    fake = FakeSources({"directive": Plan(2 * MS), "hot": Plan(14 * MS), "cold": Plan(30 * MS)})
+    got, took = await fetch(fake, arrived=trio.current_time() - 0.015)
+    assert statuses(got) == {"directive": "success", "hot": "success", "cold": "timeout"}
+    assert took == pytest.approx(0.025)
+    assert "25ms" in got.branches[2].detail
