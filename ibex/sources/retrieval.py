@@ -75,18 +75,19 @@ class _Branch(msgspec.Struct, frozen=True):
 def request_wall(
     config: RetrievalConfig, deadline: float | None, arrived: float | None = None
 ) -> float:
-    """Seconds of retrieval left now: min(TIMEOUT, DEADLINE_MS) from the call's arrival,
-    and never past the caller's deadline less the pipeline headroom; >= 0.
+    """Seconds of retrieval left now, >= 0.
 
-    `deadline` and `arrived` are absolute on the Trio clock (trio.current_time()).
-    The wall counts from when the call reached the process, not from when its
-    retrieval started: time it waited before (reading, admission, a slot) is
-    time the caller waited too, so the answer still leaves at the wall.
+    min(TIMEOUT, DEADLINE_MS) counted from the call's arrival, not from when its
+    retrieval started: time it waited before (reading, admission, a slot) is time
+    the caller waited too, so the answer still leaves at the wall. A call that
+    waited that long still gets the hot branch's own timeout, so a congested
+    moment does not turn answers memory-less. Never past the caller's deadline
+    less the pipeline headroom. `deadline` and `arrived` are on the Trio clock.
     """
     now = trio.current_time()
     wall = config.wall
     if arrived is not None and arrived < now:
-        wall -= now - arrived
+        wall = max(wall - (now - arrived), min(wall, config.hot_timeout))
     if deadline is not None and math.isfinite(deadline):
         wall = min(wall, deadline - now - config.pipeline_headroom)
     return max(0.0, wall)
