@@ -53,6 +53,7 @@ from ibex.ops.metrics import Metrics
 
 _EWMA = 0.2  # weight of the newest sample in the wait and service estimates
 _CPU_WINDOW = 0.025  # seconds of loop-thread CPU accounting per utilisation sample
+_CPU_CALLS = 8  # finished calls a CPU-per-call sample spans at least
 _CPU_EWMA = 0.5  # weight of the newest window in the utilisation and CPU-per-call estimates
 
 
@@ -100,7 +101,10 @@ class CpuLoad:
 
     `time.thread_time` counts this thread only: worker threads (large counts)
     neither raise the estimate nor make the loop look busy, and neither does
-    another process taking the core.
+    another process taking the core. A CPU-per-call sample spans at least
+    `_CPU_CALLS` finished calls: one long stretch of work (a GC, a burst of
+    intake) ending in a single finished call would otherwise read as one very
+    expensive call, and the gate would turn away calls with plenty of time.
     """
 
     def __init__(
@@ -115,6 +119,7 @@ class CpuLoad:
         self._cpu_clock = cpu_clock
         self._t0 = time.monotonic() if now is None else now
         self._cpu0 = cpu_clock()
+        self._calls_cpu0 = self._cpu0
         self._calls = 0
 
     def finished(self, now: float) -> None:
@@ -129,9 +134,11 @@ class CpuLoad:
         cpu = self._cpu_clock()
         used = cpu - self._cpu0
         self.utilisation += _CPU_EWMA * (min(1.0, used / elapsed) - self.utilisation)
-        if self._calls:
-            self.per_call += _CPU_EWMA * (used / self._calls - self.per_call)
-        self._t0, self._cpu0, self._calls = now, cpu, 0
+        self._t0, self._cpu0 = now, cpu
+        if self._calls >= _CPU_CALLS:
+            sample = (cpu - self._calls_cpu0) / self._calls
+            self.per_call += _CPU_EWMA * (sample - self.per_call)
+            self._calls_cpu0, self._calls = cpu, 0
 
     def latency(self, ahead: int, saturated: float) -> float:
         """A new call's expected time to finish behind `ahead` calls, when CPU-bound.

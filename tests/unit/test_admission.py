@@ -215,17 +215,40 @@ def test_cpu_load_measures_utilisation_and_cpu_per_finished_call() -> None:
     cpu = FakeCpu()
     load = CpuLoad(window=0.025, cpu_clock=cpu, now=0.0)
     t = 0.0
-    for _ in range(20):  # 25 ms windows, the loop busy 100 %, 5 calls each: 5 ms per call
+    for _ in range(20):  # 25 ms windows, the loop busy 100 %, 10 calls each: 2.5 ms per call
         cpu.seconds += 0.025
-        for _ in range(5):
+        for _ in range(9):
             load.finished(t)
         t += 0.025
         load.finished(t)
     assert load.utilisation == pytest.approx(1.0, abs=0.01)
-    assert load.per_call == pytest.approx(0.025 / 6, rel=0.05)
+    assert load.per_call == pytest.approx(0.0025, rel=0.05)
     # A second of idle loop: the next sample reads idle at once (one window's weight).
     load.sample(t + 1.0)
     assert load.utilisation < 0.55
+
+
+def test_one_long_stretch_of_work_is_not_read_as_one_expensive_call() -> None:
+    """100 ms of loop work (a GC, a burst of intake) and then one finished call: the
+    CPU-per-call sample waits for enough calls, so it stays near what calls cost."""
+    cpu = FakeCpu()
+    load = CpuLoad(window=0.025, cpu_clock=cpu, now=0.0)
+    t = 0.0
+    for _ in range(10):  # steady: 2 ms per call
+        for _ in range(8):
+            cpu.seconds += 0.002
+            t += 0.002
+            load.finished(t)
+    assert load.per_call == pytest.approx(0.002, rel=0.05)
+    cpu.seconds += 0.100
+    t += 0.100
+    load.finished(t)  # the one call after the stall
+    assert load.per_call == pytest.approx(0.002, rel=0.05)  # not 100 ms
+    for _ in range(7):
+        cpu.seconds += 0.002
+        t += 0.002
+        load.finished(t)
+    assert load.per_call < 0.010  # (100 + 8 x 2) / 8 ms, halved by the smoothing
 
 
 def test_windows_shorter_than_the_window_are_not_sampled() -> None:
