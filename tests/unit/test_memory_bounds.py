@@ -17,6 +17,7 @@ import pytest
 from ibex.assembly.candidates import SearchFilter, rank_search, select
 from ibex.assembly.structs import AssemblyOptions, AssemblyRequest, MemoryHit
 from ibex.config import Settings, load_settings
+from ibex.sources import wire
 from ibex.sources.base import SourceError
 from ibex.sources.local_file import LocalFileError, LocalFileSource
 from ibex.sources.memory_http import DEFAULT_MAX_RESPONSE_BYTES
@@ -226,3 +227,20 @@ def test_settings_for_the_caps() -> None:
         load_settings({"IBEX_CONTEXT_MEMORY_MAX_CONTENT_BYTES": "0"})
     with pytest.raises(Exception, match="IBEX_CONTEXT_MEMORY_MAX_RESPONSE_BYTES"):
         load_settings({"IBEX_CONTEXT_MEMORY_MAX_RESPONSE_BYTES": "lots"})
+
+
+def test_remembered_valid_timestamps_change_no_verdict(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Valid created_at values are remembered (bounded) so repeats skip the parse; an
+    invalid one is still refused after valid ones were seen, and the memory stays bounded."""
+    monkeypatch.setattr(wire, "_VALID_TIMESTAMPS", set())
+    monkeypatch.setattr(wire, "_VALID_TIMESTAMPS_MAX", 3)
+    good = "2025-10-26T08:30:00Z"
+    for _ in range(2):
+        assert decode_hits(_body(_result(0, created_at=good)), "hot")[0].created_at == good
+    assert good in wire._VALID_TIMESTAMPS
+    with pytest.raises(SourceError):  # matches the pattern, not a real date
+        decode_hits(_body(_result(0, created_at="2025-02-30T08:30:00Z")), "hot")
+    assert "2025-02-30T08:30:00Z" not in wire._VALID_TIMESTAMPS
+    for day in range(1, 10):
+        decode_hits(_body(_result(0, created_at=f"2025-10-0{day}T08:30:00Z")), "hot")
+    assert len(wire._VALID_TIMESTAMPS) <= 3
