@@ -72,7 +72,7 @@ class AdmissionConfig(msgspec.Struct, frozen=True):
     queue_interval: float = 0.100
     read_timeout: float = 5.0
     saturated: float = 0.5
-    wait_margin: float = 0.010
+    wait_margin: float = 0.015
 
 
 class QueueDelay:
