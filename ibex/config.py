@@ -85,7 +85,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     tls_client_ca: str | None = None
     tls_allowed_sans: tuple[str, ...] = ()
     allow_insecure: bool = False
-    max_in_flight: int = 64
+    max_in_flight: int = 256
+    max_in_flight_bytes: int = 64 * 1024 * 1024
     max_concurrent_assemblies: int = 16
     max_message_bytes: int = 4 * 1024 * 1024
     max_history_messages: int = 512
@@ -336,6 +337,7 @@ def load_settings(
         "TOKEN_CACHE_ENTRIES": ("token_cache_entries", 0, 10_000_000),
         "TOKEN_CACHE_BYTES": ("token_cache_bytes", 0, 4 * 1024 * 1024 * 1024),
         "MAX_IN_FLIGHT": ("max_in_flight", 1, 100_000),
+        "MAX_IN_FLIGHT_BYTES": ("max_in_flight_bytes", 1024, 64 * 1024 * 1024 * 1024),
         "MAX_CONCURRENT_ASSEMBLIES": ("max_concurrent_assemblies", 1, 100_000),
         "DIRECTIVE_CACHE_ENTRIES": ("directive_cache_entries", 0, 10_000_000),
         "DIRECTIVE_CACHE_BYTES": ("directive_cache_bytes", 0, 4 * 1024 * 1024 * 1024),

@@ -7,7 +7,10 @@ is served with whatever time its deadline leaves. What is refused, and why:
 - `DEADLINE_EXCEEDED`: less than `min_answer` of the caller's deadline is
   left, on arrival or when a slot frees. Even a degraded answer could not
   leave in time. Not an overload signal: an idle daemon says the same.
-- `RESOURCE_EXHAUSTED` (`in_flight`): the hard cap of calls in flight.
+- `RESOURCE_EXHAUSTED` (`in_flight`): the hard caps of calls in flight and of
+  their request bytes (a memory bound: calls waiting for a slot hold only
+  their requests, retrieval runs in the slots). One call always fits the
+  byte cap when nothing else is in flight.
 - `RESOURCE_EXHAUSTED` (`queue`): a *standing* queue, CoDel's signal. The
   wait from arrival to the start of an assembly (the sojourn) is measured
   where it happens; the queue is standing once every sojourn for `interval`
@@ -64,7 +67,8 @@ GATE_QUEUE_MESSAGE = "overloaded: a standing queue leaves this call too little t
 class AdmissionConfig(msgspec.Struct, frozen=True):
     """Admission limits (seconds); defaults live here only."""
 
-    max_in_flight: int = 64
+    max_in_flight: int = 256
+    max_in_flight_bytes: int = 64 * 1024 * 1024
     max_concurrent: int = 16
     min_answer: float = 0.002
     min_useful: float = 0.020
@@ -172,6 +176,7 @@ class Admission:
         self.config = config
         self.metrics = metrics
         self.in_flight = 0
+        self.in_flight_bytes = 0
         self.pending = 0  # arrived, not yet assembling
         self.gated = 0  # passed the HEADERS gate, handler not yet started
         self.cpu = CpuLoad()
@@ -243,14 +248,20 @@ class Admission:
         self.gated -= 1
 
     @contextmanager
-    def admitted(self, arrived: float, remaining: float | None) -> Iterator[Ticket]:
+    def admitted(self, arrived: float, remaining: float | None, size: int = 0) -> Iterator[Ticket]:
         """The request has arrived: count it in flight until it ends; refuse what cannot fit.
 
         `arrived` is when the call reached the process (`time.monotonic()`), the start
-        of its sojourn; `remaining` the caller's time left now (None without a deadline).
+        of its sojourn; `remaining` the caller's time left now (None without a deadline);
+        `size` the request message's bytes.
         """
         now = time.monotonic()
         self.check_open()
+        if self.in_flight_bytes and self.in_flight_bytes + size > self.config.max_in_flight_bytes:
+            self._shed(
+                "in_flight",
+                f"overloaded: {self.in_flight_bytes} request bytes in flight, {size} more",
+            )
         if remaining is not None and remaining < self.config.min_answer:
             raise DeadlineError(
                 f"{max(0.0, remaining) * 1000:.1f}ms of the deadline left: too little to answer in"
@@ -259,6 +270,7 @@ class Admission:
         if message is not None:
             self._shed("queue", message)
         self.in_flight += 1
+        self.in_flight_bytes += size
         self.pending += 1
         self.idle.clear()
         ticket = Ticket(min(arrived, now), None if remaining is None else now + remaining)
@@ -269,6 +281,7 @@ class Admission:
             if not ticket.started:  # refused or failed before its assembly began
                 self.pending -= 1
             self.in_flight -= 1
+            self.in_flight_bytes -= size
             self.cpu.finished(time.monotonic())
             if self.in_flight == 0:
                 self.idle.set()

@@ -171,7 +171,7 @@ class ContextService:
 
     async def assemble_context(self, stream: grpclib.server.Stream[Any, Any]) -> None:
         msg = await self._receive(stream)
-        with self.admission.admitted(*_timing(stream)) as ticket:
+        with self.admission.admitted(*_timing(stream), msg.ByteSize()) as ticket:
             request = self.assembler.check_request(convert.request_from_proto(msg))
             principal = msg.principal_context if msg.HasField("principal_context") else None
             check_principal(principal, request.org_id, request.agent_id)
@@ -205,7 +205,7 @@ class ContextService:
 
     async def search_memories(self, stream: grpclib.server.Stream[Any, Any]) -> None:
         msg = await self._receive(stream)
-        with self.admission.admitted(*_timing(stream)) as ticket:
+        with self.admission.admitted(*_timing(stream), msg.ByteSize()) as ticket:
             flt = self._search_filter(msg)
             fetch = MAX_MEMORIES_HARD_CAP if flt.narrows else flt.limit
             t0 = time.perf_counter()

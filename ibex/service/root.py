@@ -83,6 +83,7 @@ def pipeline_config(settings: Settings) -> PipelineConfig:
 def admission_config(settings: Settings) -> AdmissionConfig:
     return AdmissionConfig(
         max_in_flight=settings.max_in_flight,
+        max_in_flight_bytes=settings.max_in_flight_bytes,
         max_concurrent=settings.max_concurrent_assemblies,
         min_answer=settings.min_answer,
         min_useful=settings.min_useful,

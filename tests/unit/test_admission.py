@@ -322,3 +322,20 @@ def test_the_gate_labels_a_refusal_by_known_method_only() -> None:
     assert method_label(prefix + "Nope") == "other"
     assert method_label("/evil.Service/AssembleContext") == "other"
     assert method_label("/" + "x" * 10_000) == "other"
+
+
+def test_request_bytes_in_flight_are_capped_but_one_call_always_fits() -> None:
+    """Calls waiting for a slot hold their requests: their bytes are bounded too."""
+    a = admission(AdmissionConfig(max_in_flight=64, max_in_flight_bytes=10_000))
+    with a.admitted(time.monotonic(), 1.0, 50_000):  # alone: admitted whatever its size
+        assert a.in_flight_bytes == 50_000
+        with pytest.raises(Overloaded) as info, a.admitted(time.monotonic(), 1.0, 1):
+            pass
+        assert info.value.reason == "in_flight"
+    assert a.in_flight_bytes == 0
+    with a.admitted(time.monotonic(), 1.0, 6_000), a.admitted(time.monotonic(), 1.0, 4_000):
+        assert a.in_flight_bytes == 10_000
+        with pytest.raises(Overloaded), a.admitted(time.monotonic(), 1.0, 1):
+            pass
+    assert a.in_flight_bytes == 0 and a.in_flight == 0
+    assert shed(a, "in_flight") == 2

@@ -36,6 +36,8 @@ def test_defaults_match_the_contract() -> None:
     assert (s.packer_dp_cell_ceiling, s.packer_max_consecutive_skips) == (437570, 5)
     assert s.formatter_nonce_bytes == 16
     assert s.token_cache_bytes == 32 * 1024 * 1024
+    assert (s.max_in_flight, s.max_in_flight_bytes) == (256, 64 * 1024 * 1024)
+    assert load_settings({"IBEX_CONTEXT_MAX_IN_FLIGHT_BYTES": "2048"}).max_in_flight_bytes == 2048
     assert load_settings({"IBEX_CONTEXT_FORMATTER_NONCE_BYTES": "8"}).formatter_nonce_bytes == 8
 
 
@@ -47,6 +49,7 @@ def test_defaults_match_the_contract() -> None:
         # Below 8 random bytes a forged nonce becomes guessable.
         ({"IBEX_CONTEXT_FORMATTER_NONCE_BYTES": "7"}, "IBEX_CONTEXT_FORMATTER_NONCE_BYTES"),
         ({"IBEX_CONTEXT_TOKEN_CACHE_BYTES": "-1"}, "IBEX_CONTEXT_TOKEN_CACHE_BYTES"),
+        ({"IBEX_CONTEXT_MAX_IN_FLIGHT_BYTES": "1023"}, "IBEX_CONTEXT_MAX_IN_FLIGHT_BYTES"),
         ({"IBEX_CONTEXT_PACKER_DP_CELL_CEILING": "lots"}, "IBEX_CONTEXT_PACKER_DP_CELL_CEILING"),
         ({"IBEX_CONTEXT_GRPC_ADDR": "nohost"}, "IBEX_CONTEXT_GRPC_ADDR"),
         ({"IBEX_CONTEXT_REDIS_URL": "http://x"}, "IBEX_CONTEXT_REDIS_URL"),
