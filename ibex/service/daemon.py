@@ -187,7 +187,14 @@ class Daemon:
             log.info("stopped", extra={"in_flight": self.state.in_flight})
 
     def _gate(self, path: str, remaining: float | None) -> str | None:
-        return self.state.gate(method_label(path), remaining)
+        """Admission's HEADERS gate, for the service's own methods only.
+
+        Health checks and reflection cost next to nothing, and a probe refused under
+        load would take a busy worker out of rotation or restart it; unknown paths
+        are answered UNIMPLEMENTED by grpclib. All of them pass (still counted).
+        """
+        method = method_label(path)
+        return self.state.gate(method, None if method == "other" else remaining)
 
     async def drain(self, server: grpclib.server.Server) -> None:
         """Stop listening, GOAWAY every connection, wait for in-flight calls, then close.

@@ -23,11 +23,20 @@ import pytest
 import trio
 from h2.exceptions import StreamClosedError
 
+from ibex.service.admission import GATE_CPU_MESSAGE
 from ibex.service.assembler import Assembler
 from ibex.service.handlers import ContextService
 from tests.grpcio_stubs import context_pb2
 
-from .grpc_harness import AGENT, ORG, SERVICE, RunningDaemon, in_thread, running_daemon
+from .grpc_harness import (
+    AGENT,
+    ORG,
+    SERVICE,
+    RunningDaemon,
+    grpcio_probe,
+    in_thread,
+    running_daemon,
+)
 
 
 def raw_call(port: int, timeout_header: str, *, send_body: bool = True) -> dict[str, str]:
@@ -254,3 +263,32 @@ async def test_the_wall_is_anchored_at_the_calls_arrival(daemon: RunningDaemon) 
     assert answer["grpc-status"] == "0"
     assert seen["arrived"] is not None
     assert 0.0 <= seen["now"] - seen["arrived"] < 5.0
+
+
+async def test_a_saturated_loop_refuses_assembly_but_never_health_or_reflection(
+    daemon: RunningDaemon,
+) -> None:
+    """The CPU gate turns away, from its HEADERS, a call the saturated loop could not
+    finish in time, as RESOURCE_EXHAUSTED; health probes and reflection always pass (a
+    refused probe would take a busy worker out of rotation, or restart it)."""
+    state = daemon.daemon.state
+    saved = state.cpu.utilisation, state.cpu.per_call, state.cpu.sample
+    state.cpu.utilisation, state.cpu.per_call = 1.0, 10.0  # 10 s of CPU per call
+    state.cpu.sample = lambda now: None  # type: ignore[method-assign]
+    try:
+        refused = await in_thread(raw_call, daemon.port, "5S")
+        probe = await in_thread(
+            grpcio_probe,
+            daemon.target,
+            f"{SERVICE}.AssembleContext",
+            f"{SERVICE}.AssembleContext",
+            "",
+            SERVICE,
+        )
+    finally:
+        state.cpu.utilisation, state.cpu.per_call, state.cpu.sample = saved
+    assert refused["grpc-status"] == "8"  # RESOURCE_EXHAUSTED
+    assert refused["grpc-message"] == GATE_CPU_MESSAGE
+    assert probe["health"] == {"": "SERVING", SERVICE: "SERVING"}
+    assert SERVICE in probe["services"]
+    assert state.metrics.shed_requests.labels("cpu")._value.get() == 1
