@@ -152,7 +152,7 @@ class Chaos:
     async def assert_no_leaks(self) -> None:
         pool = self.http.pool_stats()
         assert (pool.in_use, pool.leases, pool.waiters) == (0, 0, 0)
-        assert pool.connections == pool.idle <= POOL_SIZE
+        assert pool.connections == pool.idle <= 2 * POOL_SIZE  # a pool per branch
         live = pool.idle
         # The server may have closed a connection the pool has not noticed yet
         # (reset), so its count may be lower, never higher.

@@ -81,9 +81,10 @@ async def _storm(server: MemoryServerProcess) -> None:
                     except SourceError:
                         stats["errors"] += 1
                 stats["cancelled" if scope.cancelled_caught else "completed"] += 1
-                now = source.pool_stats()
-                stats["max_connections"] = max(stats["max_connections"], now.connections)
-                stats["max_leases"] = max(stats["max_leases"], now.leases)
+                for branch in ("hot", "cold"):  # a pool per branch, each bounded
+                    now = source.pool_stats(branch)
+                    stats["max_connections"] = max(stats["max_connections"], now.connections)
+                    stats["max_leases"] = max(stats["max_leases"], now.leases)
 
         started = time.monotonic()
         with trio.fail_after(120):
@@ -110,7 +111,7 @@ async def _storm(server: MemoryServerProcess) -> None:
 
         # nothing orphaned: no slot held, no waiter parked, no connection leased
         assert (after.in_use, after.leases, after.waiters) == (0, 0, 0)
-        assert after.connections == after.idle <= POOL_SIZE
+        assert after.connections == after.idle <= 2 * POOL_SIZE
         assert stats["max_connections"] <= POOL_SIZE
         assert stats["max_leases"] <= POOL_SIZE
         # every connection a cancelled call touched was closed: the server holds
@@ -132,8 +133,9 @@ async def _storm(server: MemoryServerProcess) -> None:
         final = source.pool_stats()
         assert (final.in_use, final.leases, final.waiters) == (0, 0, 0)
         # a leaked slot would leave fewer than POOL_SIZE usable connections here
-        assert final.connections == final.idle == POOL_SIZE
-        # the server agrees: exactly the pool's live connections remain open
-        assert await server.settle_open_connections(POOL_SIZE) == POOL_SIZE
+        cold = source.pool_stats("cold")
+        assert cold.connections == cold.idle == POOL_SIZE
+        # the server agrees: exactly the pools' live connections remain open
+        assert await server.settle_open_connections(final.idle) == final.idle
 
     assert await server.settle_open_connections(0) == 0

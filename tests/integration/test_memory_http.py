@@ -316,7 +316,10 @@ async def test_lifecycle_and_settings() -> None:
     with pytest.raises(RuntimeError, match="not open"):
         await source.hot(DEMO_ORG, DEMO_AGENT, limit=1, min_confidence=0.0)
     async with source:
-        assert source.pool_stats().limit == 3
+        # A pool per branch (a cold call cut at the wall must not cost hot calls a
+        # connect): MEMORY_POOL_SIZE connections each.
+        assert source.pool_stats("hot").limit == source.pool_stats("cold").limit == 3
+        assert source.pool_stats().limit == 6
         with pytest.raises(RuntimeError, match="already open"):
             await source.open()
     await source.aclose()  # idempotent
