@@ -10,7 +10,7 @@ import trio
 from ibex.errors import DeadlineError, Overloaded, Unavailable
 from ibex.ops.metrics import Metrics
 from ibex.service.admission import Admission, AdmissionConfig, CpuLoad, QueueDelay
-from ibex.service.handlers import method_label
+from ibex.service.handlers import METHODS, ContextService, method_label
 
 CONFIG = AdmissionConfig(
     max_in_flight=4,
@@ -322,6 +322,9 @@ def test_the_gate_labels_a_refusal_by_known_method_only() -> None:
     assert method_label(prefix + "Nope") == "other"
     assert method_label("/evil.Service/AssembleContext") == "other"
     assert method_label("/" + "x" * 10_000) == "other"
+    # The known names are the service's own: every method it serves, nothing else.
+    served = ContextService.__new__(ContextService).__mapping__()
+    assert {method_label(path) for path in served} == METHODS
 
 
 def test_request_bytes_in_flight_are_capped_but_one_call_always_fits() -> None:
