@@ -43,6 +43,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         except ConfigError as exc:
             print(f"ibex: configuration error: {exc}", file=sys.stderr)
             return 2
+    if args.supervisor_fd is not None:
+        try:
+            os.fstat(args.supervisor_fd)
+        except OSError:
+            print(
+                f"ibex serve: --supervisor-fd {args.supervisor_fd} is not an open file descriptor",
+                file=sys.stderr,
+            )
+            return 2
     configure_logging(settings.log_level)
     if not args.worker:  # the supervisor already said it for its workers
         _warn_unknown_variables()

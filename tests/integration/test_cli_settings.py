@@ -61,3 +61,10 @@ async def test_serve_logs_an_unknown_variable_at_start_up(tmp_path: Path) -> Non
     assert warnings[0]["level"] == "warning"
     assert warnings[0]["variable"] == "IBEX_CONTEXT_DRAIN_GARCE"
     assert warnings[0]["closest"] == "IBEX_CONTEXT_DRAIN_GRACE"
+
+
+async def test_serve_refuses_a_supervisor_fd_that_is_not_open() -> None:
+    """The hidden option the supervisor passes its workers is checked like any input."""
+    out = await in_thread(run_cli, "serve", "--worker", "--supervisor-fd", "987654")
+    assert out.returncode == 2
+    assert "--supervisor-fd 987654 is not an open file descriptor" in out.stderr
