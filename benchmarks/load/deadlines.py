@@ -13,7 +13,8 @@ reported, never asserted):
 - 5 ms deadlines: OK or DEADLINE_EXCEEDED, never RESOURCE_EXHAUSTED, and no
   error-level log line.
 - 3x overload (45 ms deadlines): goodput (full-quality answers in time) >= 85 % of
-  capacity; full quality within 1 s after it ends.
+  capacity; full quality within 1 s after it ends. Repeated (3 times in the full
+  run), each against a capacity measured just before it; the median is reported.
 
 Run: ``python -m benchmarks.load.deadlines [--quick]`` (tables on stdout, JSON in
 ``benchmarks/results/load.deadlines.json``).
@@ -175,34 +176,55 @@ async def scenarios(args: argparse.Namespace) -> dict[str, Any]:
                 f"   statuses {short['statuses']}; error-level log lines {short['error_log_lines']}"
             )
 
-            high = 3 * max(capacity, 100.0)
-            schedule = fixed_rate((high, args.overload), (100.0, args.after))
-            row, rec = await run.open(f"3x overload ({high:.0f} rps), 45 ms", schedule, PROXY)
-            n_high = int(high * args.overload)
-            good = sum(
-                1
-                for i in range(n_high)
-                if rec.status[i] == "OK" and rec.level[i] == "L0" and rec.memories[i] > 0
+            # Goodput under overload swings with the offered rate (3x a closed-loop
+            # capacity that itself moves from run to run), so each repeat measures the
+            # capacity right before it and the median ratio is reported.
+            rows = []
+            for rep in range(args.repeats):
+                if rep:
+                    again = await run.closed("closed 32 callers, 1 s", 32, step, LONG)
+                    capacity = again["achieved_rps"]
+                rows.append(await overload(run, capacity, args, f" #{rep + 1}"))
+            out["overload_runs"] = rows
+            out["overload"] = rows[0]
+            out["overload_goodput_of_capacity_median"] = statistics.median(
+                r["goodput_of_capacity"] for r in rows
             )
-            row["goodput_rps"] = round(good / args.overload, 1)
-            row["goodput_of_capacity"] = (
-                round(good / args.overload / capacity, 3) if capacity else 0
-            )
-            row["recovery"] = recovery(rec, args.overload)
-            row["statuses_during"] = {
-                s: rec.status[:n_high].count(s) for s in sorted(set(rec.status[:n_high]))
-            }
-            out["overload"] = row
-            print(table("3x overload, then 100 rps", [row]), flush=True)
-            print(
-                f"   goodput {row['goodput_rps']} rps = {row['goodput_of_capacity']:.0%} of "
-                f"capacity {capacity}; statuses {row['statuses_during']}; "
-                f"recovery {row['recovery']}"
-            )
+            print(table("3x overload, then 100 rps", rows), flush=True)
+            for row in rows:
+                print(
+                    f"   {row['run']}: goodput {row['goodput_rps']} rps = "
+                    f"{row['goodput_of_capacity']:.0%} of capacity {row['capacity_rps']}; "
+                    f"statuses {row['statuses_during']}; recovery {row['recovery']}"
+                )
+            print(f"   median goodput {out['overload_goodput_of_capacity_median']:.0%} of capacity")
         finally:
             await driver.close()
     out["daemon_cpu_seconds_total"] = cpu_seconds(daemon.root_pid)
     return out
+
+
+async def overload(
+    run: Run, capacity: float, args: argparse.Namespace, label: str
+) -> dict[str, Any]:
+    """3x `capacity` with the proxy's 45 ms deadlines, then 100 rps: goodput and recovery."""
+    high = 3 * max(capacity, 100.0)
+    schedule = fixed_rate((high, args.overload), (100.0, args.after))
+    row, rec = await run.open(f"3x overload ({high:.0f} rps), 45 ms{label}", schedule, PROXY)
+    n_high = int(high * args.overload)
+    good = sum(
+        1
+        for i in range(n_high)
+        if rec.status[i] == "OK" and rec.level[i] == "L0" and rec.memories[i] > 0
+    )
+    row["capacity_rps"] = capacity
+    row["goodput_rps"] = round(good / args.overload, 1)
+    row["goodput_of_capacity"] = round(good / args.overload / capacity, 3) if capacity else 0
+    row["recovery"] = recovery(rec, args.overload)
+    row["statuses_during"] = {
+        s: rec.status[:n_high].count(s) for s in sorted(set(rec.status[:n_high]))
+    }
+    return row
 
 
 def main(argv: list[str] | None = None) -> None:
