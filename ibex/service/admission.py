@@ -221,7 +221,8 @@ class Admission:
         if remaining is None or remaining < self.config.min_useful:
             return False
         self.cpu.sample(now)
-        latency = self.cpu.latency(self.gated + self.in_flight, self.config.saturated)
+        ahead = max(0, self.gated) + self.in_flight  # never below zero, whatever miscounts
+        latency = self.cpu.latency(ahead, self.config.saturated)
         return latency > remaining - self.config.wait_margin
 
     def gate(self, method: str, remaining: float | None) -> str | None:

@@ -162,7 +162,7 @@ def track_connections(
     `Server.start` builds protocols with `self._protocol_factory`; an instance
     attribute of that name wins over the method, so each accepted socket gets a
     `_TrackedProtocol` carrying the same grpclib handler. `gate` is asked about
-    every new call before grpclib starts a task for it (see `_refuse_early`);
+    every new call before grpclib starts a task for it (see `_ask_gate`);
     `gate_left` hears once for each call it let through, when the handler starts
     (`handler_started`) or, if it never does, when the call's task ends.
     """
@@ -266,7 +266,8 @@ class _TrackedProtocol(H2Protocol):
                     with contextlib.suppress(ProtocolError):  # reset by the client already
                         h2.reset_stream(event.stream_id, ErrorCodes.REFUSED_STREAM)
                     continue
-                if self._refuse_early(event):
+                verdict = self._ask_gate(event)
+                if verdict == "refused":
                     continue
                 self.processor.process(event)
                 # When the call arrived: its handler task runs later, behind everything
@@ -274,7 +275,8 @@ class _TrackedProtocol(H2Protocol):
                 stream = self.processor.streams.get(event.stream_id)
                 if stream is not None:
                     stream.ibex_arrived = now  # type: ignore[attr-defined]
-                self._track_gated(stream)
+                if verdict == "admitted":
+                    self._track_gated(stream)
                 continue
             if isinstance(event, PingAckReceived) and event.ping_data == GOAWAY_PING:
                 self._connections.acked(self)
@@ -282,8 +284,10 @@ class _TrackedProtocol(H2Protocol):
         self.connection.flush()
         self._connections.active(self)
 
-    def _refuse_early(self, event: RequestReceived) -> bool:
-        """Answer RESOURCE_EXHAUSTED (trailers only) before grpclib starts a task for the call.
+    def _ask_gate(self, event: RequestReceived) -> str:
+        """ "refused" (answered RESOURCE_EXHAUSTED, trailers only, before grpclib starts a
+        task for the call), "admitted" (the gate counted it: `gate_left` must follow),
+        or "unasked" (no gate, or a malformed timeout that grpclib answers itself).
 
         Under overload most of a refusal's cost is grpclib's per-call machinery
         (a Stream, a task, the handler, reading the message); a call the gate
@@ -291,7 +295,7 @@ class _TrackedProtocol(H2Protocol):
         come, is acknowledged and dropped by grpclib as for any unknown stream.
         """
         if self._gate is None or event.stream_id is None:
-            return False
+            return "unasked"
         path = ""
         timeout: float | None = None
         try:
@@ -303,10 +307,10 @@ class _TrackedProtocol(H2Protocol):
                     raw = value.decode() if isinstance(value, bytes) else value
                     timeout = decode_timeout(raw)
         except ValueError:
-            return False  # grpclib answers a malformed timeout itself
+            return "unasked"  # grpclib answers a malformed timeout itself
         message = self._gate(path, timeout)
         if message is None:
-            return False
+            return "admitted"
         # The caller may have reset the stream in the same read (its deadline passed
         # while the request sat in the socket buffer, common under overload): h2 then
         # no longer knows the stream and raises. There is nobody left to answer, and
@@ -323,13 +327,13 @@ class _TrackedProtocol(H2Protocol):
                 ],
                 end_stream=True,
             )
-        return True
+        return "refused"
 
     def _track_gated(self, stream: Any) -> None:
         """Hand `gate_left` to the call the gate just let through: its handler calls it on
         start (`handler_started`); a task cancelled before it ran calls it when done."""
         left = self._gate_left
-        if self._gate is None or left is None:
+        if left is None:
             return
         tasks = getattr(self.handler, "_tasks", {})  # grpclib's Handler: stream -> task
         task = tasks.get(stream) if stream is not None else None

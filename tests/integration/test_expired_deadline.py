@@ -242,6 +242,11 @@ async def test_every_call_the_gate_lets_through_is_released(daemon: RunningDaemo
     await in_thread(raw_call, daemon.port, "1n")  # expired on arrival
     await in_thread(reset_then_call, daemon.port)  # reset in the same read, then served
     await in_thread(functools.partial(raw_call, send_body=False), daemon.port, "45m")  # no body
+    # A malformed grpc-timeout is answered by grpclib without asking the gate: nothing
+    # counted, so nothing to release (a release anyway drove the count below zero, and
+    # a hostile caller repeating it would blind the CPU gate).
+    bad = await in_thread(raw_call, daemon.port, "soon")
+    assert bad.get("grpc-status") not in (None, "0")
     with trio.fail_after(10):
         while state.gated or state.in_flight:  # noqa: ASYNC110 (state of another loop)
             await trio.sleep(0.01)
