@@ -80,9 +80,15 @@ def arrival(stream: grpclib.server.Stream[Any, Any]) -> float | None:
 
 
 def handler_started(stream: grpclib.server.Stream[Any, Any]) -> None:
-    """The handler of a call the gate let through now runs: it no longer waits to start."""
-    left = stream._stream.__dict__.pop("ibex_gate_left", None)
-    if left is not None:
+    """The handler of a call the gate let through now runs: it no longer waits to start.
+
+    The task's fallback done callback is removed too, so a call costs the loop no
+    extra callback when it ends.
+    """
+    pending = stream._stream.__dict__.pop("ibex_gate_left", None)
+    if pending is not None:
+        left, task, done = pending
+        task.remove_done_callback(done)
         left()
 
 
@@ -340,12 +346,12 @@ class _TrackedProtocol(H2Protocol):
         if task is None:  # grpclib answered it without a task (it cannot today)
             left()
             return
-        stream.ibex_gate_left = left
 
         def done(_: object) -> None:
             if stream.__dict__.pop("ibex_gate_left", None) is not None:
                 left()
 
+        stream.ibex_gate_left = (left, task, done)
         task.add_done_callback(done)
 
     def _refuse(self, stream_id: int | None) -> bool:
