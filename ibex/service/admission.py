@@ -193,23 +193,18 @@ class Admission:
         if self.in_flight >= self.config.max_in_flight:
             self._shed("in_flight", f"overloaded: {self.in_flight} requests in flight")
 
-    def standing_queue_refuses(self, remaining: float | None) -> str | None:
-        """The refusal message for a call with `remaining` seconds left, or None to admit.
+    def standing_queue_refuses(self, remaining: float | None) -> bool:
+        """True when a call with `remaining` seconds left is to be refused as overload.
 
         Only while the queue stands and calls are waiting in front: the expected
         wait would leave this one less than `min_useful`.
         """
-        if (
+        return (
             remaining is not None
             and self.queue.standing
             and self.pending > 0
             and remaining - self.queue.estimate < self.config.min_useful
-        ):
-            return (
-                f"overloaded: about {self.queue.estimate * 1000:.0f}ms of queue "
-                f"before a call with {remaining * 1000:.0f}ms left"
-            )
-        return None
+        )
 
     def cpu_wait_refuses(self, remaining: float | None, now: float) -> bool:
         """True when a saturated loop could not finish the call in time.
@@ -235,7 +230,7 @@ class Admission:
         """
         if self.cpu_wait_refuses(remaining, time.monotonic()):
             reason, message = "cpu", GATE_CPU_MESSAGE
-        elif self.standing_queue_refuses(remaining) is not None:
+        elif self.standing_queue_refuses(remaining):
             reason, message = "queue", GATE_QUEUE_MESSAGE
         else:
             self.gated += 1
@@ -267,9 +262,13 @@ class Admission:
             raise DeadlineError(
                 f"{max(0.0, remaining) * 1000:.1f}ms of the deadline left: too little to answer in"
             )
-        message = self.standing_queue_refuses(remaining)
-        if message is not None:
-            self._shed("queue", message)
+        if self.standing_queue_refuses(remaining):
+            assert remaining is not None  # refusing implies a deadline
+            self._shed(
+                "queue",
+                f"overloaded: about {self.queue.estimate * 1000:.0f}ms of queue "
+                f"before a call with {remaining * 1000:.0f}ms left",
+            )
         self.in_flight += 1
         self.in_flight_bytes += size
         self.pending += 1

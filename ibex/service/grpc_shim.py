@@ -19,7 +19,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import grpclib.server
 import grpclib.utils
@@ -38,8 +38,9 @@ MAX_STREAM_ID = 2**31 - 1
 GOAWAY_PING = b"ibex-bye"  # 8 bytes of PING payload marking the drain's heads-up
 
 
-async def recv_bounded(stream: grpclib.server.Stream[Any, Any], limit: int) -> Any:
-    """The unary request message, refused before it is buffered when over `limit` bytes.
+async def recv_bounded(stream: grpclib.server.Stream[Any, Any], limit: int) -> tuple[Any, int]:
+    """The unary request message and its size in bytes, refused before it is buffered
+    when over `limit` bytes.
 
     grpclib reads a whole message before decoding it and has no size cap, so
     this reads the 5-byte gRPC prefix itself and checks the declared length
@@ -66,7 +67,7 @@ async def recv_bounded(stream: grpclib.server.Stream[Any, Any], limit: int) -> A
     stream._messages_received += 1
     inner.connection.messages_received += 1
     inner.connection.last_message_received = time.monotonic()
-    return message
+    return message, length
 
 
 def arrival(stream: grpclib.server.Stream[Any, Any]) -> float | None:
@@ -152,6 +153,8 @@ def answer_expired_deadlines() -> None:
 
 Gate = Callable[[str, float | None], str | None]
 """(method path, the call's grpc-timeout in seconds) -> a refusal message, or None to admit."""
+
+GateVerdict = Literal["refused", "admitted", "unasked"]
 
 GateLeft = Callable[[], None]
 """Called once for every call the gate admitted, when its handler starts or its task ends."""
@@ -290,7 +293,7 @@ class _TrackedProtocol(H2Protocol):
         self.connection.flush()
         self._connections.active(self)
 
-    def _ask_gate(self, event: RequestReceived) -> str:
+    def _ask_gate(self, event: RequestReceived) -> GateVerdict:
         """ "refused" (answered RESOURCE_EXHAUSTED, trailers only, before grpclib starts a
         task for the call), "admitted" (the gate counted it: `gate_left` must follow),
         or "unasked" (no gate, or a malformed timeout that grpclib answers itself).

@@ -159,8 +159,9 @@ class ContextService:
 
     # --- AssembleContext -----------------------------------------------------
 
-    async def _receive(self, stream: grpclib.server.Stream[Any, Any]) -> Any:
-        """The request message, read within `read_timeout`: a stalled stream holds nothing."""
+    async def _receive(self, stream: grpclib.server.Stream[Any, Any]) -> tuple[Any, int]:
+        """The request message and its bytes, read within `read_timeout`: a stalled stream
+        holds nothing."""
         try:
             async with asyncio.timeout(self.admission.config.read_timeout):
                 return await recv_bounded(stream, self.config.max_message_bytes)
@@ -170,8 +171,8 @@ class ContextService:
             ) from None
 
     async def assemble_context(self, stream: grpclib.server.Stream[Any, Any]) -> None:
-        msg = await self._receive(stream)
-        with self.admission.admitted(*_timing(stream), msg.ByteSize()) as ticket:
+        msg, size = await self._receive(stream)
+        with self.admission.admitted(*_timing(stream), size) as ticket:
             request = self.assembler.check_request(convert.request_from_proto(msg))
             principal = msg.principal_context if msg.HasField("principal_context") else None
             check_principal(principal, request.org_id, request.agent_id)
@@ -204,8 +205,8 @@ class ContextService:
     # --- SearchMemories ------------------------------------------------------
 
     async def search_memories(self, stream: grpclib.server.Stream[Any, Any]) -> None:
-        msg = await self._receive(stream)
-        with self.admission.admitted(*_timing(stream), msg.ByteSize()) as ticket:
+        msg, size = await self._receive(stream)
+        with self.admission.admitted(*_timing(stream), size) as ticket:
             flt = self._search_filter(msg)
             fetch = MAX_MEMORIES_HARD_CAP if flt.narrows else flt.limit
             t0 = time.perf_counter()
