@@ -39,51 +39,73 @@ from .grpc_harness import (
 )
 
 
-def raw_call(port: int, timeout_header: str, *, send_body: bool = True) -> dict[str, str]:
-    """One unary AssembleContext over h2; the response trailers (or headers) as a dict."""
+def _request_frame() -> bytes:
+    """One AssembleContext request as a length-prefixed gRPC message."""
     body = context_pb2.AssembleContextRequest(org_id=ORG, agent_id=AGENT, model="gpt-4o")
     payload = body.SerializeToString()
-    frame = struct.pack(">?I", False, len(payload)) + payload
-    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
-    conn.initiate_connection()
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-        sock.sendall(conn.data_to_send())
-        stream = conn.get_next_available_stream_id()
-        conn.send_headers(
-            stream,
-            [
-                (":method", "POST"),
-                (":scheme", "http"),
-                (":path", f"/{SERVICE}/AssembleContext"),
-                (":authority", f"127.0.0.1:{port}"),
-                ("content-type", "application/grpc"),
-                ("te", "trailers"),
-                ("grpc-timeout", timeout_header),
-            ],
-        )
-        if send_body:
-            conn.send_data(stream, frame, end_stream=True)
-        sock.sendall(conn.data_to_send())
-        result: dict[str, str] = {}
-        while "grpc-status" not in result:
-            data = sock.recv(65536)
-            if not data:
-                break
-            for event in conn.receive_data(data):
-                if isinstance(event, h2.events.ResponseReceived | h2.events.TrailersReceived):
-                    result.update(
-                        (
-                            k.decode() if isinstance(k, bytes) else k,
-                            v.decode() if isinstance(v, bytes) else v,
-                        )
-                        for k, v in event.headers
-                    )
-            sock.sendall(conn.data_to_send())
-        return result
+    return struct.pack(">?I", False, len(payload)) + payload
+
+
+def _headers(port: int, timeout: str) -> list[tuple[str, str]]:
+    return [
+        (":method", "POST"),
+        (":scheme", "http"),
+        (":path", f"/{SERVICE}/AssembleContext"),
+        (":authority", f"127.0.0.1:{port}"),
+        ("content-type", "application/grpc"),
+        ("te", "trailers"),
+        ("grpc-timeout", timeout),
+    ]
 
 
 def _text(value: str | bytes) -> str:
     return value.decode() if isinstance(value, bytes) else value
+
+
+def _answer(
+    sock: socket.socket, conn: h2.connection.H2Connection, stream_id: int
+) -> dict[str, str]:
+    """Stream `stream_id`'s response headers and trailers, read until grpc-status."""
+    result: dict[str, str] = {}
+    while "grpc-status" not in result:
+        data = sock.recv(65536)
+        if not data:
+            break
+        for event in conn.receive_data(data):
+            if (
+                isinstance(event, h2.events.ResponseReceived | h2.events.TrailersReceived)
+                and event.stream_id == stream_id
+            ):
+                result.update((_text(k), _text(v)) for k, v in event.headers)
+        sock.sendall(conn.data_to_send())
+    return result
+
+
+def _errors(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def _events(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [getattr(r, "event", r.getMessage()) for r in caplog.records]
+
+
+def _client() -> h2.connection.H2Connection:
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    conn.initiate_connection()
+    return conn
+
+
+def raw_call(port: int, timeout_header: str, *, send_body: bool = True) -> dict[str, str]:
+    """One unary AssembleContext over h2; the response trailers (or headers) as a dict."""
+    conn = _client()
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(conn.data_to_send())
+        stream = conn.get_next_available_stream_id()
+        conn.send_headers(stream, _headers(port, timeout_header))
+        if send_body:
+            conn.send_data(stream, _request_frame(), end_stream=True)
+        sock.sendall(conn.data_to_send())
+        return _answer(sock, conn, stream)
 
 
 @pytest.fixture
@@ -100,7 +122,7 @@ async def test_an_expired_deadline_is_deadline_exceeded_and_not_an_error(
         normal = await in_thread(raw_call, daemon.port, "5S")
     assert expired["grpc-status"] == "4"  # DEADLINE_EXCEEDED
     assert normal["grpc-status"] == "0"
-    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+    assert _errors(caplog) == []
 
 
 async def test_a_standing_queue_refuses_a_short_call_before_grpclib_starts_it(
@@ -131,43 +153,15 @@ def reset_then_call(port: int) -> dict[str, str]:
     """Stream 1: HEADERS, then RST_STREAM in the same write (a caller that gave up while
     its request sat in the socket buffer); then stream 3, an ordinary call, on the same
     connection. Stream 3's trailers."""
-    body = context_pb2.AssembleContextRequest(org_id=ORG, agent_id=AGENT, model="gpt-4o")
-    payload = body.SerializeToString()
-    frame = struct.pack(">?I", False, len(payload)) + payload
-    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
-    conn.initiate_connection()
-
-    def headers(timeout: str) -> list[tuple[str, str]]:
-        return [
-            (":method", "POST"),
-            (":scheme", "http"),
-            (":path", f"/{SERVICE}/AssembleContext"),
-            (":authority", f"127.0.0.1:{port}"),
-            ("content-type", "application/grpc"),
-            ("te", "trailers"),
-            ("grpc-timeout", timeout),
-        ]
-
+    conn = _client()
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-        conn.send_headers(1, headers("45m"))
+        conn.send_headers(1, _headers(port, "45m"))
         conn.reset_stream(1)
         sock.sendall(conn.data_to_send())
-        conn.send_headers(3, headers("5S"))
-        conn.send_data(3, frame, end_stream=True)
+        conn.send_headers(3, _headers(port, "5S"))
+        conn.send_data(3, _request_frame(), end_stream=True)
         sock.sendall(conn.data_to_send())
-        result: dict[str, str] = {}
-        while "grpc-status" not in result:
-            data = sock.recv(65536)
-            if not data:
-                break
-            for event in conn.receive_data(data):
-                if (
-                    isinstance(event, h2.events.ResponseReceived | h2.events.TrailersReceived)
-                    and event.stream_id == 3
-                ):
-                    result.update((_text(k), _text(v)) for k, v in event.headers)
-            sock.sendall(conn.data_to_send())
-        return result
+        return _answer(sock, conn, 3)
 
 
 async def test_a_refused_stream_already_reset_by_its_caller_leaves_the_connection_up(
@@ -184,7 +178,7 @@ async def test_a_refused_stream_already_reset_by_its_caller_leaves_the_connectio
     finally:
         state.queue.standing, state.queue.estimate, state.pending = False, 0.0, 0
     assert other.get("grpc-status") == "0"
-    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+    assert _errors(caplog) == []
 
 
 async def test_a_caller_gone_when_the_answer_is_sent_is_not_an_error(
@@ -204,8 +198,8 @@ async def test_a_caller_gone_when_the_answer_is_sent_is_not_an_error(
     ):
         answer = await in_thread(raw_call, daemon.port, "5S")
     assert answer["grpc-status"] == "1"  # CANCELLED
-    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
-    assert any(getattr(r, "event", r.getMessage()) == "caller_gone" for r in caplog.records)
+    assert _errors(caplog) == []
+    assert "caller_gone" in _events(caplog)
 
 
 async def test_an_answer_finished_after_grpclib_gave_up_is_a_deadline_miss_not_an_error(
@@ -230,8 +224,8 @@ async def test_an_answer_finished_after_grpclib_gave_up_is_a_deadline_miss_not_a
     ):
         late = await in_thread(raw_call, daemon.port, "50m")
     assert late["grpc-status"] == "4"  # DEADLINE_EXCEEDED
-    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
-    assert any(getattr(r, "event", r.getMessage()) == "deadline_missed" for r in caplog.records)
+    assert _errors(caplog) == []
+    assert "deadline_missed" in _events(caplog)
 
 
 async def test_every_call_the_gate_lets_through_is_released(daemon: RunningDaemon) -> None:
