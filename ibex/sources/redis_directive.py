@@ -187,6 +187,25 @@ def _malformed_url() -> SourceError:
     return SourceError("redis url: malformed (expected redis://, rediss:// or unix://)")
 
 
+async def _drop_idle(pool: aredis.ConnectionPool) -> None:
+    """Best effort: disconnect the pool's idle connections.
+
+    redis-py gathers the disconnects with `return_exceptions=True` and re-raises
+    the first failure, including an asyncio.CancelledError that belongs to one
+    of those connections (seen during a sentinel failover), not to this task.
+    Raised out of a GET, it escaped the directive branch as a cancellation. Only
+    this task's own cancellation propagates.
+    """
+    try:
+        await pool.disconnect(inuse_connections=False)
+    except (RedisError, OSError):
+        pass
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise
+
+
 class RedisDirectiveSource:
     """DirectiveSource over a Redis (or Redis-compatible) server, read-only.
 
@@ -430,8 +449,7 @@ class RedisDirectiveSource:
                 retries -= 1
                 # One broken pooled socket usually means the server restarted: its
                 # idle siblings are stale too, so drop them rather than burn requests.
-                with contextlib.suppress(RedisError, OSError):
-                    await self._pool.disconnect(inuse_connections=False)
+                await _drop_idle(self._pool)
 
     async def _leased_get(self, pool: aredis.ConnectionPool, key: str) -> bytes | None:
         conn = await pool.get_connection()

@@ -9,6 +9,7 @@ the next request fail.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
@@ -181,3 +182,29 @@ async def test_kill_during_an_in_flight_get_fails_fast(
             assert await content_of(source, "b") == "directive of tenant b"
     finally:
         await source.aclose()
+
+
+async def test_a_stray_cancellation_from_dropping_stale_connections_stays_inside(
+    redis_server: RedisServer, source: RedisDirectiveSource, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a restart the GET drops the pool's stale idle connections. redis-py re-raises
+    any failure of those disconnects, including an asyncio.CancelledError belonging to one
+    of them (seen in a sentinel failover); it must not leave the GET as a cancellation."""
+    assert await content_of(source, "a") == "directive of tenant a"
+    pool = source._pool
+    assert pool is not None
+    real = pool.disconnect
+    calls: list[bool] = []
+
+    async def disconnect(inuse_connections: bool = True) -> None:
+        calls.append(inuse_connections)
+        await real(inuse_connections=inuse_connections)
+        if not inuse_connections:  # the GET's clean-up (aclose disconnects them all)
+            raise asyncio.CancelledError  # as redis-py's gather re-raises a connection's
+
+    monkeypatch.setattr(pool, "disconnect", disconnect)
+    redis_server.restart()
+    seed(redis_server)
+    with trio.fail_after(2):
+        assert await content_of(source, "b") == "directive of tenant b"
+    assert calls == [False]  # the stale idle connections were dropped, once
