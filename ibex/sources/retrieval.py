@@ -9,6 +9,7 @@ returns, every task it started has ended and every socket lease is returned.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 from collections.abc import Awaitable, Callable
@@ -164,7 +165,10 @@ async def _run_branch(
             values[row.source] = value
         except SourceError as exc:
             status, detail = "error", str(exc)[:_DETAIL_MAX]
-        except Exception as exc:  # a bug or an unexpected library error: contain it
+        except (Exception, asyncio.CancelledError) as exc:
+            # A bug or an unexpected library error: contain it. An asyncio.CancelledError
+            # reaching Trio code is never this task's cancellation (trio-asyncio turns
+            # that into trio.Cancelled): it is an asyncio library's own, raised through.
             status, detail = "error", f"unexpected {type(exc).__name__}"
             log.exception("branch_unexpected_error", extra={"branch": row.source})
     if scope.cancelled_caught:

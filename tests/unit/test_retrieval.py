@@ -9,6 +9,7 @@ in-process assembler end to end over the bundled local sample.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import re
 from collections import Counter
@@ -307,6 +308,19 @@ async def test_an_unexpected_exception_is_contained(
     assert "hunter2" not in detail
     assert got.hot == ()
     assert len(got.cold) == 2
+
+
+async def test_a_stray_asyncio_cancellation_is_contained_as_an_error(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """An asyncio library can raise its own CancelledError through trio-asyncio (redis-py
+    re-raises a connection's). In a Trio task it is never the task's cancellation: the
+    branch fails, the others are kept."""
+    fake = FakeSources({"directive": Plan(1 * MS, asyncio.CancelledError())})
+    got, _ = await fetch(fake)
+    assert statuses(got) == {"directive": "error", "hot": "success", "cold": "success"}
+    assert got.branches[0].detail == "unexpected CancelledError"
+    assert got.directive is None
 
 
 async def test_finished_branches_are_kept_when_others_fail(
