@@ -1,7 +1,8 @@
 """Concurrent retrieval: one Trio nursery per request, one branch per source.
 
-Each branch runs under its own `move_on_after`, created inside the branch's
-task so its clock starts when the branch does; the nursery itself runs under
+Each branch runs under its own `move_on_after`, created when the branch
+starts so its clock starts when the branch does (the last branch runs in the
+request's own task, the others in tasks of their own); the nursery itself runs under
 the request's wall. A branch never raises: it ends as success, timeout, error
 or skipped, and whatever finished before the wall is kept. When this function
 returns, every task it started has ended and every socket lease is returned.
@@ -192,18 +193,24 @@ async def retrieve(
     started = trio.current_time()
     wall = request_wall(config, deadline, arrived)
     rows = _branches(request, directive_source, memory_source, config)
+    calls = []
+    for row in rows:
+        if row.ready is not None:
+            values[row.source] = row.ready.value
+            outcomes[row.source] = BranchOutcome(row.source, "success", 0.0, row.ready.detail)
+        elif row.call is None:
+            outcomes[row.source] = BranchOutcome(row.source, "skipped", 0.0, row.skipped)
+        else:
+            calls.append(row)
     with trio.move_on_after(wall):
         async with trio.open_nursery() as nursery:
-            for row in rows:
-                if row.ready is not None:
-                    values[row.source] = row.ready.value
-                    outcomes[row.source] = BranchOutcome(
-                        row.source, "success", 0.0, row.ready.detail
-                    )
-                elif row.call is None:
-                    outcomes[row.source] = BranchOutcome(row.source, "skipped", 0.0, row.skipped)
-                else:
-                    nursery.start_soon(_run_branch, row, outcomes, values)
+            for row in calls[:-1]:
+                nursery.start_soon(_run_branch, row, outcomes, values)
+            if calls:
+                # The last branch (cold, usually the slowest) runs in this task: its answer
+                # then wakes the request directly instead of waking a branch task that
+                # wakes the request, one scheduler pass less per answer.
+                await _run_branch(calls[-1], outcomes, values)
 
     elapsed = (trio.current_time() - started) * 1000.0
     for source in BRANCH_ORDER:

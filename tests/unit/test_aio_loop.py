@@ -93,3 +93,28 @@ async def test_crossings_both_ways_still_work() -> None:
     async with trio_asyncio.open_loop():
         results = [await trio_asyncio.aio_as_trio(in_asyncio)(i) for i in range(20)]
     assert results == [(i + 1) * 10 for i in range(20)]
+
+
+async def test_callbacks_that_keep_queueing_callbacks_still_let_trio_run() -> None:
+    assert batch_ready_callbacks()
+    spins = 0
+    stop = False
+    gaps: list[int] = []
+    async with trio_asyncio.open_loop() as loop:
+
+        def spin() -> None:
+            nonlocal spins
+            spins += 1
+            # An unbounded batch would never yield to Trio: end the chain at some point.
+            if not stop and spins < 10_000:
+                loop.call_soon(spin)
+
+        loop.call_soon(spin)
+        seen = 0
+        for _ in range(20):
+            await trio.lowlevel.checkpoint()
+            gaps.append(spins - seen)
+            seen = spins
+        stop = True
+    assert seen < 10_000
+    assert max(gaps) <= 6  # a few rounds per pass of the loop, then Trio runs

@@ -75,10 +75,12 @@ class FakeSources:
     cancelled: set[str] = field(default_factory=set)
     cleaned_up: set[str] = field(default_factory=set)
     seen: dict[str, tuple[object, ...]] = field(default_factory=dict)
+    tasks: dict[str, trio.lowlevel.Task] = field(default_factory=dict)
 
     async def _answer(self, branch: str, *args: object) -> object:
         self.calls[branch] += 1
         self.seen[branch] = args
+        self.tasks[branch] = trio.lowlevel.current_task()
         plan = self.plans.get(branch, Plan())
         try:
             if math.isinf(plan.delay):
@@ -174,6 +176,38 @@ async def test_all_branches_succeed(autojump_clock: trio.testing.MockClock) -> N
     assert fake.seen["hot"] == (ORG, AGENT, DEFAULTS.hot_limit, DEFAULTS.min_confidence)
     assert fake.seen["cold"] == (ORG, AGENT, "how do I deploy", DEFAULTS.cold_limit, 0.0)
     assert fake.cancelled == set()
+
+
+class Spawns(trio.abc.Instrument):
+    def __init__(self) -> None:
+        self.count = 0
+
+    def task_spawned(self, task: trio.lowlevel.Task) -> None:
+        self.count += 1
+
+
+async def test_the_last_branch_runs_in_the_requests_own_task(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # Cold (usually the slowest) answers straight to the request's task: one task
+    # and one scheduler pass per answer less than a task per branch.
+    fake = FakeSources({"directive": Plan(1 * MS), "hot": Plan(4 * MS), "cold": Plan(20 * MS)})
+    spawns = Spawns()
+    trio.lowlevel.add_instrument(spawns)
+    try:
+        got, took = await fetch(fake)
+    finally:
+        trio.lowlevel.remove_instrument(spawns)
+    me = trio.lowlevel.current_task()
+    assert fake.tasks["cold"] is me
+    assert fake.tasks["hot"] is not me and fake.tasks["directive"] is not me
+    assert spawns.count == 2
+    assert statuses(got) == {"directive": "success", "hot": "success", "cold": "success"}
+    assert took == pytest.approx(0.020)
+    # With cold skipped, hot is the last branch with a call.
+    fake = FakeSources()
+    await fetch(fake, request(options=AssemblyOptions(skip_cold_memories=True)))
+    assert fake.tasks["hot"] is me and fake.tasks["directive"] is not me
 
 
 async def test_missing_directive_is_a_success(autojump_clock: trio.testing.MockClock) -> None:
