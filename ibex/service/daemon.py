@@ -38,6 +38,7 @@ from ibex.service.connections import Connections, ConnectionsConfig, LoopErrorHa
 from ibex.service.grpc_shim import (
     answer_expired_deadlines,
     bound_port,
+    lighten_h2,
     listen_also,
     stop_accepting,
     track_connections,
@@ -134,6 +135,7 @@ class Daemon:
             log.warning("insecure_bind", extra={"detail": warning})
         ssl_ctx = self._ssl_context()
         answer_expired_deadlines()
+        lighten_h2()
         batch_ready_callbacks()
         notifier = notifier or Notifier.from_env()
         shutdown = shutdown if shutdown is not None else trio.Event()
