@@ -32,12 +32,14 @@ ORDER = (
     "wakeups",
     "load",
     "load.deadlines",
+    "load.floor",
 )
 # Arguments that shorten a benchmark under --quick (only for modules that accept them).
 QUICK_ARGS = {
     "codec": ["--iterations", "500"],
     "load": ["--quick"],
     "load.deadlines": ["--quick"],
+    "load.floor": ["--quick"],
 }
 
 

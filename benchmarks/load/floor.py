@@ -1,0 +1,260 @@
+"""The serving stack's floor: CPU per answer and latency before any of ibex's own work.
+
+Issue 10's CPU targets (<= 2.0 ms an answer at 100 rps, <= 1.5 ms at 200) and
+its cold-endpoint tail (p99 <= 45 ms with a 40 ms wall) are budgets for the
+whole process. This benchmark measures what the chosen stack takes of them by
+itself, with the same driver and rates as `benchmarks.load.deadlines`:
+
+- `asyncio`: grpclib on asyncio's own loop; the handler waits 10 ms and answers
+  a canned response the size of a real one (30 memories, 12k characters).
+- `trio-asyncio`: grpclib on trio-asyncio with ibex's batching loop and h2
+  settings, the handler crossing into Trio for its 10 ms wait: ibex's serving
+  path with retrieval and the pipeline taken out.
+- `ibex`: the daemon itself on the standard stack (real Redis, the memory
+  stand-in with hot 2 ms and cold 8 ms, directive versions sent).
+
+The three run alternately in one process tree (4 s at each rate, `--repeats`
+times), so the figures share the machine's hour; medians are reported. The
+latency columns count from each call's scheduled send, as in the load runs:
+the 10 ms wait (the daemon's: its slowest branch, 8 ms) is in them.
+
+Run: ``python -m benchmarks.load.floor [--quick]`` (JSON in
+``benchmarks/results/load.floor.json``). ``--serve MODE PORT`` is the server
+side, started by the benchmark itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import grpclib.const
+import grpclib.server
+from grpclib.encoding.base import CodecBase
+
+from benchmarks.load.driver import METHOD, Driver, build_requests, fixed_rate
+from benchmarks.load.report import summarize
+from benchmarks.load.stack import ROOT, Stack, cpu_seconds, free_port, listeners
+
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "load.floor.json"
+MODES = ("asyncio", "trio-asyncio", "ibex")
+PAUSE = 0.010  # the handler's wait: a retrieval of about the stand-in's cold latency
+
+
+def canned_response() -> bytes:
+    """A real AssembleContextResponse of production size (what the driver parses)."""
+    from tests.grpcio_stubs import context_pb2 as pb
+
+    memories = [
+        pb.MemoryUsed(
+            memory_id=f"00000000-0000-4000-8000-{i:012x}",
+            composite_score=0.5,
+            relevance_score=0.5,
+            recency_score=0.5,
+            usefulness_score=0.5,
+            rank=i + 1,
+            category="factual",
+            exclusion="included",
+            similarity=0.5,
+            confidence=0.9,
+            token_estimate=60,
+        )
+        for i in range(30)
+    ]
+    return pb.AssembleContextResponse(
+        assembled_context="x" * 12_000,
+        tokens_used=3000,
+        memories_included=30,
+        memories_used=memories,
+        degradation_level="L0",
+    ).SerializeToString()
+
+
+class _Bytes(CodecBase):
+    """Requests and responses pass through as bytes: the floor has no message work."""
+
+    __content_subtype__ = "proto"
+
+    def encode(self, message: Any, message_type: Any) -> bytes:
+        return bytes(message)
+
+    def decode(self, data: bytes, message_type: Any) -> bytes:
+        return data
+
+
+class _Service:
+    def __init__(self, mode: str, response: bytes) -> None:
+        self.mode = mode
+        self.response = response
+
+    def __mapping__(self) -> dict[str, grpclib.const.Handler]:
+        return {
+            METHOD: grpclib.const.Handler(
+                self.handle, grpclib.const.Cardinality.UNARY_UNARY, bytes, bytes
+            )
+        }
+
+    async def handle(self, stream: grpclib.server.Stream[bytes, bytes]) -> None:
+        await stream.recv_message()
+        if self.mode == "trio-asyncio":
+            import trio
+            import trio_asyncio
+
+            async def in_trio() -> bytes:
+                await trio.sleep(PAUSE)
+                return self.response
+
+            answer = await trio_asyncio.trio_as_aio(in_trio)()
+        else:
+            await asyncio.sleep(PAUSE)
+            answer = self.response
+        await stream.send_message(answer)
+
+
+async def _serve_asyncio(mode: str, port: int) -> None:
+    server = grpclib.server.Server([_Service(mode, canned_response())], codec=_Bytes())
+    await server.start("127.0.0.1", port)
+    await server.wait_closed()
+
+
+def serve(mode: str, port: int) -> None:
+    """The server side of one mode, until killed."""
+    if mode == "asyncio":
+        asyncio.run(_serve_asyncio(mode, port))
+        return
+    import trio
+    import trio_asyncio
+
+    from ibex.service.aio_loop import batch_ready_callbacks
+    from ibex.service.grpc_shim import lighten_h2
+
+    batch_ready_callbacks()
+    lighten_h2()
+
+    async def main() -> None:
+        async with trio_asyncio.open_loop():
+            await trio_asyncio.aio_as_trio(_serve_asyncio)(mode, port)
+
+    trio.run(main)
+
+
+class _Bare:
+    """A floor server as a child process."""
+
+    def __init__(self, mode: str) -> None:
+        self.port = free_port()
+        self.addr = f"127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "benchmarks.load.floor", "--serve", mode, str(self.port)]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + 30
+        while listeners(self.port) < 1:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.proc.kill()
+                raise RuntimeError(f"floor server {mode} did not start")
+            time.sleep(0.05)
+
+    def cpu(self) -> float:
+        return cpu_seconds(self.proc.pid)
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+async def measure(args: argparse.Namespace) -> dict[str, Any]:
+    rows: dict[str, dict[int, list[dict[str, Any]]]] = {m: {100: [], 200: []} for m in MODES}
+    with Stack() as stack, stack.daemon(1) as daemon:
+        bare = {"asyncio": _Bare("asyncio"), "trio-asyncio": _Bare("trio-asyncio")}
+        targets: dict[str, Any] = {**bare, "ibex": daemon}
+        drivers = {m: Driver(targets[m].addr, channels=4) for m in MODES}
+        try:
+            for d in drivers.values():
+                await d.ready()
+            salt = 0
+            for m in MODES:  # warm-up: connections, caches, first-call imports
+                salt += 1
+                reqs = build_requests(stack.tenants, 400, salt, versions=True)
+                await drivers[m].open_loop(reqs, fixed_rate((100, 1.0)), 1.0)
+            for _ in range(args.repeats):
+                for rate in (100, 200):
+                    for m in MODES:
+                        salt += 1
+                        n = int(rate * args.seconds)
+                        reqs = build_requests(stack.tenants, n, salt, versions=True)
+                        cpu0 = targets[m].cpu()
+                        rec = await drivers[m].open_loop(
+                            reqs, fixed_rate((rate, args.seconds)), 1.0
+                        )
+                        row = summarize(rec, daemon_cpu_s=targets[m].cpu() - cpu0, aux_cpu_s={})
+                        rows[m][rate].append(row)
+                        await asyncio.sleep(0.2)
+        finally:
+            for d in drivers.values():
+                await d.close()
+            for b in bare.values():
+                b.stop()
+    out: dict[str, Any] = {"command": " ".join(["python -m benchmarks.load.floor", *sys.argv[1:]])}
+    for m in MODES:
+        for rate in (100, 200):
+            rs = rows[m][rate]
+            out[f"{m}_{rate}rps"] = {
+                "cpu_ms_per_answer": statistics.median(r["daemon_cpu_ms_per_answer"] for r in rs),
+                "p50_ms": statistics.median(r["p50_ms"] for r in rs),
+                "p99_ms": statistics.median(r["p99_ms"] for r in rs),
+                "errors": sum(r["error_count"] for r in rs),
+                "samples": len(rs),
+            }
+    return out
+
+
+def table(out: dict[str, Any]) -> str:
+    lines = [
+        f"{'stack':<14} {'rate':>5} {'CPU ms/answer':>14} {'p50 ms':>7} {'p99 ms':>7} "
+        f"{'errors':>6}  (medians of {out['ibex_100rps']['samples']})"
+    ]
+    for m in MODES:
+        for rate in (100, 200):
+            r = out[f"{m}_{rate}rps"]
+            lines.append(
+                f"{m:<14} {rate:>5} {r['cpu_ms_per_answer']:>14.2f} {r['p50_ms']:>7.1f} "
+                f"{r['p99_ms']:>7.1f} {r['errors']:>6}"
+            )
+    for rate in (100, 200):
+        floor = out[f"trio-asyncio_{rate}rps"]["cpu_ms_per_answer"]
+        ibex = out[f"ibex_{rate}rps"]["cpu_ms_per_answer"]
+        lines.append(
+            f"at {rate} rps the stack's floor is {floor / ibex:.0%} of the daemon's CPU per "
+            f"answer; ibex's own work {ibex - floor:.2f} ms"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="one repeat of 3 s per rate")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--seconds", type=float, default=4.0)
+    p.add_argument("--serve", nargs=2, metavar=("MODE", "PORT"), help=argparse.SUPPRESS)
+    p.add_argument("--out", type=Path, default=RESULTS)
+    args = p.parse_args(argv)
+    if args.serve:
+        serve(args.serve[0], int(args.serve[1]))
+        return
+    if args.quick:
+        args.repeats, args.seconds = 1, 3.0
+    out = asyncio.run(measure(args))
+    print(table(out))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
