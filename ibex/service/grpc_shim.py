@@ -193,7 +193,11 @@ def send_refusal(h2: H2Connection, stream_id: int, status: int, message: str) ->
 
     Raises h2's ProtocolError when the stream is gone (e.g. reset by the caller).
     """
-    if h2.encoder.table_size_changes:  # the next block must start with the change
+    try:
+        block = None if h2.encoder.table_size_changes else refusal_block(status, message)
+    except ValueError:  # a message too long for the one-byte lengths
+        block = None
+    if block is None:  # through h2's encoder (a pending table-size change leads its block)
         h2.send_headers(
             stream_id,
             [
@@ -205,7 +209,6 @@ def send_refusal(h2: H2Connection, stream_id: int, status: int, message: str) ->
             end_stream=True,
         )
         return
-    block = refusal_block(status, message)
     h2.state_machine.process_input(ConnectionInputs.SEND_HEADERS)
     stream = h2._get_stream_by_id(stream_id)
     stream.state_machine.process_input(StreamInputs.SEND_HEADERS)

@@ -2,8 +2,8 @@
 
 Each branch runs under its own `move_on_after`, created when the branch
 starts so its clock starts when the branch does (the last branch runs in the
-request's own task, the others in tasks of their own); the nursery itself runs under
-the request's wall. A branch never raises: it ends as success, timeout, error
+request's own task, the others in tasks of their own); the nursery itself
+runs under the request's wall. A branch never raises: it ends as success, timeout, error
 or skipped, and whatever finished before the wall is kept. When this function
 returns, every task it started has ended and every socket lease is returned.
 """
@@ -208,8 +208,8 @@ async def retrieve(
                 nursery.start_soon(_run_branch, row, outcomes, values)
             if calls:
                 # The last branch (cold, usually the slowest) runs in this task: its answer
-                # then wakes the request directly instead of waking a branch task that
-                # wakes the request, one scheduler pass less per answer.
+                # then wakes the request directly instead of a branch task that wakes the
+                # request, one task and one task step less per answer.
                 await _run_branch(calls[-1], outcomes, values)
 
     elapsed = (trio.current_time() - started) * 1000.0

@@ -152,3 +152,13 @@ def test_lighten_h2_keeps_header_values_out_of_debug_logs_and_frames_short(
     frame = DataFrame(7, data=b"memory text " * 100)
     assert repr(frame) == "DataFrame(stream_id=7)"
     assert repr(HeadersFrame(9)) == "HeadersFrame(stream_id=9)"
+
+
+def test_a_message_too_long_for_the_block_goes_through_h2() -> None:
+    pair = Pair()
+    message = "overloaded: " + "x" * 200
+    with pytest.raises(ValueError):
+        refusal_block(RESOURCE_EXHAUSTED, message)
+    sid = pair.open()
+    send_refusal(pair.server, sid, RESOURCE_EXHAUSTED, message)
+    assert pair.answer(sid, pair.to_client()) == refusal_headers(message)
