@@ -291,3 +291,33 @@ async def test_a_saturated_loop_refuses_assembly_but_never_health_or_reflection(
     assert probe["health"] == {"": "SERVING", SERVICE: "SERVING"}
     assert SERVICE in probe["services"]
     assert state.metrics.shed_requests.labels("cpu")._value.get() == 1
+
+
+def raw_calls_on_one_connection(port: int, n: int) -> tuple[list[dict[str, str]], int]:
+    """n sequential calls on one h2 connection: each answer's headers and trailers, and
+    how many entries the answers left in the client's HPACK dynamic table."""
+    conn = _client()
+    answers = []
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(conn.data_to_send())
+        for _ in range(n):
+            stream = conn.get_next_available_stream_id()
+            conn.send_headers(stream, _headers(port, "5S"))
+            conn.send_data(stream, _request_frame(), end_stream=True)
+            sock.sendall(conn.data_to_send())
+            answers.append(_answer(sock, conn, stream))
+    return answers, len(conn.decoder.header_table.dynamic_entries)
+
+
+async def test_answers_leave_as_pre_encoded_header_blocks(daemon: RunningDaemon) -> None:
+    # The daemon sends its response headers and trailers from static-table fields and
+    # literals (grpc_shim.header_block), not through h2's encoder, which would index
+    # the x-ibex-* metadata into the caller's dynamic table.
+    answers, indexed = await in_thread(raw_calls_on_one_connection, daemon.port, 3)
+    for answer in answers:
+        assert answer[":status"] == "200"
+        assert answer["content-type"].startswith("application/grpc")
+        assert answer["grpc-status"] == "0"
+        assert answer["x-ibex-degradation"] in {"L0", "L1", "L2"}
+        assert answer["x-ibex-branches"].startswith("directive=")
+    assert indexed == 0

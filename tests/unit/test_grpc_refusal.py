@@ -1,11 +1,14 @@
-"""The HEADERS gate's trailers-only refusal (`grpc_shim.send_refusal`) and `lighten_h2`.
+"""Response headers from pre-encoded HPACK blocks (`grpc_shim.send_headers_fast`), the
+HEADERS gate's trailers-only refusal built on it, and `lighten_h2`.
 
-A refusal is written as a pre-encoded HPACK block. Pinned here, between a real
-h2 client and server connection: the caller reads exactly the headers h2's own
-`send_headers` would have sent; the block leaves both HPACK dynamic tables as
-they were, so every later stream on the connection still decodes; a pending
-table-size change (which must lead the next block) goes through h2 as before;
-and a stream the caller already reset is an h2 ProtocolError, as before.
+Pinned here, between a real h2 client and server connection: the caller reads
+exactly the headers h2's own `send_headers` would have sent (static-table
+fields, indexed names, new names, lengths past one byte); the blocks leave
+both HPACK dynamic tables as they were, so every later stream on the
+connection still decodes; a pending table-size change (which must lead the
+next block), a client connection, an informational status and a long list go
+through h2 as before; and a stream the caller already reset is an h2
+ProtocolError, as before.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from h2.exceptions import ProtocolError
 from hyperframe.frame import DataFrame, HeadersFrame
 
 from ibex.service.admission import GATE_CPU_MESSAGE, GATE_QUEUE_MESSAGE
-from ibex.service.grpc_shim import lighten_h2, refusal_block, send_refusal
+from ibex.service.grpc_shim import header_block, lighten_h2, send_headers_fast, send_refusal
 
 REQUEST = [
     (":method", "POST"),
@@ -87,8 +90,24 @@ def test_the_block_decodes_to_the_refusal_without_touching_the_dynamic_table(
     message: str,
 ) -> None:
     decoder = hpack.Decoder()
-    decoded = decoder.decode(refusal_block(RESOURCE_EXHAUSTED, message))
+    decoded = decoder.decode(header_block(tuple(refusal_headers(message))))
     assert [(str(k), str(v)) for k, v in decoded] == refusal_headers(message)
+    assert len(decoder.header_table.dynamic_entries) == 0
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        [(":status", "200"), ("content-type", "application/grpc")],  # full static match
+        [(":status", "204"), ("content-length", "0")],  # static field, then indexed name
+        [("grpc-status", "0"), ("x-ibex-worker", "1")],  # new names
+        [("x-long", "v" * 300), ("www-authenticate", "w" * 140)],  # multi-byte lengths
+        [("accept-charset", "utf-8"), ("via", "")],  # indexed names below and above 15
+    ],
+)
+def test_header_blocks_decode_to_their_headers(headers: list[tuple[str, str]]) -> None:
+    decoder = hpack.Decoder()
+    assert [(str(k), str(v)) for k, v in decoder.decode(header_block(tuple(headers)))] == headers
     assert len(decoder.header_table.dynamic_entries) == 0
 
 
@@ -154,11 +173,49 @@ def test_lighten_h2_keeps_header_values_out_of_debug_logs_and_frames_short(
     assert repr(HeadersFrame(9)) == "HeadersFrame(stream_id=9)"
 
 
-def test_a_message_too_long_for_the_block_goes_through_h2() -> None:
+def test_long_messages_still_decode_and_the_longest_go_through_h2() -> None:
     pair = Pair()
-    message = "overloaded: " + "x" * 200
-    with pytest.raises(ValueError):
-        refusal_block(RESOURCE_EXHAUSTED, message)
+    for message in ("overloaded: " + "x" * 200, "overloaded: " + "y" * 600):
+        sid = pair.open()
+        send_refusal(pair.server, sid, RESOURCE_EXHAUSTED, message)
+        assert pair.answer(sid, pair.to_client()) == refusal_headers(message)
+    # Only the long one went through h2's encoder: into both dynamic tables.
+    assert len(pair.server.encoder.header_table.dynamic_entries) > 0
+    assert len(pair.client.decoder.header_table.dynamic_entries) > 0
+
+
+def test_an_answer_headers_then_trailers_through_the_blocks() -> None:
+    pair = Pair()
+    for level in ("L0", "L1", "L0"):
+        sid = pair.open()
+        headers = [
+            (":status", "200"),
+            ("content-type", "application/grpc"),
+            ("x-ibex-degradation", level),
+        ]
+        assert send_headers_fast(pair.server, sid, headers, False)
+        pair.server.send_data(sid, b"\x00\x00\x00\x00\x00")
+        assert send_headers_fast(pair.server, sid, [("grpc-status", "0")], True)
+        events = pair.to_client()
+        assert pair.answer(sid, events) == headers
+        data = [e for e in events if isinstance(e, h2.events.DataReceived)]
+        assert [e.data for e in data] == [b"\x00\x00\x00\x00\x00"]
+        trailers = [e for e in events if isinstance(e, h2.events.TrailersReceived)]
+        assert [(str(k), str(v)) for k, v in trailers[0].headers] == [("grpc-status", "0")]
+    assert len(pair.server.encoder.header_table.dynamic_entries) == 0
+    assert pair.server.open_inbound_streams == 0
+
+
+def test_what_only_h2_can_send_is_left_to_it() -> None:
+    pair = Pair()
     sid = pair.open()
-    send_refusal(pair.server, sid, RESOURCE_EXHAUSTED, message)
-    assert pair.answer(sid, pair.to_client()) == refusal_headers(message)
+    pair.server.data_to_send()
+    assert not send_headers_fast(pair.server, sid, [(":status", "100")], False)  # 1xx
+    assert not send_headers_fast(pair.server, sid, [("x-a", "b" * 600)], False)  # long
+    assert pair.server.data_to_send() == b""
+    assert not send_headers_fast(pair.client, 3, [(":method", "POST")], False)  # a client
+    assert pair.client.data_to_send() == b""
+    # Trailers must end the stream, as in h2.
+    assert send_headers_fast(pair.server, sid, [(":status", "200")], False)
+    with pytest.raises(ProtocolError):
+        send_headers_fast(pair.server, sid, [("grpc-status", "0")], False)
