@@ -51,12 +51,12 @@ MUTANTS: list[tuple[str, str, str]] = [
     (A + "validation.py", "max_text_bytes: int = 1024 * 1024", "max_text_bytes: int = 1024 * 1025"),
     (A + "validation.py", "max_tool_schemas: int = 128", "max_tool_schemas: int = 129"),
     (A + "candidates.py", "MAX_MEMORIES_HARD_CAP = 100", "MAX_MEMORIES_HARD_CAP = 101"),
-    (A + "formatter.py", '"[&<>\\x00', '"[<>\\x00'),  # & no longer escaped in bodies
+    (A + "formatter.py", '    "&<>"\n', '    "<>"\n'),  # & no longer escaped in bodies
     (A + "formatter.py", "\\x0b-\\x1f", "\\x0e-\\x1f"),  # VT, FF, CR passed raw
     (A + "formatter.py", "\\x7f-\\x9f", "\\x80-\\x9f"),  # DEL passed raw
     (A + "formatter.py", "\\u2028\\u2029", "\\u2028"),
     (A + "formatter.py", "\\u202a-\\u202e", "\\u202a-\\u202d"),
-    (A + "formatter.py", "\\u2066-\\u2069", "\\u2066-\\u2068"),
+    (A + "formatter.py", "\\u2066-\\u206f", "\\u2066-\\u206e"),
     (A + "formatter.py", "[^A-Za-z0-9_.:@+\\-]", "[^A-Za-z0-9_.:@+\\- ]"),  # space allowed
     (A + "formatter.py", '"\'": "&#39;"', '"\'": "\'"'),
     (
