@@ -31,7 +31,6 @@ import json
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +40,7 @@ from grpclib.encoding.base import CodecBase
 
 from benchmarks.load.driver import METHOD, Driver, build_requests, fixed_rate
 from benchmarks.load.report import summarize
-from benchmarks.load.stack import ROOT, Stack, cpu_seconds, free_port, listeners
+from benchmarks.load.stack import ROOT, Stack, cpu_seconds, free_port, wait_listening
 
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "load.floor.json"
 MODES = ("asyncio", "trio-asyncio", "ibex")
@@ -153,12 +152,9 @@ class _Bare:
         self.addr = f"127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "benchmarks.load.floor", "--serve", mode, str(self.port)]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.DEVNULL)
-        deadline = time.monotonic() + 30
-        while listeners(self.port) < 1:
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.proc.kill()
-                raise RuntimeError(f"floor server {mode} did not start")
-            time.sleep(0.05)
+        if not wait_listening(self.proc, self.port):
+            self.stop()
+            raise RuntimeError(f"floor server {mode} did not start")
 
     def cpu(self) -> float:
         return cpu_seconds(self.proc.pid)

@@ -97,6 +97,18 @@ def listeners(port: int) -> int:
     return count
 
 
+def wait_listening(
+    proc: subprocess.Popen[bytes], port: int, count: int = 1, timeout: float = 30.0
+) -> bool:
+    """Wait until `count` sockets listen on the port; False if `proc` ended or time ran out."""
+    deadline = time.monotonic() + timeout
+    while listeners(port) < count:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def directive_value(i: int) -> str:
     content = (
         f"You are the support assistant for tenant {i}. Answer precisely, cite the runbook "
@@ -176,13 +188,10 @@ class Daemon:
             start_new_session=True,
         )
         self.root_pid = self.proc.pid
-        deadline = time.monotonic() + 30
-        while listeners(port) < workers:
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                tail = self.output()[-3000:]
-                self.stop()
-                raise RuntimeError(f"daemon did not start:\n{tail}")
-            time.sleep(0.05)
+        if not wait_listening(self.proc, port, workers):
+            tail = self.output()[-3000:]
+            self.stop()
+            raise RuntimeError(f"daemon did not start:\n{tail}")
 
     def pids(self) -> list[int]:
         return [self.root_pid, *children(self.root_pid)]
