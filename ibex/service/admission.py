@@ -32,7 +32,7 @@ is served with whatever time its deadline leaves. What is refused, and why:
   least `saturated` of the time; and a call with less than `min_useful` left
   is never refused as overload (an idle daemon could not serve it either).
 
-A refusal costs a fraction of an answer (about 0.4 ms under overload, most of
+A refusal costs a fraction of an answer (about 0.2 ms under overload, most of
 it h2 parsing the call's frames); a call that cannot be served in time would
 cost a whole answer's CPU and delay every admitted call behind it. The event
 loop's timer lateness is not used: bursts, a GC, one big call or another

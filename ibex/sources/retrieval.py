@@ -3,9 +3,10 @@
 Each branch runs under its own `move_on_after`, created when the branch
 starts so its clock starts when the branch does (the last branch runs in the
 request's own task, the others in tasks of their own); the nursery itself
-runs under the request's wall. A branch never raises: it ends as success, timeout, error
-or skipped, and whatever finished before the wall is kept. When this function
-returns, every task it started has ended and every socket lease is returned.
+runs under the request's wall. A branch never raises: it ends as success,
+timeout, error or skipped, and whatever finished before the wall is kept.
+When this function returns, every task it started has ended and every
+socket lease is returned.
 """
 
 from __future__ import annotations
