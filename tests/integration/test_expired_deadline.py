@@ -181,6 +181,21 @@ async def test_a_refused_stream_already_reset_by_its_caller_leaves_the_connectio
     assert _errors(caplog) == []
 
 
+async def call_patched(
+    daemon: RunningDaemon,
+    caplog: pytest.LogCaptureFixture,
+    method: str,
+    replacement: Any,
+    timeout_header: str,
+) -> dict[str, str]:
+    """One raw call with a ContextService method replaced, logs captured from info up."""
+    with (
+        unittest.mock.patch.object(ContextService, method, replacement),
+        caplog.at_level(logging.INFO),
+    ):
+        return await in_thread(raw_call, daemon.port, timeout_header)
+
+
 async def test_a_caller_gone_when_the_answer_is_sent_is_not_an_error(
     daemon: RunningDaemon, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -192,11 +207,7 @@ async def test_a_caller_gone_when_the_answer_is_sent_is_not_an_error(
     async def gone(self: Any, stream: Any, result: Any) -> None:
         raise StreamClosedError(1)
 
-    with (
-        unittest.mock.patch.object(ContextService, "_send_assembly", gone),
-        caplog.at_level(logging.INFO),
-    ):
-        answer = await in_thread(raw_call, daemon.port, "5S")
+    answer = await call_patched(daemon, caplog, "_send_assembly", gone, "5S")
     assert answer["grpc-status"] == "1"  # CANCELLED
     assert _errors(caplog) == []
     assert "caller_gone" in _events(caplog)
@@ -218,11 +229,7 @@ async def test_an_answer_finished_after_grpclib_gave_up_is_a_deadline_miss_not_a
         await trio.to_thread.run_sync(time.sleep, 0.3)
         return result
 
-    with (
-        unittest.mock.patch.object(ContextService, "_assemble_in_trio", slow),
-        caplog.at_level(logging.INFO),
-    ):
-        late = await in_thread(raw_call, daemon.port, "50m")
+    late = await call_patched(daemon, caplog, "_assemble_in_trio", slow, "50m")
     assert late["grpc-status"] == "4"  # DEADLINE_EXCEEDED
     assert _errors(caplog) == []
     assert "deadline_missed" in _events(caplog)
