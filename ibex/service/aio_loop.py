@@ -12,12 +12,16 @@ each through the original's own no-wait form (due timers first, as before;
 a Trio task start, e.g. a crossing into Trio, still waits for the task to
 begin).
 
+The same loop also drops cancelled timers before it waits (see
+`drop_cancelled_timers`): trio-asyncio woke for each of them.
+
 This is the only module that touches trio-asyncio internals; it checks them at
 install and leaves the loop as it is (logging why) when they have changed.
 """
 
 from __future__ import annotations
 
+import heapq
 import logging
 from typing import Any
 
@@ -28,12 +32,43 @@ log = logging.getLogger(__name__)
 
 _Loop = _base.BaseTrioEventLoop
 _original = _Loop._main_loop_one
-# What the replacement relies on: the queue it sizes a batch by, and the original's
-# no-wait form, which takes one object from that queue with receive_nowait.
-_NEEDS = frozenset({"_q_recv", "receive_nowait"})
+# What the replacement relies on: the queue it sizes a batch by, the original's no-wait
+# form, which takes one object from that queue with receive_nowait, and the timer heap.
+_NEEDS = frozenset({"_q_recv", "receive_nowait", "_timers"})
+
+
+def drop_cancelled_timers(timers: list[Any], state: list[int]) -> None:
+    """Take cancelled timers off the heap's head, and rebuild it when they pile up behind.
+
+    trio-asyncio keeps a cancelled timer in its heap until the timer's time comes
+    and then wakes just to discard it: every call's read timeout (5 s) and
+    deadline timer (the caller's deadline), cancelled when the call ends, each
+    cost a later wakeup of an otherwise idle loop. asyncio's own loop discards
+    them as this does. `state[0]` is the heap size that triggers a full rebuild:
+    twice the live timers after the last one, so the scan is amortised O(1).
+    """
+    while timers and timers[0]._cancelled:
+        heapq.heappop(timers)
+    if len(timers) >= state[0]:
+        timers[:] = [t for t in timers if not t._cancelled]
+        heapq.heapify(timers)
+        state[0] = max(_REBUILD_MIN, 2 * len(timers))
+
+
+_REBUILD_MIN = 256
+
+
+def _rebuild_at(loop: Any) -> list[int]:
+    state: list[int] | None = loop.__dict__.get("_ibex_timer_rebuild")
+    if state is None:
+        state = loop._ibex_timer_rebuild = [_REBUILD_MIN]
+    return state
 
 
 async def _main_loop_one(self: Any, no_wait: bool = False) -> None:
+    timers = self._timers
+    if timers:
+        drop_cancelled_timers(timers, _rebuild_at(self))
     await _original(self, no_wait)
     if no_wait:
         return

@@ -79,6 +79,13 @@ async def recv_bounded(stream: grpclib.server.Stream[Any, Any], limit: int) -> t
     return message, length
 
 
+def request_complete(stream: grpclib.server.Stream[Any, Any]) -> bool:
+    """True when the caller's END_STREAM has been read: the whole request is buffered,
+    so reading it cannot stall (and needs no timer)."""
+    buffer = getattr(stream._stream, "buffer", None)
+    return getattr(buffer, "_eof", False) is True
+
+
 def arrival(stream: grpclib.server.Stream[Any, Any]) -> float | None:
     """When the call's HEADERS were read off its connection (`time.monotonic()`), or None.
 

@@ -38,7 +38,7 @@ from ibex.service import wire as pb
 from ibex.service.admission import Admission, Ticket
 from ibex.service.assembler import Assembler
 from ibex.service.auth import Authenticator, check_principal
-from ibex.service.grpc_shim import arrival, handler_started, recv_bounded
+from ibex.service.grpc_shim import arrival, handler_started, recv_bounded, request_complete
 from ibex.service.status import grpc_error
 
 log = logging.getLogger(__name__)
@@ -161,7 +161,13 @@ class ContextService:
 
     async def _receive(self, stream: grpclib.server.Stream[Any, Any]) -> tuple[Any, int]:
         """The request message and its bytes, read within `read_timeout`: a stalled stream
-        holds nothing."""
+        holds nothing.
+
+        Usually the request arrived whole with its HEADERS: then the read cannot stall and
+        arms no timer (a timer costs a loop crossing to set and one to cancel).
+        """
+        if request_complete(stream):
+            return await recv_bounded(stream, self.config.max_message_bytes)
         try:
             async with asyncio.timeout(self.admission.config.read_timeout):
                 return await recv_bounded(stream, self.config.max_message_bytes)

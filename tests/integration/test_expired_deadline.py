@@ -4,10 +4,14 @@ grpclib alone answers such a call UNKNOWN ("Internal Server Error") and logs
 "Timeout occurred" at error level; the contract says DEADLINE_EXCEEDED. The
 request is sent over raw HTTP/2 (h2) with `grpc-timeout: 1n`, which no stock
 client sends on purpose but a slow network delivers all the time.
+
+Also here, over the same raw HTTP/2: a request that stalls half-sent ends at the
+read timeout, and only a request still arriving is read under a timer.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import socket
@@ -23,6 +27,7 @@ import pytest
 import trio
 from h2.exceptions import StreamClosedError
 
+import ibex.service.handlers as handlers_module
 from ibex.service.admission import GATE_CPU_MESSAGE
 from ibex.service.assembler import Assembler
 from ibex.service.handlers import ContextService
@@ -328,3 +333,68 @@ async def test_answers_leave_as_pre_encoded_header_blocks(daemon: RunningDaemon)
         assert answer["x-ibex-degradation"] in {"L0", "L1", "L2"}
         assert answer["x-ibex-branches"].startswith("directive=")
     assert indexed == 0
+
+
+def split_call(port: int, pause: float, *, finish: bool) -> dict[str, str]:
+    """HEADERS and the first half of the request; after `pause`, the rest with END_STREAM
+    (or nothing, when not `finish`: a stalled caller). The trailers."""
+    conn = _client()
+    frame = _request_frame()
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(conn.data_to_send())
+        stream = conn.get_next_available_stream_id()
+        conn.send_headers(stream, _headers(port, "20S"))
+        conn.send_data(stream, frame[: len(frame) // 2])
+        sock.sendall(conn.data_to_send())
+        time.sleep(pause)
+        if finish:
+            conn.send_data(stream, frame[len(frame) // 2 :], end_stream=True)
+            sock.sendall(conn.data_to_send())
+        return _answer(sock, conn, stream)
+
+
+async def test_a_request_that_stalls_ends_at_the_read_timeout(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A caller that sends part of its request and stops holds nothing past the read
+    timeout: DEADLINE_EXCEEDED (its own 20 s deadline is far off), logged at info."""
+    async with running_daemon(request_read_timeout=0.3) as d:
+        with caplog.at_level(logging.INFO):
+            t0 = time.monotonic()
+            stalled = await in_thread(split_call, d.port, 0.0, finish=False)
+            took = time.monotonic() - t0
+        assert stalled["grpc-status"] == "4"
+        assert "not received within 0.3s" in stalled.get("grpc-message", "")
+        assert took < 10  # the read timeout ended it, not the caller's deadline (20 s)
+        assert "deadline_missed" in _events(caplog)
+        assert _errors(caplog) == []
+        assert d.daemon.state.in_flight == 0
+
+
+async def test_a_request_sent_in_two_parts_within_the_read_timeout_is_answered() -> None:
+    """Only a request that arrived whole skips the read timer; one still arriving is read
+    under it, to the end."""
+    async with running_daemon(request_read_timeout=5.0) as d:
+        answer = await in_thread(split_call, d.port, 0.05, finish=True)
+    assert answer["grpc-status"] == "0"
+
+
+async def test_only_a_request_still_arriving_arms_the_read_timer() -> None:
+    """HEADERS and the whole body in one write leave nothing to wait for: no read timer
+    (arming and cancelling one costs the loop two crossings per call). A request still
+    arriving is read under one."""
+    armed: list[float] = []
+    real = asyncio.timeout
+
+    def counting(delay: float | None) -> asyncio.Timeout:
+        armed.append(delay or 0.0)
+        return real(delay)
+
+    async with running_daemon(request_read_timeout=5.0) as d:
+        with unittest.mock.patch.object(handlers_module.asyncio, "timeout", counting):
+            whole = await in_thread(raw_call, d.port, "5S")
+            assert armed == []
+            split = await in_thread(split_call, d.port, 0.05, finish=True)
+    assert whole["grpc-status"] == "0"
+    assert split["grpc-status"] == "0"
+    assert armed == [5.0]

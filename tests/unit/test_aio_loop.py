@@ -4,16 +4,20 @@ Pinned: callbacks queued together run in one Trio step of the loop's task (the
 saving), in FIFO order, with a callback scheduled by one of them running after
 those queued before it (asyncio's order); timers still fire in time order; and
 crossings both ways still work (a Trio task start inside a batch waits for the task).
+Cancelled timers are dropped rather than waited for, and the heap stays bounded.
 """
 
 from __future__ import annotations
 
 import asyncio
+import heapq
 
+import pytest
 import trio
 import trio.lowlevel
 import trio_asyncio
 
+from ibex.service import aio_loop
 from ibex.service.aio_loop import batch_ready_callbacks
 
 
@@ -118,3 +122,91 @@ async def test_callbacks_that_keep_queueing_callbacks_still_let_trio_run() -> No
         stop = True
     assert seen < 10_000
     assert max(gaps) <= 6  # a few rounds per pass of the loop, then Trio runs
+
+
+class IoWaits(trio.abc.Instrument):
+    """The timeouts of the run loop's epoll waits: a wakeup for a timer shows as a wait
+    that ends at that timer."""
+
+    def __init__(self) -> None:
+        self.timeouts: list[float] = []
+
+    def before_io_wait(self, timeout: float) -> None:
+        self.timeouts.append(timeout)
+
+
+async def test_a_cancelled_timer_wakes_nothing() -> None:
+    """asyncio's order: a cancelled timer is dropped, not waited for (trio-asyncio waits)."""
+    assert batch_ready_callbacks()
+    async with trio_asyncio.open_loop() as loop:
+        handles = [
+            loop.call_later(0.05 + i * 0.01, pytest.fail, "a cancelled timer ran") for i in range(5)
+        ]
+        await loop.synchronize()
+        for h in handles:
+            h.cancel()
+        waits = IoWaits()
+        trio.lowlevel.add_instrument(waits)
+        try:
+            await loop.synchronize()  # one pass of the loop after the cancels
+            await trio.sleep(0.2)
+        finally:
+            trio.lowlevel.remove_instrument(waits)
+        assert loop._timers == []
+    # Our sleep is one wait of about 0.2 s; the loop waking for each dead timer would
+    # add waits that end at 0.05-0.09 s.
+    assert [t for t in waits.timeouts if 0.001 < t < 0.15] == []
+
+
+async def test_a_live_timer_behind_cancelled_ones_still_fires_on_time() -> None:
+    assert batch_ready_callbacks()
+    async with trio_asyncio.open_loop() as loop:
+        fired = trio.Event()
+        dead = [loop.call_later(0.01, pytest.fail, "cancelled") for _ in range(10)]
+        live = loop.call_later(0.03, fired.set)
+        await loop.synchronize()
+        for h in dead:
+            h.cancel()
+        t0 = trio.current_time()
+        with trio.fail_after(5):
+            await fired.wait()
+        assert trio.current_time() - t0 >= 0.015
+        assert not live.cancelled()
+
+
+def test_the_heap_is_rebuilt_when_cancelled_timers_pile_up_behind_its_head() -> None:
+    """Cancelled timers behind a live head are swept once they are half the heap."""
+
+    class Timer:
+        def __init__(self, when: float, cancelled: bool) -> None:
+            self._when, self._cancelled = when, cancelled
+
+        def __lt__(self, other: Timer) -> bool:
+            return self._when < other._when
+
+    state = [aio_loop._REBUILD_MIN]
+    head = Timer(0.0, False)
+    timers = [head] + [Timer(1.0 + i, i % 10 != 0) for i in range(aio_loop._REBUILD_MIN - 2)]
+    heapq.heapify(timers)
+    aio_loop.drop_cancelled_timers(timers, state)
+    assert len(timers) == aio_loop._REBUILD_MIN - 1  # under the threshold: head kept, no sweep
+    timers.append(Timer(1000.0, True))
+    aio_loop.drop_cancelled_timers(timers, state)
+    live = 1 + len(range(0, aio_loop._REBUILD_MIN - 2, 10))
+    assert len(timers) == live
+    assert all(not t._cancelled for t in timers)
+    assert timers[0] is head
+    assert state == [aio_loop._REBUILD_MIN]  # 2 x live is below the floor
+    head._cancelled = True
+    aio_loop.drop_cancelled_timers(timers, state)
+    assert timers[0]._when == 1.0  # the next live one
+    assert len(timers) == live - 1
+    # Many live timers: the next sweep waits until the heap is twice their number.
+    big = [Timer(float(i), i % 2 == 1) for i in range(800)]
+    heapq.heapify(big)
+    aio_loop.drop_cancelled_timers(big, state)
+    assert len(big) == 400
+    assert state == [800]
+    big.extend(Timer(2000.0 + i, True) for i in range(399))
+    aio_loop.drop_cancelled_timers(big, state)
+    assert len(big) == 799  # below 800: left alone
