@@ -34,6 +34,7 @@ from typing import Any
 
 from benchmarks.load.driver import Calls, Driver, build_requests, fixed_rate
 from benchmarks.load.report import recovery, summarize, table
+from benchmarks.load.speed import reference_cpu_ms, spread
 from benchmarks.load.stack import Daemon, Stack, add_daemon_env, cpu_seconds, daemon_env
 
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "load.deadlines.json"
@@ -46,6 +47,7 @@ class Run:
         self.stack, self.daemon, self.driver = stack, daemon, driver
         self.versions = versions
         self.salt = 0
+        self.speed: list[float] = []
 
     def requests(self, n: int) -> list[bytes]:
         self.salt += 1
@@ -53,6 +55,8 @@ class Run:
 
     async def measure(self, name: str, go: Any, n: int) -> tuple[dict[str, Any], Calls]:
         reqs = self.requests(n)
+        ref = reference_cpu_ms()
+        self.speed.append(ref)
         cpu0, aux0 = self.daemon.cpu(), self.stack.aux_cpu()
         rec: Calls = await go(reqs)
         cpu1, aux1 = self.daemon.cpu(), self.stack.aux_cpu()
@@ -60,6 +64,7 @@ class Run:
             rec, daemon_cpu_s=cpu1 - cpu0, aux_cpu_s={k: aux1[k] - aux0[k] for k in aux0}
         )
         row["run"] = name
+        row["ref_cpu_ms"] = round(ref, 1)
         row["refused"] = sum(1 for s in rec.status if s == "RESOURCE_EXHAUSTED")
         row["full_quality"] = sum(
             1
@@ -130,6 +135,7 @@ async def scenarios(args: argparse.Namespace) -> dict[str, Any]:
             capacity = closed["achieved_rps"]
             out["closed_32"] = closed
             out["capacity_rps"] = capacity
+            out["cpu_ms_per_answer_closed_32"] = closed["daemon_cpu_ms_per_answer"]
 
             hog = cpu_hog()
             try:
@@ -198,6 +204,9 @@ async def scenarios(args: argparse.Namespace) -> dict[str, Any]:
                     f"statuses {row['statuses_during']}; recovery {row['recovery']}"
                 )
             print(f"   median goodput {out['overload_goodput_of_capacity_median']:.0%} of capacity")
+            out["machine_speed"] = spread(run.speed)
+            speed = out["machine_speed"]
+            print(f"   reference work over the run (ms of CPU, lower is faster): {speed}")
         finally:
             await driver.close()
     out["daemon_cpu_seconds_total"] = cpu_seconds(daemon.root_pid)

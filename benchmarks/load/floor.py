@@ -18,6 +18,12 @@ times), so the figures share the machine's hour; medians are reported. The
 latency columns count from each call's scheduled send, as in the load runs:
 the 10 ms wait (the daemon's: its slowest branch, 8 ms) is in them.
 
+Each stack also runs a closed loop of 32 callers (saturation): there calls
+share wakeups and warm caches, so an answer costs a fraction of its CPU at
+100 rps, where every call wakes an idle process. The ratio says how much of the
+open-loop figure is the cost of waking up on this machine rather than work.
+The machine's speed during the run (`benchmarks.load.speed`) is printed too.
+
 Run: ``python -m benchmarks.load.floor [--quick]`` (JSON in
 ``benchmarks/results/load.floor.json``). ``--serve MODE PORT`` is the server
 side, started by the benchmark itself.
@@ -40,11 +46,14 @@ from grpclib.encoding.base import CodecBase
 
 from benchmarks.load.driver import METHOD, Driver, build_requests, fixed_rate
 from benchmarks.load.report import summarize
+from benchmarks.load.speed import reference_cpu_ms, spread
 from benchmarks.load.stack import ROOT, Stack, cpu_seconds, free_port, wait_listening
 
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "load.floor.json"
 MODES = ("asyncio", "trio-asyncio", "ibex")
 PAUSE = 0.010  # the handler's wait: a retrieval of about the stand-in's cold latency
+LOADS = ("100", "200", "closed")  # open loop at 100 and 200 rps; a closed loop (saturation)
+CALLERS = 32
 
 
 def canned_response() -> bytes:
@@ -165,7 +174,8 @@ class _Bare:
 
 
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
-    rows: dict[str, dict[int, list[dict[str, Any]]]] = {m: {100: [], 200: []} for m in MODES}
+    rows: dict[str, dict[str, list[dict[str, Any]]]] = {m: {r: [] for r in LOADS} for m in MODES}
+    speed: list[float] = []
     with Stack() as stack, stack.daemon(1) as daemon:
         bare = {"asyncio": _Bare("asyncio"), "trio-asyncio": _Bare("trio-asyncio")}
         targets: dict[str, Any] = {**bare, "ibex": daemon}
@@ -179,17 +189,25 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                 reqs = build_requests(stack.tenants, 400, salt, versions=True)
                 await drivers[m].open_loop(reqs, fixed_rate((100, 1.0)), 1.0)
             for _ in range(args.repeats):
-                for rate in (100, 200):
+                for load in LOADS:
                     for m in MODES:
                         salt += 1
-                        n = int(rate * args.seconds)
-                        reqs = build_requests(stack.tenants, n, salt, versions=True)
+                        ref = reference_cpu_ms()
+                        speed.append(ref)
                         cpu0 = targets[m].cpu()
-                        rec = await drivers[m].open_loop(
-                            reqs, fixed_rate((rate, args.seconds)), 1.0
-                        )
+                        if load == "closed":
+                            reqs = build_requests(stack.tenants, 4096, salt, versions=True)
+                            rec = await drivers[m].closed_loop(reqs, CALLERS, args.seconds, 1.0)
+                        else:
+                            rate = int(load)
+                            n = int(rate * args.seconds)
+                            reqs = build_requests(stack.tenants, n, salt, versions=True)
+                            rec = await drivers[m].open_loop(
+                                reqs, fixed_rate((rate, args.seconds)), 1.0
+                            )
                         row = summarize(rec, daemon_cpu_s=targets[m].cpu() - cpu0, aux_cpu_s={})
-                        rows[m][rate].append(row)
+                        row["ref_cpu_ms"] = round(ref, 1)
+                        rows[m][load].append(row)
                         await asyncio.sleep(0.2)
         finally:
             for d in drivers.values():
@@ -198,29 +216,36 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                 b.stop()
     out: dict[str, Any] = {"command": " ".join(["python -m benchmarks.load.floor", *sys.argv[1:]])}
     for m in MODES:
-        for rate in (100, 200):
-            rs = rows[m][rate]
-            out[f"{m}_{rate}rps"] = {
+        for load in LOADS:
+            rs = rows[m][load]
+            out[f"{m}_{_key(load)}"] = {
                 "cpu_ms_per_answer": statistics.median(r["daemon_cpu_ms_per_answer"] for r in rs),
+                "answers_per_s": statistics.median(r["achieved_rps"] for r in rs),
                 "p50_ms": statistics.median(r["p50_ms"] for r in rs),
                 "p99_ms": statistics.median(r["p99_ms"] for r in rs),
                 "errors": sum(r["error_count"] for r in rs),
                 "samples": len(rs),
             }
+    out["machine_speed"] = spread(speed)
     return out
+
+
+def _key(load: str) -> str:
+    return "closed" if load == "closed" else f"{load}rps"
 
 
 def table(out: dict[str, Any]) -> str:
     lines = [
-        f"{'stack':<14} {'rate':>5} {'CPU ms/answer':>14} {'p50 ms':>7} {'p99 ms':>7} "
-        f"{'errors':>6}  (medians of {out['ibex_100rps']['samples']})"
+        f"{'stack':<14} {'load':>6} {'CPU ms/answer':>14} {'answers/s':>9} {'p50 ms':>7} "
+        f"{'p99 ms':>7} {'errors':>6}  (medians of {out['ibex_100rps']['samples']})"
     ]
     for m in MODES:
-        for rate in (100, 200):
-            r = out[f"{m}_{rate}rps"]
+        for load in LOADS:
+            r = out[f"{m}_{_key(load)}"]
+            label = f"{CALLERS} cl." if load == "closed" else f"{load}/s"
             lines.append(
-                f"{m:<14} {rate:>5} {r['cpu_ms_per_answer']:>14.2f} {r['p50_ms']:>7.1f} "
-                f"{r['p99_ms']:>7.1f} {r['errors']:>6}"
+                f"{m:<14} {label:>6} {r['cpu_ms_per_answer']:>14.2f} {r['answers_per_s']:>9.0f} "
+                f"{r['p50_ms']:>7.1f} {r['p99_ms']:>7.1f} {r['errors']:>6}"
             )
     for rate in (100, 200):
         floor = out[f"trio-asyncio_{rate}rps"]["cpu_ms_per_answer"]
@@ -229,6 +254,11 @@ def table(out: dict[str, Any]) -> str:
             f"at {rate} rps the stack's floor is {floor / ibex:.0%} of the daemon's CPU per "
             f"answer; ibex's own work {ibex - floor:.2f} ms"
         )
+    for m in MODES:
+        sat = out[f"{m}_closed"]["cpu_ms_per_answer"]
+        low = out[f"{m}_100rps"]["cpu_ms_per_answer"]
+        lines.append(f"{m}: an answer at 100 rps costs {low / sat:.1f}x its CPU at saturation")
+    lines.append(f"reference work, ms of CPU (lower is faster): {out['machine_speed']}")
     return "\n".join(lines)
 
 

@@ -94,6 +94,7 @@ COLUMNS = (
     ("driver_cpu_cores", 6, "{}"),
     ("send_lag_p99_ms", 7, "{:.1f}"),
     ("other_cpu_cores", 6, "{}"),
+    ("ref_cpu_ms", 5, "{:.0f}"),
 )
 HEADS = (
     "run",
@@ -109,6 +110,7 @@ HEADS = (
     "drv.c",
     "lag99",
     "other",
+    "ref",
 )
 
 
