@@ -6,13 +6,14 @@ Score = killed / all mutants, with a survivor, a "no tests" mutant and a
 timeout-free hang alike counted as not killed. With --equivalent, the named
 mutants (one per line, ``name  # why``) are also left out of a second score.
 Mutant names carry a per-function number that shifts when the function
-changes: re-check the list after editing ibex/assembly.
+changes: re-check the list after editing a mutated module.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -24,6 +25,13 @@ def _load(root: Path) -> dict[str, int | None]:
     for meta in sorted(root.glob("**/*.py.meta")):
         codes.update(json.loads(meta.read_text())["exit_code_by_key"])
     return codes
+
+
+def _module(name: str) -> str:
+    """A function's mutant (`ibex.sources.wire.x_to_hit__mutmut_3`) and a method's
+    (`ibex.service.admission.xǁAdmissionǁgate__mutmut_8`) name their module before `.x`."""
+    head = re.split(r"\.x[_ǁ]", name, maxsplit=1)[0]
+    return head.rsplit(".", 1)[-1]
 
 
 def _equivalent(path: Path | None) -> set[str]:
@@ -48,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     per: dict[str, Counter[str]] = {}
     survivors = []
     for name, code in sorted(codes.items()):
-        module = name.split(".x_", 1)[0].rsplit(".", 1)[-1]
+        module = _module(name)
         c = per.setdefault(module, Counter())
         c["total"] += 1
         if code is None:

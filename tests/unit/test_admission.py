@@ -342,3 +342,85 @@ def test_request_bytes_in_flight_are_capped_but_one_call_always_fits() -> None:
             pass
     assert a.in_flight_bytes == 0 and a.in_flight == 0
     assert shed(a, "in_flight") == 2
+
+
+# -- exact boundaries and what a refusal records ----------------------------------------------
+
+
+def test_the_detector_starts_clear_and_a_sojourn_at_target_counts_as_above_it() -> None:
+    """CoDel's rule: below target clears; at target for a whole interval is standing."""
+    q = QueueDelay(target=0.5, interval=0.25)  # binary fractions: exact comparisons
+    assert q.standing is False and q.estimate == 0.0
+    q.observe(0.5, now=1.0)
+    assert q.estimate == pytest.approx(0.2 * 0.5)  # the first sample, weighted from zero
+    q.observe(0.5, now=1.25)  # exactly one interval at target
+    assert q.standing is True
+    q.observe(0.25, now=1.5)
+    assert q.standing is False
+
+
+def test_a_window_of_exactly_the_window_length_is_sampled_and_utilisation_is_capped() -> None:
+    cpu = FakeCpu()
+    load = CpuLoad(window=0.25, cpu_clock=cpu, now=0.0)
+    cpu.seconds = 0.5  # more CPU than wall time (threads): utilisation still reads 1.0 at most
+    load.sample(0.25)
+    assert load.utilisation == pytest.approx(0.5 * 1.0)  # one window's weight of 100 %
+
+
+def test_a_cpu_per_call_sample_is_taken_at_exactly_eight_calls_and_divides_by_them() -> None:
+    cpu = FakeCpu()
+    load = CpuLoad(window=0.25, cpu_clock=cpu, now=0.0)
+    t = 0.0
+    for _ in range(7):
+        load.finished(t)
+    cpu.seconds = 0.016
+    load.finished(0.25)  # the eighth call, as the window ends: 16 ms over 8 calls
+    assert load.per_call == pytest.approx(0.5 * 0.002)
+
+
+def test_the_cpu_estimate_applies_from_exactly_the_saturation_threshold() -> None:
+    load = CpuLoad(window=0.25, cpu_clock=FakeCpu(), now=0.0)
+    load.utilisation, load.per_call = 0.5, 0.004
+    assert load.latency(ahead=4, saturated=0.5) == pytest.approx(5 * 0.004)
+    assert load.latency(ahead=4, saturated=0.75) == 0.0
+
+
+def test_fresh_state_is_false_not_merely_falsy() -> None:
+    a = admission()
+    assert a.draining is False
+    with a.admitted(time.monotonic(), 1.0) as ticket:
+        assert ticket.started is False
+
+
+def test_refusals_say_why_in_their_messages() -> None:
+    a = admission()
+    a.draining = True
+    with pytest.raises(Unavailable, match=r"^server is draining; retry elsewhere$"):
+        a.check_open()
+    a.draining = False
+    a.in_flight = 4
+    with pytest.raises(Overloaded, match=r"^overloaded: 4 requests in flight$"):
+        a.check_open()
+
+
+def test_a_queue_refusal_at_the_gate_is_labelled_queue_and_counted_as_a_request() -> None:
+    """The gate's standing-queue refusal: `queue` on the shed counter, and one
+    RESOURCE_EXHAUSTED request of the method that took no time."""
+    a = admission()
+    _standing(a, 0.030)
+    a.pending = 1
+    assert a.gate("AssembleContext", 1.0) is None  # room left after the wait
+    message = a.gate("AssembleContext", 0.045)
+    assert message is not None and message.startswith("overloaded")
+    assert shed(a, "queue") == 1 and shed(a, "cpu") == 0
+    assert a.metrics.requests.labels("AssembleContext", "RESOURCE_EXHAUSTED")._value.get() == 1
+    duration = a.metrics.request_duration.labels("AssembleContext")
+    assert duration._sum.get() == 0.0
+
+
+def test_the_standing_queue_refuses_when_exactly_min_useful_would_be_left() -> None:
+    """Refused only when less than `min_useful` would be left: exactly that is served."""
+    a = admission(AdmissionConfig(max_in_flight=64, min_useful=0.25))
+    a.queue.standing, a.queue.estimate, a.pending = True, 0.5, 1
+    assert not a.standing_queue_refuses(0.75)  # 0.75 - 0.5 == 0.25: enough
+    assert a.standing_queue_refuses(0.625)

@@ -3,9 +3,22 @@ connections; `tests/integration/test_connections.py` runs the same on real socke
 
 from __future__ import annotations
 
-import pytest
+import errno
+import logging
 
-from ibex.service.connections import Connections, ConnectionsConfig, default_max_connections
+import pytest
+import trio
+import trio.testing
+
+import ibex.service.connections as connections_module
+from ibex.service.connections import (
+    MAX_CONNECTIONS_CEILING,
+    REFUSAL_LOG_INTERVAL,
+    Connections,
+    ConnectionsConfig,
+    LoopErrorHandler,
+    default_max_connections,
+)
 
 
 class FakeConn:
@@ -141,3 +154,281 @@ def test_drain_says_goodbye_to_every_connection_and_refuses_new_ones() -> None:
     a.streams = 0
     conns.sweep()
     assert a.calls[-1] == "close" and conns.count == 0
+
+
+def _events(caplog: pytest.LogCaptureFixture, name: str) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.getMessage() == name]
+
+
+def test_a_flood_of_refusals_is_logged_once_per_interval_with_what_was_refused(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock = Clock()
+    conns = make(clock, max_connections=1)
+    conns.admit(FakeConn())
+    with caplog.at_level(logging.WARNING, logger="ibex.service.connections"):
+        for _ in range(3):  # the first one logs at once, the next two wait for the interval
+            assert not conns.admit(FakeConn())
+        clock.now += REFUSAL_LOG_INTERVAL - 0.5
+        assert not conns.admit(FakeConn())
+        clock.now += 0.5  # exactly one interval after the first line
+        assert not conns.admit(FakeConn())
+    lines = _events(caplog, "connections_refused")
+    assert [(r.refused, r.open, r.max_connections, r.draining) for r in lines] == [  # type: ignore[attr-defined]
+        (1, 1, 1, False),
+        (4, 1, 1, False),  # refused since the last line
+    ]
+    assert conns.refused == 5
+
+
+def test_refusals_while_draining_say_so(caplog: pytest.LogCaptureFixture) -> None:
+    conns = make(Clock())
+    conns.goaway_all(grace=1.0)
+    with caplog.at_level(logging.WARNING, logger="ibex.service.connections"):
+        assert not conns.admit(FakeConn())
+    (line,) = _events(caplog, "connections_refused")
+    assert line.draining is True and line.open == 0  # type: ignore[attr-defined]
+
+
+def test_an_ack_for_a_connection_not_saying_goodbye_changes_nothing() -> None:
+    conns = make(Clock())
+    stranger, open_one = FakeConn(), FakeConn()
+    conns.acked(stranger)  # never admitted (or already gone)
+    conns.admit(open_one)
+    conns.acked(open_one)  # a PING ack with no heads-up pending
+    assert open_one.calls == []
+    conns.closed(stranger)  # closing one never admitted is harmless too
+    assert conns.count == 1
+
+
+def test_every_idle_connection_closes_in_one_sweep() -> None:
+    clock = Clock()
+    conns = make(clock, idle_timeout=10.0)
+    idle = [FakeConn() for _ in range(3)]
+    for conn in idle:
+        conns.admit(conn)
+    clock.now += 10
+    conns.sweep()
+    assert [c.calls for c in idle] == [["close_idle"]] * 3
+    assert conns.count == 0 and conns.closed_idle == 3
+
+
+def test_rotations_are_counted_and_a_grace_expiry_is_logged_with_its_reason(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock = Clock()
+    conns = make(clock, max_age=10.0, age_grace=3.0, goaway_ack_timeout=1.0, idle_timeout=None)
+    a, b = FakeConn(), FakeConn()
+    conns.admit(a)
+    conns.admit(b)
+    a.streams, b.streams = 2, 1
+    clock.now += 10
+    with caplog.at_level(logging.WARNING, logger="ibex.service.connections"):
+        conns.sweep()
+        assert conns.rotated == 2
+        clock.now += 3  # past the ack timeout and the grace (heads-up at 110, grace to 113)
+        conns.sweep()
+        conns.sweep()
+    assert a.calls == b.calls == ["heads_up", "final", "close"]
+    lines = _events(caplog, "connection_grace_expired")
+    assert sorted((r.reason, r.streams) for r in lines) == [("max_age", 1), ("max_age", 2)]  # type: ignore[attr-defined]
+    assert conns.count == 0
+
+
+def test_the_ack_timeout_counts_from_the_heads_up() -> None:
+    clock = Clock()
+    conns = make(clock, max_age=10.0, age_grace=5.0, goaway_ack_timeout=1.0, idle_timeout=None)
+    conn = FakeConn()
+    conns.admit(conn)
+    conn.streams = 1
+    clock.now += 10
+    conns.sweep()
+    clock.now += 0.5
+    conns.sweep()
+    assert conn.calls == ["heads_up"]  # half the ack timeout: still waiting for the PING
+    clock.now += 0.5
+    conns.sweep()
+    assert conn.calls == ["heads_up", "final"]
+
+
+def test_a_drain_shortens_the_grace_of_a_connection_already_saying_goodbye(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock = Clock()
+    conns = make(clock, max_age=10.0, age_grace=60.0, idle_timeout=None)
+    conn = FakeConn()
+    conns.admit(conn)
+    conn.streams = 1
+    clock.now += 10
+    conns.sweep()  # rotating, with 60 s of grace
+    conns.acked(conn)
+    with caplog.at_level(logging.WARNING, logger="ibex.service.connections"):
+        conns.goaway_all(grace=2.0)  # the drain's 2 s win over the rotation's 60
+        assert conn.calls == ["heads_up", "final"]  # no second goodbye
+        clock.now += 1.5
+        conns.sweep()
+        assert conn.calls == ["heads_up", "final"]  # within the drain's grace
+        clock.now += 0.5
+        conns.sweep()
+    assert conn.calls == ["heads_up", "final", "close"]
+    (line,) = _events(caplog, "connection_grace_expired")
+    assert line.reason == "max_age"  # type: ignore[attr-defined]
+
+
+def test_a_drain_gives_open_connections_the_reason_drain(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock = Clock()
+    conns = make(clock)
+    conn = FakeConn()
+    conns.admit(conn)
+    conn.streams = 1
+    with caplog.at_level(logging.WARNING, logger="ibex.service.connections"):
+        conns.goaway_all(grace=1.0)
+        conns.acked(conn)
+        clock.now += 1
+        conns.sweep()
+    (line,) = _events(caplog, "connection_grace_expired")
+    assert line.reason == "drain"  # type: ignore[attr-defined]
+
+
+def test_an_unlimited_fd_limit_gives_the_ceiling(monkeypatch: pytest.MonkeyPatch) -> None:
+    import resource
+
+    def limits(soft: int) -> object:
+        def getrlimit(which: int) -> tuple[int, int]:
+            assert which == resource.RLIMIT_NOFILE
+            return soft, resource.RLIM_INFINITY
+
+        return getrlimit
+
+    monkeypatch.setattr(resource, "getrlimit", limits(resource.RLIM_INFINITY))
+    assert default_max_connections() == MAX_CONNECTIONS_CEILING
+    monkeypatch.setattr(resource, "getrlimit", limits(256))
+    assert default_max_connections() == 256 - 64
+
+
+def test_the_first_refusal_is_logged_even_at_clock_zero(caplog: pytest.LogCaptureFixture) -> None:
+    clock = Clock()
+    clock.now = 0.0  # a monotonic clock may start near zero (a fresh boot)
+    conns = make(clock, max_connections=1)
+    conns.admit(FakeConn())
+    with caplog.at_level(logging.WARNING, logger="ibex.service.connections"):
+        assert not conns.admit(FakeConn())
+    assert len(_events(caplog, "connections_refused")) == 1
+
+
+@pytest.mark.parametrize(
+    ("config", "tick"),
+    [
+        ({"idle_timeout": None, "max_age": None}, 1.0),  # nothing due soon: once a second
+        ({"idle_timeout": 5.0, "max_age": None}, 0.5),  # a tenth of the idle timeout
+        ({"idle_timeout": 300.0, "max_age": 4.0}, 0.2),  # a twentieth of the age
+        ({"idle_timeout": 0.05, "max_age": None}, 0.01),  # never more often than 10 ms
+    ],
+)
+def test_the_sweep_runs_often_enough_for_what_is_configured(
+    config: dict[str, float | None], tick: float
+) -> None:
+    conns = make(Clock(), **config)
+    conns.admit(FakeConn())
+    assert conns._tick() == pytest.approx(tick)
+
+
+def test_while_a_connection_says_goodbye_the_sweep_runs_every_10_ms() -> None:
+    conns = make(Clock())
+    conn = FakeConn()
+    conns.admit(conn)
+    conn.streams = 1
+    conns.goaway_all(grace=5.0)
+    assert conns._tick() == 0.01
+
+
+def test_accept_failures_for_lack_of_resources_are_logged_once_per_interval(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    now = [0.0]
+    monkeypatch.setattr(connections_module.time, "monotonic", lambda: now[0])
+    handler = LoopErrorHandler(interval=10.0)
+    emfile = OSError(errno.EMFILE, "Too many open files")
+    with caplog.at_level(logging.INFO, logger="ibex.service.connections"):
+        for _ in range(3):
+            handler(
+                None, {"exception": emfile, "message": "socket.accept() out of system resource"}
+            )  # type: ignore[arg-type]
+        now[0] = 10.0
+        handler(None, {"exception": OSError(errno.ENFILE, "x"), "message": "accept"})  # type: ignore[arg-type]
+    lines = _events(caplog, "accept_failed")
+    assert [(r.error, r.count, r.levelno) for r in lines] == [  # type: ignore[attr-defined]
+        ("EMFILE", 1, logging.WARNING),
+        ("ENFILE", 3, logging.WARNING),  # the two held back, and this one
+    ]
+    assert lines[0].detail == "socket.accept() out of system resource"  # type: ignore[attr-defined]
+    assert handler.accept_errors == 4
+    now[0] = 20.0
+    with caplog.at_level(logging.INFO, logger="ibex.service.connections"):
+        handler(None, {"exception": emfile})  # type: ignore[arg-type]  # no message in the context
+    assert _events(caplog, "accept_failed")[-1].detail == ""  # type: ignore[attr-defined]
+    assert _events(caplog, "loop_error") == []
+
+
+def test_any_other_loop_error_is_logged_as_an_error_and_never_raised(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    handler = LoopErrorHandler()
+    with caplog.at_level(logging.INFO, logger="ibex.service.connections"):
+        handler(None, {"exception": ValueError("boom"), "message": "Exception in callback"})  # type: ignore[arg-type]
+        handler(None, {"message": "no exception here"})  # type: ignore[arg-type]
+        handler(None, {"exception": OSError(errno.ECONNRESET, "reset")})  # type: ignore[arg-type]
+    lines = _events(caplog, "loop_error")
+    assert [(r.levelno, r.detail, r.error) for r in lines] == [  # type: ignore[attr-defined]
+        (logging.ERROR, "Exception in callback", "ValueError('boom')"),
+        (logging.ERROR, "no exception here", None),
+        (logging.ERROR, "", "ConnectionResetError(104, 'reset')"),
+    ]
+    assert handler.accept_errors == 0
+
+
+def test_data_on_an_open_stream_restarts_the_idle_clock() -> None:
+    clock = Clock()
+    conns = make(clock, idle_timeout=10.0)
+    conn = FakeConn()
+    conns.admit(conn)
+    clock.now += 9
+    conn.streams = 1
+    conns.active(conn)  # a stream started and ended between two sweeps
+    conn.streams = 0
+    clock.now += 9
+    conns.sweep()
+    assert conn.calls == []  # idle 9 s since that stream, not 18
+    conns.active(conn)  # data with no stream open (a PING, a WINDOW_UPDATE) is not activity
+    clock.now += 1
+    conns.sweep()
+    assert conn.calls == ["close_idle"]
+    conns.active(FakeConn())  # one never admitted: nothing to do
+
+
+async def test_the_sweeper_task_closes_idle_connections_and_wakes_for_a_drain(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    clock = Clock()
+    conns = make(clock, idle_timeout=10.0)
+    idle, busy = FakeConn(), FakeConn()
+    conns.admit(idle)
+    conns.admit(busy)
+    busy.streams = 1
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(conns.run)
+        clock.now += 10
+        await trio.sleep(1.5)  # past one tick (a tenth of the idle timeout) of Trio's clock
+        assert idle.calls == ["close_idle"]
+        conns.goaway_all(grace=5.0)
+        await trio.sleep(0.001)  # the drain wakes the sweeper: no wait for its tick
+        assert busy.calls == ["heads_up"]
+        conns.acked(busy)
+        busy.streams = 0
+        with trio.fail_after(1):
+            await conns.wait_closed()
+        assert busy.calls == ["heads_up", "final", "close"]
+        nursery.cancel_scope.cancel()
+    assert conns.count == 0

@@ -139,3 +139,84 @@ async def test_zero_entries_caches_nothing(entries: int) -> None:
     await c.fetch(ORG, AGENT, V1)
     await c.fetch(ORG, AGENT, V1)
     assert store.calls == 2 and len(c) == 0 and c.bytes == 0
+
+
+# Sizes follow the module's accounting: 256 bytes of overhead per entry, four per
+# character of content (CPython's widest string), one per character of version.
+def entry_size(content_chars: int, version: str | None = V1) -> int:
+    return 256 + 4 * content_chars + len(version or "")
+
+
+async def test_bytes_are_the_exact_sum_of_the_entries_through_replacement_and_eviction() -> None:
+    store, clock = Store(), Clock()
+    c = cache(store, clock, max_entries=2)
+    a, b, d = (f"00000000-0000-4000-8000-00000000000{i}" for i in range(3))
+    store.values[(ORG, a)] = directive(V1, "x" * 1000)
+    store.values[(ORG, b)] = directive(None, "y" * 10)
+    store.values[(ORG, d)] = None
+    await c.fetch(ORG, a, V1)
+    assert c.bytes == entry_size(1000)
+    await c.fetch(ORG, b, "")
+    assert c.bytes == entry_size(1000) + entry_size(10, None)
+    store.values[(ORG, a)] = directive(V2, "z" * 3)  # replaced: the old size is given back
+    await c.fetch(ORG, a, V2)
+    assert c.bytes == entry_size(3, V2) + entry_size(10, None)
+    await c.fetch(ORG, d, "")  # evicts b, the least recently used; a missing directive
+    assert len(c) == 2
+    assert c.bytes == entry_size(3, V2) + 256
+    assert (c.hits, c.misses) == (0, 4)
+    await c.fetch(ORG, a, V2)
+    await c.fetch(ORG, d, "")
+    assert (c.hits, c.misses) == (2, 4)
+
+
+async def test_the_ttl_is_exclusive() -> None:
+    store, clock = Store(), Clock()
+    store.values[(ORG, AGENT)] = directive(V1)
+    c = cache(store, clock, ttl=0.5)
+    await c.fetch(ORG, AGENT, "")
+    clock.now += 0.5  # exactly the TTL (0.5 is exact in binary): no longer fresh
+    assert (await c.fetch(ORG, AGENT, "")).detail == ""
+    assert store.calls == 2
+
+
+async def test_one_entry_allowed_is_one_entry_kept() -> None:
+    store, clock = Store(), Clock()
+    store.values[(ORG, AGENT)] = directive(V1)
+    c = cache(store, clock, max_entries=1)
+    await c.fetch(ORG, AGENT, V1)
+    assert (await c.fetch(ORG, AGENT, V1)).detail == "cache"
+    assert store.calls == 1
+
+
+async def test_an_entry_of_an_eighth_of_the_bytes_is_cached_and_a_larger_one_is_not() -> None:
+    store, clock = Store(), Clock()
+    c = cache(store, clock, max_bytes=64 * 1024)  # an eighth: 8,192 bytes
+    fits = (8192 - entry_size(0)) // 4  # content that makes the entry exactly 8,192 bytes
+    assert entry_size(fits) == 8192
+    store.values[(ORG, AGENT)] = directive(V1, "f" * fits)
+    store.values[(OTHER, AGENT)] = directive(V1, "g" * (fits + 1))
+    await c.fetch(ORG, AGENT, V1)
+    assert len(c) == 1 and c.bytes == 8192
+    await c.fetch(OTHER, AGENT, V1)  # 8,196 bytes: served, never stored
+    assert len(c) == 1 and c.bytes == 8192
+    assert (await c.fetch(ORG, AGENT, V1)).detail == "cache"  # the small one stayed
+    assert (await c.fetch(OTHER, AGENT, V1)).detail == ""
+
+
+async def test_entries_filling_the_bytes_exactly_all_stay() -> None:
+    store, clock = Store(), Clock()
+    c = cache(store, clock, max_bytes=8 * 8192)
+    fits = (8192 - entry_size(0)) // 4
+    agents = [f"00000000-0000-4000-8000-00000000000{i}" for i in range(9)]
+    for agent in agents:
+        store.values[(ORG, agent)] = directive(V1, "h" * fits)
+    for agent in agents[:8]:
+        await c.fetch(ORG, agent, V1)
+    assert len(c) == 8 and c.bytes == 8 * 8192  # at the bound, not over it
+    await c.fetch(ORG, agents[8], V1)  # one more: the oldest goes
+    assert len(c) == 8 and c.bytes == 8 * 8192
+    calls = store.calls
+    assert (await c.fetch(ORG, agents[1], V1)).detail == "cache"
+    assert (await c.fetch(ORG, agents[0], V1)).detail == ""
+    assert store.calls == calls + 1

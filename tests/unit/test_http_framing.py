@@ -298,3 +298,124 @@ def test_a_finished_parser_leaves_no_reference_cycle() -> None:
         assert gc.collect() == 0
     finally:
         gc.enable()
+
+
+# -- exact bounds and states (what mutation testing found unpinned) ---------------------------
+
+_MAX_OVERHEAD = 2 * MAX_HEAD_BYTES  # non-body bytes allowed, plus 8 per body byte
+
+
+def _head_with(n: int) -> bytes:
+    """A head whose counted fields (reason phrase, and name + value + 4 per field) are
+    n + 30 bytes: "OK" 2, "X-Big" 5 + n + 4, "Content-Length" 14 + 1 + 4."""
+    return b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * n + b"\r\nContent-Length: 2\r\n\r\nok"
+
+
+def test_a_head_of_exactly_the_bound_is_accepted_and_one_byte_more_is_not() -> None:
+    raw = _head_with(MAX_HEAD_BYTES - 30)
+    # The status line split across two reads (llhttp reports the reason in two parts),
+    # the rest in one read, so only the counted fields decide.
+    assert parse(raw[:14], raw[14:]) == ((200, b"ok"), True)
+    over = _head_with(MAX_HEAD_BYTES - 29)
+    with pytest.raises(TransportError, match=PROTOCOL_ERROR):
+        parse(over[:14], over[14:])
+
+
+def test_counted_fields_add_up_over_several_headers() -> None:
+    one = b"HTTP/1.1 200 OK\r\nX-A: " + b"a" * (MAX_HEAD_BYTES // 2)
+    two = b"\r\nX-B: " + b"b" * (MAX_HEAD_BYTES // 2) + b"\r\nContent-Length: 2\r\n\r\nok"
+    with pytest.raises(TransportError, match=PROTOCOL_ERROR):  # neither alone is over
+        parse(one + two)
+
+
+def test_an_unfinished_head_may_hold_exactly_the_bound() -> None:
+    start = b"HTTP/1.1 200 OK\r\nX-Big: "
+    parser = ResponseParser(CAP)
+    assert parser.feed(start) is False
+    left = MAX_HEAD_BYTES - len(start)
+    while left:
+        step = min(4096, left)
+        assert parser.feed(b"a" * step) is False
+        left -= step
+    with pytest.raises(TransportError, match=PROTOCOL_ERROR):
+        parser.feed(b"a")
+
+
+def test_bytes_that_are_not_body_are_bounded_by_the_body_they_carry() -> None:
+    """2 x MAX_HEAD_BYTES plus 8 per body byte: a 4-byte chunked body and then an endless
+    trailer may take exactly 131,072 + 32 non-body bytes, and not one more."""
+    start = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n4\r\nbody\r\n0\r\nX-T: "
+    parser = ResponseParser(CAP)
+    assert parser.feed(start) is False
+    left = _MAX_OVERHEAD + 8 * 4 + 4 - len(start)  # every byte fed, less the 4 of body
+    while left:
+        step = min(4096, left)
+        assert parser.feed(b"t" * step) is False
+        left -= step
+    with pytest.raises(TransportError, match=PROTOCOL_ERROR):
+        parser.feed(b"t")
+
+
+def test_an_interim_102_is_skipped_like_any_other_1xx() -> None:
+    raw = b"HTTP/1.1 102 Processing\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+    assert parse(raw) == ((200, b"ok"), True)
+
+
+def test_an_interim_answer_has_no_body_whatever_its_content_length_says() -> None:
+    raw = (
+        b"HTTP/1.1 100 Continue\r\nContent-Length: 5000\r\n\r\n"  # over the cap, but not a body
+        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+    )
+    assert parse(raw) == ((200, b"ok"), True)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        b"Transfer-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n",  # one list: gzip, chunked
+        b"Transfer-Encoding: Xchunked\r\n",
+    ],
+    ids=["two fields", "not quite chunked"],
+)
+def test_transfer_encoding_must_be_exactly_chunked_across_all_its_fields(fields: bytes) -> None:
+    raw = b"HTTP/1.1 200 OK\r\n" + fields + b"\r\n0\r\n\r\n"
+    with pytest.raises(TransportError, match=PROTOCOL_ERROR):
+        parse(raw, eof=True)
+
+
+def test_bytes_fed_after_the_answer_make_the_connection_unusable() -> None:
+    parser = ResponseParser(CAP)
+    assert parser.keep_alive is False  # nothing complete yet
+    assert parser.feed(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok") is True
+    assert parser.feed(b"") is True
+    assert parser.keep_alive is True  # nothing more arrived
+    assert parser.feed(b"x") is True
+    assert parser.keep_alive is False
+    assert parser.response == (200, b"ok")
+
+
+@pytest.mark.parametrize(
+    "first",
+    [
+        b"HTTP/1.1 200 OK\r\nContent-Length: x\r\n\r\n",  # llhttp refuses it
+        b"HTTP/1.1 101 Switching Protocols\r\n\r\n",  # our policy refuses it
+        b"HTTP/1.1 100 Continue\r\n\r\n" * (_MAX_OVERHEAD // 25 + 1),  # the non-body bound
+        b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * MAX_HEAD_BYTES,  # the unfinished-head bound
+    ],
+    ids=["llhttp", "policy", "non-body bound", "head bound"],
+)
+def test_a_failed_parser_fails_again_the_same_way(first: bytes) -> None:
+    parser = ResponseParser(CAP)
+    with pytest.raises(TransportError, match=PROTOCOL_ERROR):
+        parser.feed(first)
+    with pytest.raises(TransportError, match=PROTOCOL_ERROR):
+        parser.feed(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+
+
+def test_after_a_read_error_at_eof_more_bytes_are_refused() -> None:
+    parser = ResponseParser(CAP)
+    parser.feed(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nok")
+    with pytest.raises(TransportError, match=r"^transport error \(ReadError\)$"):
+        parser.feed_eof()
+    with pytest.raises(TransportError, match=PROTOCOL_ERROR):
+        parser.feed(b"abc")
