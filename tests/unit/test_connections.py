@@ -69,13 +69,19 @@ def test_over_the_cap_is_refused() -> None:
     assert conns.admit(c)
 
 
-def test_idle_means_no_stream_open_and_none_started_for_the_timeout() -> None:
-    clock = Clock()
+def busy_and_idle(clock: Clock) -> tuple[Connections, FakeConn, FakeConn]:
+    """A 10 s idle timeout and two connections: one with a stream open, one without."""
     conns = make(clock, idle_timeout=10.0)
     busy, idle = FakeConn(), FakeConn()
     conns.admit(busy)
     conns.admit(idle)
     busy.streams = 1
+    return conns, busy, idle
+
+
+def test_idle_means_no_stream_open_and_none_started_for_the_timeout() -> None:
+    clock = Clock()
+    conns, busy, idle = busy_and_idle(clock)
     clock.now += 9
     conns.sweep()
     assert busy.calls == idle.calls == []
@@ -125,7 +131,10 @@ def test_final_goaway_without_a_ping_ack_and_grace_expiry() -> None:
     conn.streams = 1
     clock.now += 11
     conns.sweep()
-    clock.now += 1
+    clock.now += 0.5
+    conns.sweep()
+    assert conn.calls == ["heads_up"]  # half the ack timeout since the heads-up: waiting
+    clock.now += 0.5
     conns.sweep()
     assert conn.calls == ["heads_up", "final"]  # no ack (a client that ignores PINGs)
     clock.now += 1.9
@@ -233,22 +242,6 @@ def test_rotations_are_counted_and_a_grace_expiry_is_logged_with_its_reason(
     lines = _events(caplog, "connection_grace_expired")
     assert sorted((r.reason, r.streams) for r in lines) == [("max_age", 1), ("max_age", 2)]  # type: ignore[attr-defined]
     assert conns.count == 0
-
-
-def test_the_ack_timeout_counts_from_the_heads_up() -> None:
-    clock = Clock()
-    conns = make(clock, max_age=10.0, age_grace=5.0, goaway_ack_timeout=1.0, idle_timeout=None)
-    conn = FakeConn()
-    conns.admit(conn)
-    conn.streams = 1
-    clock.now += 10
-    conns.sweep()
-    clock.now += 0.5
-    conns.sweep()
-    assert conn.calls == ["heads_up"]  # half the ack timeout: still waiting for the PING
-    clock.now += 0.5
-    conns.sweep()
-    assert conn.calls == ["heads_up", "final"]
 
 
 def test_a_drain_shortens_the_grace_of_a_connection_already_saying_goodbye(
@@ -412,11 +405,7 @@ async def test_the_sweeper_task_closes_idle_connections_and_wakes_for_a_drain(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     clock = Clock()
-    conns = make(clock, idle_timeout=10.0)
-    idle, busy = FakeConn(), FakeConn()
-    conns.admit(idle)
-    conns.admit(busy)
-    busy.streams = 1
+    conns, busy, idle = busy_and_idle(clock)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(conns.run)
         clock.now += 10

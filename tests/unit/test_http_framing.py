@@ -328,32 +328,29 @@ def test_counted_fields_add_up_over_several_headers() -> None:
         parse(one + two)
 
 
-def test_an_unfinished_head_may_hold_exactly_the_bound() -> None:
-    start = b"HTTP/1.1 200 OK\r\nX-Big: "
+def _accepts_exactly(start: bytes, filler: bytes, total: int) -> None:
+    """`start`, then `filler` bytes up to `total` bytes fed in all, are taken without an
+    answer; one more byte is refused."""
     parser = ResponseParser(CAP)
     assert parser.feed(start) is False
-    left = MAX_HEAD_BYTES - len(start)
+    left = total - len(start)
     while left:
         step = min(4096, left)
-        assert parser.feed(b"a" * step) is False
+        assert parser.feed(filler * step) is False
         left -= step
     with pytest.raises(TransportError, match=PROTOCOL_ERROR):
-        parser.feed(b"a")
+        parser.feed(filler)
+
+
+def test_an_unfinished_head_may_hold_exactly_the_bound() -> None:
+    _accepts_exactly(b"HTTP/1.1 200 OK\r\nX-Big: ", b"a", MAX_HEAD_BYTES)
 
 
 def test_bytes_that_are_not_body_are_bounded_by_the_body_they_carry() -> None:
     """2 x MAX_HEAD_BYTES plus 8 per body byte: a 4-byte chunked body and then an endless
     trailer may take exactly 131,072 + 32 non-body bytes, and not one more."""
     start = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n4\r\nbody\r\n0\r\nX-T: "
-    parser = ResponseParser(CAP)
-    assert parser.feed(start) is False
-    left = _MAX_OVERHEAD + 8 * 4 + 4 - len(start)  # every byte fed, less the 4 of body
-    while left:
-        step = min(4096, left)
-        assert parser.feed(b"t" * step) is False
-        left -= step
-    with pytest.raises(TransportError, match=PROTOCOL_ERROR):
-        parser.feed(b"t")
+    _accepts_exactly(start, b"t", _MAX_OVERHEAD + 8 * 4 + 4)  # the 4 body bytes are fed too
 
 
 def test_an_interim_102_is_skipped_like_any_other_1xx() -> None:
