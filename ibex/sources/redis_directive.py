@@ -17,6 +17,13 @@ connection went back to the pool, the next lease would read the previous
 tenant's directive. redis-py 8 closes the socket on BaseException inside
 `read_response`/`send_packed_command`, but this module does not rely on it: the
 lease below closes the connection on any BaseException *before* releasing it.
+A cancellation must also stop the GET: redis-py writes every command under
+`asyncio.wait_for`, which before Python 3.12 returns the write's result and
+drops the cancellation when both land in the same loop step (CPython
+gh-86296). Under load that happened to about one cancelled reconnect in ten:
+the GET then waited for the reply of a sleeping server, 140 ms past its 5 ms
+branch. redis-py's connection module therefore gets `wait_for` as Python 3.12
+has it, on top of `asyncio.timeout` (`honour_cancellation_in_redis_writes`).
 
 Topologies: one endpoint (`RedisDirectiveSource(url)`), Redis Sentinel
 (`RedisDirectiveSource.sentinel`) and Redis Cluster
@@ -39,12 +46,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
+import types
 import uuid
 from collections.abc import Sequence
 from typing import Any, Final, cast
 
 import msgspec
 import redis.asyncio as aredis
+import redis.asyncio.connection as _redis_connection
 import trio_asyncio
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import (
@@ -185,6 +195,53 @@ def _options(
 def _malformed_url() -> SourceError:
     # The URL may hold a password: never echo it.
     return SourceError("redis url: malformed (expected redis://, rediss:// or unix://)")
+
+
+async def wait_for(aw: Any, timeout: float | None) -> Any:  # noqa: ASYNC109  (its signature)
+    """`asyncio.wait_for` as Python 3.12 has it: the awaitable runs in this task under
+    `asyncio.timeout`, so a cancellation of this task is never traded for a result."""
+    if timeout is None:
+        return await aw
+    if timeout <= 0:
+        fut = asyncio.ensure_future(aw)
+        if fut.done():
+            return fut.result()
+        fut.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await fut
+        try:
+            return fut.result()
+        except asyncio.CancelledError as exc:
+            raise TimeoutError from exc
+    async with asyncio.timeout(timeout):
+        return await aw
+
+
+class _AsyncioWithWaitFor(types.ModuleType):
+    """The `asyncio` module as redis-py's connection module sees it, but for `wait_for`."""
+
+    wait_for = staticmethod(wait_for)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(asyncio, name)
+
+
+def honour_cancellation_in_redis_writes() -> None:
+    """Give redis-py's asyncio connections the `wait_for` above (idempotent; Python < 3.12).
+
+    Checked, so a redis-py that stops using `asyncio.wait_for` this way fails loudly.
+    """
+    if sys.version_info >= (3, 12):
+        return
+    current = getattr(_redis_connection, "asyncio", None)
+    if isinstance(current, _AsyncioWithWaitFor):
+        return
+    if current is not asyncio:
+        raise RuntimeError("redis-py's asyncio connection module changed; cannot patch wait_for")
+    _redis_connection.asyncio = _AsyncioWithWaitFor("asyncio")
+
+
+honour_cancellation_in_redis_writes()
 
 
 async def _drop_idle(pool: aredis.ConnectionPool) -> None:
