@@ -70,7 +70,7 @@ bench *ARGS: redis
 
 # Config: [tool.mutmut] in pyproject.toml; README "Mutation testing". Not in CI (tens of
 # minutes on two cores). Afterwards: `.venv/bin/mutmut results` / `mutmut show NAME`.
-# Mutation testing of ibex/assembly and four service policy modules against tests/unit (mutmut).
+# Mutation testing of ibex/assembly and six service modules against tests/unit (mutmut).
 mutate *ARGS:
     if [ -z "{{ARGS}}" ]; then rm -rf mutants; fi  # a full run starts clean; named mutants re-run
     .venv/bin/mutmut run --max-children "${IBEX_MUTATE_CHILDREN:-2}" {{ARGS}}

@@ -244,3 +244,75 @@ def test_remembered_valid_timestamps_change_no_verdict(monkeypatch: pytest.Monke
     for day in range(1, 10):
         decode_hits(_body(_result(0, created_at=f"2025-10-0{day}T08:30:00Z")), "hot")
     assert len(wire._VALID_TIMESTAMPS) <= 3
+
+
+@pytest.mark.parametrize("branch", ["hot", "cold"])
+def test_hits_carry_the_branch_that_fetched_them(branch: str) -> None:
+    hits = decode_hits(_body(_result(0), _result(1)), branch, limit=5)  # type: ignore[arg-type]
+    assert [h.branch for h in hits] == [branch, branch]
+
+
+def test_malformed_json_is_named_with_its_branch() -> None:
+    with pytest.raises(SourceError, match=r"^hot: invalid JSON: JSON is malformed"):
+        decode_hits(b"{nope", "hot", limit=5)
+
+
+def test_an_item_that_is_no_object_is_named_by_its_position() -> None:
+    """msgspec names no path for an error at an item's root; the position is added."""
+    body = json.dumps({"data": {"results": [_result(0), 5, _result(2)]}}).encode()
+    with pytest.raises(SourceError) as info:
+        decode_hits(body, "cold", limit=5)
+    assert str(info.value) == (
+        "cold: bad response shape: Expected `object`, got `int` - at `$.data.results[1]`"
+    )
+
+
+def test_branch_details_are_cut_to_160_characters() -> None:
+    assert wire._detail("x" * 160) == "x" * 160
+    assert wire._detail("x" * 161) == "x" * 157 + "..."
+
+
+def test_content_over_counts_utf8_bytes() -> None:
+    assert wire.content_over("a" * 101, 100)
+    assert not wire.content_over("é" * 50, 100)  # 100 bytes
+    assert wire.content_over("é" * 51, 100)
+    assert not wire.content_over("😀" * 25, 100)  # 4 bytes each
+
+
+def test_a_hit_keeps_every_optional_field_of_its_memory() -> None:
+    (hit,) = decode_hits(
+        _body(_result(0, usefulness=0.25, access_count=7, tags=["ops", "deploy"])), "hot", limit=1
+    )
+    assert (hit.usefulness, hit.access_count, hit.tags) == (0.25, 7, ("ops", "deploy"))
+    (bare,) = decode_hits(_body(_result(0)), "hot", limit=1)
+    assert (bare.usefulness, bare.access_count, bare.tags) == (None, None, ())
+
+
+@pytest.mark.parametrize(
+    ("created_at", "why"),
+    [
+        ("yesterday", "created_at must be an RFC 3339 timestamp"),
+        ("2025-02-30T08:30:00Z", "created_at is not a valid date-time"),
+    ],
+)
+def test_a_bad_timestamp_says_what_is_wrong(created_at: str, why: str) -> None:
+    with pytest.raises(SourceError) as info:
+        decode_hits(_body(_result(0), _result(1, created_at=created_at)), "cold", limit=5)
+    assert f"bad response shape: {why} - at `$.data.results[1].memory`" in str(info.value)
+
+
+def test_the_timestamp_memo_keeps_short_values_and_empties_when_full(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(wire, "_VALID_TIMESTAMPS", set())
+    monkeypatch.setattr(wire, "_VALID_TIMESTAMPS_MAX", 3)
+    longest = "2025-01-01T00:00:00." + "1" * 43 + "Z"  # 64 characters: remembered
+    too_long = "2025-01-01T00:00:00." + "1" * 44 + "Z"  # 65: valid, never remembered
+    for value in (longest, too_long):
+        decode_hits(_body(_result(0, created_at=value)), "hot", limit=1)
+    assert {longest} == wire._VALID_TIMESTAMPS
+    days = [f"2025-10-0{d}T08:30:00Z" for d in (1, 2, 3)]
+    for value in days:
+        decode_hits(_body(_result(0, created_at=value)), "hot", limit=1)
+    # Full at 3 (the longest and two days): the third day emptied it first.
+    assert {days[2]} == wire._VALID_TIMESTAMPS

@@ -10,6 +10,7 @@ in-process assembler end to end over the bundled local sample.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import re
 from collections import Counter
@@ -154,6 +155,15 @@ async def fetch(
 
 def statuses(got: Retrieved) -> dict[str, str]:
     return {b.source: b.status for b in got.branches}
+
+
+@pytest.fixture
+def autojump_clock() -> trio.testing.MockClock:
+    """pytest-trio's, started far from zero: on a clock at 0, `now + t0` reads like
+    `now - t0` and a deadline like a duration, and tests could not tell them apart."""
+    clock = trio.testing.MockClock(autojump_threshold=0)
+    clock.jump(1000.0)
+    return clock
 
 
 # --------------------------------------------------------------------------- success
@@ -592,3 +602,126 @@ async def test_the_wall_counts_from_the_calls_arrival(
     assert statuses(got) == {"directive": "success", "hot": "success", "cold": "timeout"}
     assert took == pytest.approx(0.025)
     assert "25ms" in got.branches[2].detail
+
+
+# --------------------------------------------------------------------------- exact bookkeeping
+
+
+async def slow_fetch(fake: FakeSources, settings: RetrievalConfig) -> tuple[Retrieved, float]:
+    """`fetch` for configurations whose timeouts are seconds long (mock clock)."""
+    start = trio.current_time()
+    with trio.fail_after(10):
+        got = await retrieve(request(), directive_source=fake, memory_source=fake, config=settings)
+    return got, trio.current_time() - start
+
+
+async def test_branch_latency_and_the_timeout_detail_are_exact(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    slow = RetrievalConfig(timeout=5.0, deadline=5.0, directive_timeout=2.0, cold_timeout=5.0)
+    fake = FakeSources({"directive": Plan(math.inf), "hot": Plan(3 * MS), "cold": Plan(7 * MS)})
+    got, took = await slow_fetch(fake, slow)
+    directive, hot, cold = got.branches
+    assert (directive.status, directive.detail) == ("timeout", "no answer within 2000ms")
+    assert directive.latency_ms == pytest.approx(2000.0)
+    assert hot.latency_ms == pytest.approx(3.0) and cold.latency_ms == pytest.approx(7.0)
+    assert got.elapsed_ms == pytest.approx(2000.0) and took == pytest.approx(2.0)
+
+
+async def test_the_wall_names_itself_in_the_branches_it_cut(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    wide = RetrievalConfig(timeout=2.0, deadline=2.0, cold_timeout=5.0)
+    fake = FakeSources({"cold": Plan(math.inf)})
+    got, _ = await slow_fetch(fake, wide)
+    assert (got.branches[2].status, got.branches[2].detail) == (
+        "timeout",
+        "request wall of 2000ms reached",
+    )
+
+
+async def test_unconfigured_and_skipped_branches_say_why(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    with trio.fail_after(1):
+        got = await retrieve(request(), directive_source=None, memory_source=None, config=DEFAULTS)
+    assert [tuple(msgspec.structs.astuple(b)) for b in got.branches] == [
+        ("directive", "skipped", 0.0, "no directive source configured"),
+        ("hot", "skipped", 0.0, "no memory source configured"),
+        ("cold", "skipped", 0.0, "no memory source configured"),
+    ]
+
+
+async def test_an_unexpected_exception_is_logged_with_its_branch(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    fake = FakeSources({"cold": Plan(1 * MS, KeyError("x"))})
+    with caplog.at_level(logging.ERROR, logger="ibex.sources.retrieval"):
+        await fetch(fake)
+    (record,) = [r for r in caplog.records if r.getMessage() == "branch_unexpected_error"]
+    assert record.branch == "cold"  # type: ignore[attr-defined]
+    assert record.exc_info is not None
+
+
+async def test_the_directive_cache_answers_by_version_for_the_calls_own_tenant(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A version the cache holds is served from it even long past its TTL (no call, no
+    task); the one call it made asked for this tenant."""
+    version = "00000000-0000-4000-8000-0000000000d1"
+    have = Directive("Be precise.", version_id=version)
+    fake = FakeSources({"directive": Plan(answer=have)})
+    cache = DirectiveCache(fake, DirectiveCacheConfig(ttl=1.0), clock=trio.current_time)
+    req = msgspec.structs.replace(request(), directive_version_id=version)
+    first = await retrieve(req, directive_source=cache, memory_source=fake, config=DEFAULTS)
+    assert first.branches[0].detail == ""
+    assert fake.seen["directive"] == (ORG, AGENT)
+    calls = fake.calls["directive"]
+    await trio.sleep(60.0)  # far past the TTL: only the version can vouch for the entry
+    again = await retrieve(req, directive_source=cache, memory_source=fake, config=DEFAULTS)
+    assert fake.calls["directive"] == calls
+    assert again.directive == have
+    assert msgspec.structs.astuple(again.branches[0]) == ("directive", "success", 0.0, "cache")
+
+
+async def test_a_cached_directive_without_a_version_is_flagged_as_none(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    want = "00000000-0000-4000-8000-0000000000d2"
+    fake = FakeSources({"directive": Plan(answer=Directive("Be precise.", version_id=None))})
+    got, _ = await fetch(fake, msgspec.structs.replace(request(), directive_version_id=want))
+    assert got.branches[0].detail == f"version none cached, {want} expected"
+
+
+class Spawned(trio.abc.Instrument):
+    def __init__(self) -> None:
+        self.names: list[str] = []
+
+    def task_spawned(self, task: trio.lowlevel.Task) -> None:
+        self.names.append(task.name)
+
+
+async def test_a_cache_hit_starts_no_task_and_a_version_it_lacks_goes_to_the_source(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The cache is asked before any branch starts: a hit costs no task. A version the
+    cache does not hold is fetched, even while the entry it has is within its TTL."""
+    v1, v2 = "00000000-0000-4000-8000-0000000000d1", "00000000-0000-4000-8000-0000000000d2"
+    fake = FakeSources({"directive": Plan(answer=Directive("One.", version_id=v1))})
+    cache = DirectiveCache(fake, DirectiveCacheConfig(ttl=60.0), clock=trio.current_time)
+    want_v1 = msgspec.structs.replace(request(), directive_version_id=v1)
+    await retrieve(want_v1, directive_source=cache, memory_source=fake, config=DEFAULTS)
+    spawned = Spawned()
+    trio.lowlevel.add_instrument(spawned)
+    try:
+        hit = await retrieve(want_v1, directive_source=cache, memory_source=fake, config=DEFAULTS)
+    finally:
+        trio.lowlevel.remove_instrument(spawned)
+    assert hit.branches[0].detail == "cache"
+    assert len(spawned.names) == 1  # hot's; cold runs in this task, the directive needs none
+    fake.plans["directive"] = Plan(answer=Directive("Two.", version_id=v2))
+    want_v2 = msgspec.structs.replace(request(), directive_version_id=v2)
+    got = await retrieve(want_v2, directive_source=cache, memory_source=fake, config=DEFAULTS)
+    assert got.directive == Directive("Two.", version_id=v2)
+    assert got.branches[0].detail == ""
+    assert fake.calls["directive"] == 2
