@@ -178,6 +178,14 @@ def test_env_example_documents_every_setting() -> None:
     assert set(active) | set(commented) == settings_variables()
 
 
+def test_every_documented_variable_is_read_under_its_exact_name() -> None:
+    """The example file is the operators' list: each name in it must be one the parser
+    actually reads at run time (a renamed or misspelt key would silently keep its default)."""
+    active, commented = env_example_assignments()
+    missing = (set(active) | set(commented)) - config.known_variables({})
+    assert missing == set()
+
+
 def test_env_example_commented_defaults_are_the_real_defaults() -> None:
     _, commented = env_example_assignments()
     assert load_settings(commented) == Settings()
