@@ -35,6 +35,7 @@ _original = _Loop._main_loop_one
 # What the replacement relies on: the queue it sizes a batch by, the original's no-wait
 # form, which takes one object from that queue with receive_nowait, and the timer heap.
 _NEEDS = frozenset({"_q_recv", "receive_nowait", "_timers"})
+_REBUILD_MIN = 256  # the smallest heap that is ever swept whole
 
 
 def drop_cancelled_timers(timers: list[Any], state: list[int]) -> None:
@@ -53,9 +54,6 @@ def drop_cancelled_timers(timers: list[Any], state: list[int]) -> None:
         timers[:] = [t for t in timers if not t._cancelled]
         heapq.heapify(timers)
         state[0] = max(_REBUILD_MIN, 2 * len(timers))
-
-
-_REBUILD_MIN = 256
 
 
 def _rebuild_at(loop: Any) -> list[int]:

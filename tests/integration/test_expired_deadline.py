@@ -12,12 +12,14 @@ read timeout, and only a request still arriving is read under a timer.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import socket
 import struct
 import time
 import unittest.mock
+from collections.abc import Iterator
 from typing import Any
 
 import h2.config
@@ -100,11 +102,18 @@ def _client() -> h2.connection.H2Connection:
     return conn
 
 
-def raw_call(port: int, timeout_header: str, *, send_body: bool = True) -> dict[str, str]:
-    """One unary AssembleContext over h2; the response trailers (or headers) as a dict."""
+@contextlib.contextmanager
+def _connected(port: int) -> Iterator[tuple[socket.socket, h2.connection.H2Connection]]:
+    """A raw h2 client connection to the daemon, its preface and settings sent."""
     conn = _client()
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
         sock.sendall(conn.data_to_send())
+        yield sock, conn
+
+
+def raw_call(port: int, timeout_header: str, *, send_body: bool = True) -> dict[str, str]:
+    """One unary AssembleContext over h2; the response trailers (or headers) as a dict."""
+    with _connected(port) as (sock, conn):
         stream = conn.get_next_available_stream_id()
         conn.send_headers(stream, _headers(port, timeout_header))
         if send_body:
@@ -308,10 +317,8 @@ async def test_a_saturated_loop_refuses_assembly_but_never_health_or_reflection(
 def raw_calls_on_one_connection(port: int, n: int) -> tuple[list[dict[str, str]], int]:
     """n sequential calls on one h2 connection: each answer's headers and trailers, and
     how many entries the answers left in the client's HPACK dynamic table."""
-    conn = _client()
     answers = []
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-        sock.sendall(conn.data_to_send())
+    with _connected(port) as (sock, conn):
         for _ in range(n):
             stream = conn.get_next_available_stream_id()
             conn.send_headers(stream, _headers(port, "5S"))
@@ -338,10 +345,8 @@ async def test_answers_leave_as_pre_encoded_header_blocks(daemon: RunningDaemon)
 def split_call(port: int, pause: float, *, finish: bool) -> dict[str, str]:
     """HEADERS and the first half of the request; after `pause`, the rest with END_STREAM
     (or nothing, when not `finish`: a stalled caller). The trailers."""
-    conn = _client()
     frame = _request_frame()
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-        sock.sendall(conn.data_to_send())
+    with _connected(port) as (sock, conn):
         stream = conn.get_next_available_stream_id()
         conn.send_headers(stream, _headers(port, "20S"))
         conn.send_data(stream, frame[: len(frame) // 2])
