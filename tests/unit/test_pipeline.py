@@ -950,3 +950,64 @@ def test_a_decimal_nonce_costs_what_zeros_of_its_width_cost(
     ):
         for piece in pieces:
             assert counter.count_uncached(piece(nonce)) == counter.count_uncached(piece(zeros))
+
+
+# --------------------------------------------------------------------------- tools beside trimming
+
+TOOL = '{"name": "deploy", "description": "' + "Deploy a service to an environment. " * 40 + '"}'
+
+
+def test_tool_schemas_take_their_room_before_the_history_is_sized(
+    tokenizers: Tokenizers, catalog: Catalog
+) -> None:
+    """Trimming leaves room for the tools: the kept history fits beside them, one more would not."""
+    msgs = _turns(12, words=30)
+    plain = run(inputs(request(available_tokens=2000, messages=msgs)), catalog, tokenizers)
+    result = run(
+        inputs(request(available_tokens=2000, messages=msgs, tools=[TOOL])), catalog, tokenizers
+    )
+    b = result.budget
+    enc = tokenizers.encoding("o200k_base")
+    tools = len(enc.encode_ordinary("".join(fmt.tools_section([TOOL], NONCE))))
+    assert b.tool_schema_tokens == tools > 200
+    # The tools push more of the oldest history out than the same call without them.
+    assert b.messages_dropped > plain.budget.messages_dropped
+    kept = msgs[b.messages_dropped :]
+    room = b.ceiling - tools  # no directive
+    assert _section_tokens(tokenizers, kept) <= room
+    assert _section_tokens(tokenizers, msgs[b.messages_dropped - 1 :]) > room
+    assert result.tokens_used == len(enc.encode_ordinary(result.assembled_context)) <= b.ceiling
+
+
+DIRECTIVE = Directive(content="Answer as the release engineer.", injection_mode="system_first")
+
+
+def test_refusal_messages_name_the_room_left_after_directive_and_tools(
+    tokenizers: Tokenizers, catalog: Catalog
+) -> None:
+    enc = tokenizers.encoding("o200k_base")
+    d = len(enc.encode_ordinary("".join(fmt.directive_section(DIRECTIVE, NONCE))))
+    t = len(enc.encode_ordinary("".join(fmt.tools_section([TOOL], NONCE))))
+    ceiling = 1480  # window 2000, reserve 500, o200k_base's 1 % safety buffer
+    expected = (
+        f"leaves {ceiling - d - t} of its {ceiling}-token context ceiling after the "
+        f"directive ({d}) and tools ({t})"
+    )
+    huge = [Message("user", "the history that never ends " * 400)]
+    req = request(available_tokens=2000, messages=huge, tools=[TOOL])
+    with pytest.raises(TooLargeError) as info:
+        run(inputs(req, directive=DIRECTIVE), catalog, tokenizers)
+    assert expected in str(info.value)
+    opts = AssemblyOptions(reject_history_overflow=True)
+    req = request(available_tokens=2000, messages=_turns(12), tools=[TOOL], options=opts)
+    with pytest.raises(TooLargeError) as info:
+        run(inputs(req, directive=DIRECTIVE), catalog, tokenizers)
+    assert expected in str(info.value)
+
+
+def test_a_refusal_never_reports_negative_room(tokenizers: Tokenizers, catalog: Catalog) -> None:
+    """Tools alone past the ceiling: the message says nothing is left, not a negative number."""
+    req = request(available_tokens=2000, messages=_turns(1, words=2), tools=[TOOL] * 6)
+    with pytest.raises(TooLargeError) as info:
+        run(inputs(req), catalog, tokenizers)
+    assert "leaves 0 of its 1480-token context ceiling" in str(info.value)

@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from benchmarks.token_estimate import corpus
-from ibex.assembly import tokens
+from ibex.assembly import rank_files, tokens
 from ibex.assembly.lru import ENTRY_OVERHEAD
 from ibex.assembly.tokens import (
     ENCODINGS,
@@ -47,7 +47,7 @@ SAMPLES = {
 
 
 def _decompressed(name: str) -> bytes:
-    return gzip.decompress(tokens._bundled_path(name).read_bytes())
+    return gzip.decompress(rank_files._bundled_path(name).read_bytes())
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +147,7 @@ def test_unknown_encoding_is_an_error() -> None:
 def test_operator_dir_plain_and_gz(tmp_path: Path, reference: dict[str, tiktoken.Encoding]) -> None:
     (tmp_path / "cl100k_base.tiktoken").write_bytes(_decompressed("cl100k_base"))
     (tmp_path / "o200k_base.tiktoken.gz").write_bytes(
-        tokens._bundled_path("o200k_base").read_bytes()
+        rank_files._bundled_path("o200k_base").read_bytes()
     )
     lines = verify_files(str(tmp_path))
     assert len(lines) == 2 and all("operator dir" in line and "ok" in line for line in lines)

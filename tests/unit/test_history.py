@@ -1,0 +1,51 @@
+"""history.dropped_tokens: exact while the left-out messages fit the ceiling, a bound past it."""
+
+from __future__ import annotations
+
+import pytest
+
+from ibex.assembly import formatter as fmt
+from ibex.assembly.history import dropped_tokens
+from ibex.assembly.structs import Message
+from ibex.assembly.tokens import TokenCounter, Tokenizers
+
+NONCE = "0f1e2d3c4b5a69788796a5b4c3d2e1f0"
+MESSAGES = [
+    Message("user" if i % 2 == 0 else "assistant", f"turn {i}: " + "wait for green CI. " * 20)
+    for i in range(5)
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizers() -> Tokenizers:
+    return Tokenizers(None, 4096)
+
+
+@pytest.fixture(scope="module")
+def counter(tokenizers: Tokenizers) -> TokenCounter:
+    return tokenizers.counter("o200k_base", "o200k_base")
+
+
+@pytest.fixture(scope="module")
+def exact(tokenizers: Tokenizers) -> int:
+    """tiktoken's count of the messages as the history section renders them."""
+    pieces = fmt.history_section(MESSAGES, NONCE)[1:-1]  # without the section's tags
+    return len(tokenizers.encoding("o200k_base").encode_ordinary("".join(pieces)))
+
+
+def test_exact_when_the_messages_fit(counter: TokenCounter, exact: int) -> None:
+    assert dropped_tokens(counter, MESSAGES, 10**9) == exact
+    assert dropped_tokens(counter, MESSAGES, exact) == exact  # exactly at the ceiling
+
+
+@pytest.mark.parametrize("short", [1, 40, 200])
+def test_a_bound_above_the_ceiling_when_they_do_not(
+    counter: TokenCounter, exact: int, short: int
+) -> None:
+    ceiling = exact - short
+    n = dropped_tokens(counter, MESSAGES, ceiling)
+    assert ceiling < n <= exact
+
+
+def test_nothing_dropped_costs_nothing(counter: TokenCounter) -> None:
+    assert dropped_tokens(counter, [], 100) == 0
