@@ -38,9 +38,8 @@ from grpclib.metadata import Deadline
 
 from ibex.assembly import formatter
 from ibex.assembly.budget import context_ceiling
-from ibex.assembly.catalog import Catalog, load_catalog
+from ibex.assembly.catalog import Catalog, load_catalog, resolve_model
 from ibex.assembly.history import Staged, fit_history
-from ibex.assembly.pipeline import resolve_model
 from ibex.assembly.structs import Message
 from ibex.service import wire
 

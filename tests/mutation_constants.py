@@ -34,7 +34,7 @@ MUTANTS: list[tuple[str, str, str]] = [
     (A + "budget.py", "MAX_RESPONSE_RESERVE = 4096", "MAX_RESPONSE_RESERVE = 4097"),
     (A + "budget.py", "RESERVE_FRACTION = 0.15", "RESERVE_FRACTION = 0.16"),
     (A + "budget.py", "CONSTRAINED_BELOW = 256", "CONSTRAINED_BELOW = 257"),
-    (A + "pipeline.py", "UNKNOWN_MODEL_MAX_OUTPUT = 4096", "UNKNOWN_MODEL_MAX_OUTPUT = 4097"),
+    (A + "catalog.py", "UNKNOWN_MODEL_MAX_OUTPUT = 4096", "UNKNOWN_MODEL_MAX_OUTPUT = 4097"),
     (A + "pipeline.py", "[0-9a-f]{2,160}", "[0-9a-f]{1,160}"),
     (A + "pipeline.py", "[0-9a-f]{2,160}", "[0-9a-f]{2,161}"),
     (A + "pipeline.py", "DEFAULT_NONCE_BYTES = 16", "DEFAULT_NONCE_BYTES = 17"),

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import msgspec
 
-from ibex.errors import ConfigError
+from ibex.errors import ConfigError, InputError
 
 #: Encodings the project can count exactly, offline.
 EXACT_ENCODINGS = frozenset({"cl100k_base", "o200k_base"})
@@ -140,3 +140,23 @@ def load_catalog(path: str | None = None) -> Catalog:
         families.update(extra.families)
         models.update(extra.models)
     return Catalog(families, models)
+
+
+#: max_output_tokens of a model the catalog does not know (sized by available_tokens).
+UNKNOWN_MODEL_MAX_OUTPUT = 4096
+
+
+def resolve_model(catalog: Catalog, model: str, available_tokens: int) -> ModelCapability:
+    """Catalog entry, or an `unknown`-family stand-in sized by available_tokens."""
+    cap = catalog.resolve(model)
+    if cap is not None:
+        return cap
+    if available_tokens > 0:
+        return ModelCapability(
+            provider="unknown",
+            context_window=available_tokens,
+            max_output_tokens=UNKNOWN_MODEL_MAX_OUTPUT,
+            tokenizer_family="unknown",
+            model_id=model,
+        )
+    raise InputError("model", f"unknown model {model[:64]!r} and available_tokens not set")

@@ -26,7 +26,12 @@ import msgspec
 from ibex.assembly import formatter as fmt
 from ibex.assembly.budget import compute_budget, context_ceiling
 from ibex.assembly.candidates import Selection, select, select_candidates, used
-from ibex.assembly.catalog import Catalog, FamilyPolicy, ModelCapability
+from ibex.assembly.catalog import (
+    Catalog,
+    FamilyPolicy,
+    ModelCapability,
+    resolve_model,
+)
 from ibex.assembly.history import Counter, Staged, dropped_tokens, fit_history
 from ibex.assembly.packer import DEFAULT_DP_CELL_CEILING, DEFAULT_MAX_CONSECUTIVE_SKIPS, pack
 from ibex.assembly.scoring import score_schema
@@ -44,7 +49,7 @@ from ibex.assembly.structs import (
     ScoredMemory,
     TokenBudget,
 )
-from ibex.errors import InputError, TooLargeError
+from ibex.errors import TooLargeError
 
 __all__ = [
     "AssemblyInputs",
@@ -63,7 +68,6 @@ __all__ = [
     "select_candidates",
 ]
 
-UNKNOWN_MODEL_MAX_OUTPUT = 4096
 # Hex, or new_nonce's fixed-width decimal: 64 random bytes are 155 decimal digits.
 _NONCE = re.compile(r"[0-9a-f]{2,160}")
 
@@ -97,22 +101,6 @@ class AssemblyInputs(msgspec.Struct, frozen=True):
     nonce: str
     now: float
     retrieval_ms: float = 0.0
-
-
-def resolve_model(catalog: Catalog, model: str, available_tokens: int) -> ModelCapability:
-    """Catalog entry, or an `unknown`-family stand-in sized by available_tokens."""
-    cap = catalog.resolve(model)
-    if cap is not None:
-        return cap
-    if available_tokens > 0:
-        return ModelCapability(
-            provider="unknown",
-            context_window=available_tokens,
-            max_output_tokens=UNKNOWN_MODEL_MAX_OUTPUT,
-            tokenizer_family="unknown",
-            model_id=model,
-        )
-    raise InputError("model", f"unknown model {model[:64]!r} and available_tokens not set")
 
 
 def degradation_level(branches: Iterable[BranchOutcome]) -> DegradationLevel:

@@ -12,8 +12,13 @@ import pytest
 
 from ibex.assembly import budget as budget_mod
 from ibex.assembly.budget import compute_budget, context_window, response_reserve
-from ibex.assembly.catalog import Catalog, FamilyPolicy, ModelCapability
-from ibex.assembly.pipeline import UNKNOWN_MODEL_MAX_OUTPUT, resolve_model
+from ibex.assembly.catalog import (
+    UNKNOWN_MODEL_MAX_OUTPUT,
+    Catalog,
+    FamilyPolicy,
+    ModelCapability,
+    resolve_model,
+)
 from ibex.errors import InputError
 
 FAMILY = FamilyPolicy(safety_buffer_fraction=0.05, encoding=None, name="fam-x")

@@ -552,10 +552,6 @@ def test_identical_inputs_give_identical_results_but_timings() -> None:
     assert msgspec.structs.replace(a, metrics=b.metrics) == b
 
 
-def test_module_constant_for_unknown_output() -> None:
-    assert pipeline.UNKNOWN_MODEL_MAX_OUTPUT == 4096
-
-
 def test_a_block_that_exactly_fills_the_ceiling_keeps_every_memory() -> None:
     cold = [hit("a", similarity=0.9), hit("b", similarity=0.5)]
     window = 500 + memory_overhead() + 2 * block_len(cold[0])
