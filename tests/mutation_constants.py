@@ -20,9 +20,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = [
     "tests/unit/test_validation.py",
-    "tests/unit/test_budget_bounds.py",
-    "tests/unit/test_scoring_weights.py",
-    "tests/unit/test_packer_improve.py",
+    "tests/unit/test_budget.py",
+    "tests/unit/test_scoring.py",
+    "tests/unit/test_packer.py",
     "tests/unit/test_pipeline_paths.py",
     "tests/unit/test_formatter_escaping.py",
     "tests/unit/test_formatter_golden.py",
