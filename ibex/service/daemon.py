@@ -44,6 +44,7 @@ from ibex.service.grpc_shim import (
     track_connections,
 )
 from ibex.service.handlers import ContextService, EdgeConfig, method_label
+from ibex.service.precise_wakeup import precise_wakeups
 from ibex.service.reflection import with_reflection
 
 log = logging.getLogger(__name__)
@@ -119,7 +120,10 @@ class Daemon:
         catalog and tokenizers load is kept and honoured as soon as serving
         starts, so a stop during start-up is a clean, logged exit too.
         """
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        with (
+            trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals,
+            precise_wakeups(),
+        ):
             await self._serve(task_status, notifier, shutdown, sock, signals)
 
     async def _serve(
