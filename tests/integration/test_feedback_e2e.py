@@ -260,24 +260,21 @@ SAMPLE_MEMORY = "10000000-0000-4000-8000-000000000001"  # the billing deploy mem
 
 
 def test_cli_feedback_moves_the_samples_usefulness_seen_by_assemble(tmp_path: Path) -> None:
+    """The embedded sample applies feedback in memory; `ibex assemble` then shows it."""
     with daemon_process({}, tmp_path / "daemon.log") as proc:
         addr = ["--addr", proc.target]
-
-        def usefulness() -> float:
-            out = run_cli("assemble", *addr, "--query", "deploy the billing service", "--json")
-            assert out.returncode == 0, out.stderr
-            used = json.loads(out.stdout)["memoriesUsed"]
-            return float(next(m["usefulnessScore"] for m in used if m["memoryId"] == SAMPLE_MEMORY))
-
-        assert usefulness() == pytest.approx(0.5)
         out = run_cli("feedback", *addr, "--memory", SAMPLE_MEMORY, "--feedback", "positive")
         assert out.returncode == 0, out.stderr
         assert f"{SAMPLE_MEMORY}" in out.stdout and "0.500 -> 0.600" in out.stdout
-        assert usefulness() == pytest.approx(0.6)
-        # The same feedback again (same key): counted once.
-        again = run_cli("feedback", *addr, "--memory", SAMPLE_MEMORY, "--feedback", "positive")
-        assert again.returncode == 0 and "0.500 -> 0.600" in again.stdout
-        assert usefulness() == pytest.approx(0.6)
+        # The same feedback again (same key, here from a stock client): counted once.
+        request = feedback_request(memory_ids=[SAMPLE_MEMORY], session_id="", trace_id="")
+        again = call(proc.target, request)
+        assert updates(again) == [(SAMPLE_MEMORY, 0.5, 0.6)]
+        shown = run_cli("assemble", *addr, "--query", "deploy the billing service", "--json")
+        assert shown.returncode == 0, shown.stderr
+        used = json.loads(shown.stdout)["memoriesUsed"]
+        score = next(m["usefulnessScore"] for m in used if m["memoryId"] == SAMPLE_MEMORY)
+        assert score == pytest.approx(0.6)  # the sample file says 0.5
         bad = run_cli("feedback", *addr, "--memory", "nope", "--feedback", "positive")
         assert bad.returncode == 1
         assert "INVALID_ARGUMENT: memory_ids[0]:" in bad.stderr

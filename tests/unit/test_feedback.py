@@ -308,9 +308,7 @@ async def test_local_feedback_moves_usefulness_once_per_key() -> None:
     )
     assert next(h.usefulness for h in cold if h.memory_id == M1) == 0.6
     negative = fb(memory_ids=[M1], feedback="negative")
-    assert await source.feedback(negative, idempotency_key(negative)) == [
-        ScoreUpdate(M1, 0.6, 0.5)
-    ]
+    assert await source.feedback(negative, idempotency_key(negative)) == [ScoreUpdate(M1, 0.6, 0.5)]
     neutral = fb(memory_ids=[M1], feedback="neutral")
     assert await source.feedback(neutral, idempotency_key(neutral)) == [ScoreUpdate(M1, 0.5, 0.5)]
     assert await _usefulness(source, M2) == 0.7
