@@ -264,6 +264,12 @@ def render_report(result: Any) -> str:
         "branches: "
         + ", ".join(f"{x.source}={x.status} ({x.latency_ms:.1f}ms)" for x in r.branches)
     )
+    if r.memories_used:  # usefulness shows what feedback (`ibex feedback`) changed
+        out.append("included:")
+        out += [
+            f"  {m.memory_id:<40} score={m.composite_score:.3f} usefulness={m.usefulness_score:.3f}"
+            for m in r.memories_used
+        ]
     if r.excluded:
         out.append("excluded:")
         out += [

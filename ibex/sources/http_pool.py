@@ -37,8 +37,8 @@ slot, and a pool that leaks slots ends up serving nothing):
   be delivered as the next request's answer. If a reused connection still
   fails before a single response byte arrives, the server closed it under us:
   the request is repeated once on a fresh connection. That is connection housekeeping, not a
-  retry of a failed call (both requests are idempotent reads); a fresh
-  connection that fails is an error at once.
+  retry of a failed call (the reads are idempotent; the feedback write carries an
+  Idempotency-Key); a fresh connection that fails is an error at once.
 """
 
 from __future__ import annotations

@@ -21,6 +21,10 @@ failed call is a failed branch (the pool's one re-send, when a pooled
 keep-alive connection turns out to have been closed by the server before any
 answer byte, is connection housekeeping, not a retry).
 
+Feedback (`feedback`, the write surface) has a third pool, so a slow write
+never holds a read's connection; it makes one attempt per call, and
+`ibex.sources.feedback.send_feedback` decides on the one retry.
+
 Trio only: the pool's sockets belong to the Trio run, so the same source used
 from an asyncio task (e.g. under trio-asyncio) would fail deep inside Trio.
 Every call checks and raises RuntimeError instead.
