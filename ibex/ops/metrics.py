@@ -23,7 +23,7 @@ ibex_token_cache_hits_total            C                      token-count cache 
 ibex_token_cache_misses_total          C                      token-count cache misses
 ibex_worker_restarts_total             C      reason          workers restarted by the supervisor
 ibex_feedback_total                    C      outcome         RecordMemoryFeedback calls by outcome
-ibex_feedback_retries_total            C                      feedback attempts repeated (same key)
+ibex_feedback_retries_total            C                      second feedback attempts (same key)
 =====================================  =====  ==============  ====================================
 
 C counter, G gauge, H histogram. ``code`` is the gRPC status name (``OK``,
@@ -364,11 +364,12 @@ class Metrics:
         children[0].inc()
         children[1].observe(max(0.0, seconds))
 
-    def observe_feedback(self, outcome: str, retries: int = 0) -> None:
-        """One finished RecordMemoryFeedback call; `outcome` is one of `FEEDBACK_OUTCOMES`."""
+    def observe_feedback(self, outcome: str) -> None:
+        """One finished RecordMemoryFeedback call; `outcome` is one of `FEEDBACK_OUTCOMES`.
+
+        Retries are counted as they start (`feedback_retries.inc`), whatever follows.
+        """
         (self._feedback.get(outcome) or self.feedback.labels(outcome)).inc()
-        if retries:
-            self.feedback_retries.inc(retries)
 
     def in_flight(self) -> AbstractContextManager[None]:
         """Count the enclosed block as an in-flight request, however it ends."""

@@ -315,7 +315,7 @@ class ContextService:
         caller's authentication (bearer token / mTLS, in `_wrap`) is the
         authorisation, as for SearchMemories.
         """
-        outcome, retries = "error", 0
+        outcome = "error"
         try:
             msg, size = await self._receive(stream)
             with self.admission.admitted(*_timing(stream), size) as ticket:
@@ -327,7 +327,6 @@ class ContextService:
                     trace_id=msg.trace_id,
                 )
                 sent = await trio_asyncio.trio_as_aio(self._feedback_in_trio)(fb, ticket)
-                retries = sent.attempts - 1
                 response = pb.RecordMemoryFeedbackResponse(success=True)
                 for u in sent.updates:
                     response.updates.add(
@@ -338,7 +337,7 @@ class ContextService:
                 outcome = "recorded"
                 await stream.send_message(response)
         except FeedbackRejected:
-            outcome, retries = "rejected", 0
+            outcome = "rejected"
             raise
         except InputError:
             outcome = "invalid"
@@ -353,7 +352,7 @@ class ContextService:
             outcome = "shed"
             raise
         finally:
-            self.metrics.observe_feedback(outcome, retries)
+            self.metrics.observe_feedback(outcome)
 
     async def _feedback_in_trio(self, fb: Feedback, ticket: Ticket) -> Sent:
         sink = self.assembler.feedback_sink
@@ -368,6 +367,7 @@ class ContextService:
                 deadline=deadline,
                 default_timeout=self.config.feedback_timeout,
                 headroom=FEEDBACK_HEADROOM,
+                on_retry=self.metrics.feedback_retries.inc,
             )
 
 

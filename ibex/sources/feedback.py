@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from typing import ClassVar, Final, NamedTuple, Protocol
 
 import msgspec
@@ -123,11 +124,13 @@ async def send_feedback(
     deadline: float | None,
     default_timeout: float,
     headroom: float,
+    on_retry: Callable[[], object] | None = None,
 ) -> Sent:
     """Record `fb` within `deadline` (Trio clock; None: `default_timeout` from now).
 
-    `headroom` is kept back from the deadline for sending the answer. Raises
-    FeedbackRejected (4xx) or SourceError (anything else: UNAVAILABLE).
+    `headroom` is kept back from the deadline for sending the answer;
+    `on_retry` is called when a second attempt starts (e.g. to count it).
+    Raises FeedbackRejected (4xx) or SourceError (anything else: UNAVAILABLE).
     """
     key = idempotency_key(fb)
     now = trio.current_time()
@@ -138,6 +141,8 @@ async def send_feedback(
         if left < MIN_ATTEMPT:
             break
         budget = left / 2 if attempt == 1 else left
+        if attempt == 2 and on_retry is not None:
+            on_retry()
         with trio.move_on_after(budget) as scope:
             try:
                 return Sent(await sink.feedback(fb, key), attempt)

@@ -228,12 +228,27 @@ async def test_feedback_metric_counts_outcomes(
     await in_thread(call, daemon.target, feedback_request())
     with pytest.raises(grpc.RpcError):
         await in_thread(call, daemon.target, feedback_request(org_id="acme"))
-    registry = daemon.daemon.metrics.registry
-    sample = registry.get_sample_value
-    assert sample("ibex_feedback_total", {"outcome": "recorded"}) == 1
-    assert sample("ibex_feedback_total", {"outcome": "invalid"}) == 1
-    assert sample("ibex_feedback_total", {"outcome": "unavailable"}) == 0
-    assert sample("ibex_feedback_retries_total") == 1
+    memory.feedback.then.extend([Endpoint(status=502), Endpoint(status=503)])
+    with pytest.raises(grpc.RpcError):
+        await in_thread(call, daemon.target, feedback_request(trace_id="other"))
+    memory.feedback.then.append(Endpoint(status=400))
+    with pytest.raises(grpc.RpcError):
+        await in_thread(call, daemon.target, feedback_request(trace_id="third"))
+    sample = daemon.daemon.metrics.registry.get_sample_value
+    outcomes = {
+        o: sample("ibex_feedback_total", {"outcome": o})
+        for o in ("recorded", "invalid", "rejected", "unavailable", "deadline", "shed", "error")
+    }
+    assert outcomes == {
+        "recorded": 1,
+        "invalid": 1,
+        "rejected": 1,
+        "unavailable": 1,
+        "deadline": 0,
+        "shed": 0,
+        "error": 0,
+    }
+    assert sample("ibex_feedback_retries_total") == 2
 
 
 async def test_python_client_record_feedback(

@@ -200,9 +200,11 @@ def autojump_clock() -> trio.testing.MockClock:
     return clock
 
 
-async def _send(sink: ScriptedSink, deadline_in: float | None = 1.0) -> Any:
+async def _send(sink: ScriptedSink, deadline_in: float | None = 1.0, **kw: Any) -> Any:
     deadline = None if deadline_in is None else trio.current_time() + deadline_in
-    return await send_feedback(sink, fb(), deadline=deadline, default_timeout=2.0, headroom=0.002)
+    return await send_feedback(
+        sink, fb(), deadline=deadline, default_timeout=2.0, headroom=0.002, **kw
+    )
 
 
 async def test_success_at_first_attempt(autojump_clock: trio.testing.MockClock) -> None:
@@ -222,8 +224,9 @@ async def test_one_retry_with_the_same_key(
 ) -> None:
     sink = ScriptedSink(first, [ScoreUpdate(M1, 0.5, 0.6)])
     start = trio.current_time()
-    sent = await _send(sink)
-    assert sent.attempts == 2
+    retries: list[int] = []
+    sent = await _send(sink, on_retry=lambda: retries.append(1))
+    assert sent.attempts == 2 and retries == [1]
     assert sink.keys == [idempotency_key(fb())] * 2
     if first == "hang":  # the first attempt had half the time, so the retry had room
         assert trio.current_time() - start == pytest.approx((1.0 - 0.002) / 2)
