@@ -459,7 +459,7 @@ class _Handler(BaseHTTPRequestHandler):
         if name == "feedback":
             self._serve_feedback(owner, body)
             return
-        ep = owner.hot if name == "hot" else owner.cold
+        ep = owner._step(owner.hot if name == "hot" else owner.cold)
         if not self._wait(owner._delay(ep)):
             return
         if ep.fault == "hang":

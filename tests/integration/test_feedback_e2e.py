@@ -15,10 +15,13 @@ from typing import Any
 
 import grpc
 import pytest
+import trio
 import trio_asyncio
 
 from ibex.assembly.feedback import idempotency_key, validate_feedback
 from ibex.client import ContextClient
+from ibex.errors import SourceError
+from ibex.sources.feedback import FeedbackRejected, send_feedback
 from tests.grpcio_stubs import context_pb2, context_pb2_grpc
 from tests.memory_server import Endpoint, FakeMemoryServer, make_memories, running_memory_server
 
@@ -267,6 +270,47 @@ async def test_python_client_record_feedback(
     assert keys_seen(memory) == [
         expected_key([IDS[3]], feedback="negative", session_id="", trace_id="trace-py")
     ]
+
+
+# -- the source's status mapping -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("status", "error", "attempts"),
+    [
+        (400, FeedbackRejected, 1),
+        (422, FeedbackRejected, 1),
+        (401, SourceError, 1),  # our credential: UNAVAILABLE, the caller cannot fix it
+        (403, SourceError, 1),
+        (429, SourceError, 2),  # "later": retried like a 5xx
+        (408, SourceError, 2),
+        (500, SourceError, 2),
+        (503, SourceError, 2),
+    ],
+)
+async def test_status_mapping(
+    memory: FakeMemoryServer, status: int, error: type[Exception], attempts: int
+) -> None:
+    memory.feedback.status = status
+    fb = validate_feedback(org_id=ORG, memory_ids=IDS[:1], feedback="neutral")
+    async with memory.source() as source:
+        with pytest.raises(error) as info:
+            await send_feedback(
+                source, fb, deadline=trio.current_time() + 2.0, default_timeout=2.0, headroom=0.0
+            )
+    assert type(info.value) is error  # not a FeedbackRetryable left over
+    assert str(info.value).startswith("feedback: ")
+    assert memory.requests["feedback"] == attempts
+    assert memory.feedback_applied == {}
+
+
+async def test_a_wrong_memory_token_is_unavailable(memory: FakeMemoryServer) -> None:
+    async with running_daemon(memory_base_url=memory.url, memory_api_token="wrong" * 6) as d:
+        with pytest.raises(grpc.RpcError) as info:
+            await in_thread(call, d.target, feedback_request())
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert info.value.details() == "feedback: HTTP 401"
+    assert memory.feedback_applied == {}
 
 
 # -- the embedded sample and the CLI ---------------------------------------------------------------
