@@ -140,7 +140,8 @@ async def send_feedback(
         left = end - trio.current_time()
         if left < MIN_ATTEMPT:
             break
-        budget = left / 2 if attempt == 1 else left
+        # Half for the first attempt while the other half still allows a retry.
+        budget = left / 2 if attempt == 1 and left >= 2 * MIN_ATTEMPT else left
         if attempt == 2 and on_retry is not None:
             on_retry()
         with trio.move_on_after(budget) as scope:

@@ -272,6 +272,17 @@ async def test_no_attempt_without_time(autojump_clock: trio.testing.MockClock) -
     assert sink.keys == []
 
 
+async def test_too_little_time_for_two_attempts_gives_the_one_all_of_it(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    sink = ScriptedSink("hang", [ScoreUpdate(M1, 0.5, 0.6)])
+    start = trio.current_time()
+    with pytest.raises(SourceError, match="no answer within"):
+        await _send(sink, 0.0035)  # 1.5 ms after the headroom: one attempt's worth
+    assert trio.current_time() - start == pytest.approx(0.0015)
+    assert len(sink.keys) == 1
+
+
 async def test_no_deadline_uses_the_default_timeout(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
