@@ -142,8 +142,10 @@ async def send_feedback(
             break
         # Half for the first attempt while the other half still allows a retry.
         budget = left / 2 if attempt == 1 and left >= 2 * MIN_ATTEMPT else left
-        if attempt == 2 and on_retry is not None:
-            on_retry()
+        if attempt == 2:
+            log.info("feedback_retry", extra={"key": key[:16], "reason": last, "org_id": fb.org_id})
+            if on_retry is not None:
+                on_retry()
         with trio.move_on_after(budget) as scope:
             try:
                 return Sent(await sink.feedback(fb, key), attempt)
@@ -151,8 +153,6 @@ async def send_feedback(
                 last = str(exc)
         if scope.cancelled_caught:
             last = f"feedback: no answer within {budget * 1000:.0f}ms"
-        if attempt == 1:
-            log.info("feedback_retry", extra={"key": key[:16], "reason": last, "org_id": fb.org_id})
     raise SourceError(last)
 
 
