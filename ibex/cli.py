@@ -1,4 +1,4 @@
-"""`ibex` command line: serve, assemble, config, check."""
+"""`ibex` command line: serve, assemble, feedback, config, check."""
 
 from __future__ import annotations
 
@@ -179,6 +179,54 @@ def cmd_assemble(args: argparse.Namespace) -> int:
     return 0 if result.status == "OK" else 3
 
 
+def _client_options(args: argparse.Namespace) -> tuple[str, int, str | None, Any]:
+    """Host, port, bearer token and TLS context from the client flags shared by commands."""
+    from ibex.client import ContextClient
+
+    host, _, port = args.addr.rpartition(":")
+    token = args.token or os.environ.get("IBEX_CONTEXT_CLIENT_TOKEN")
+    ssl_ctx = ContextClient.tls_context(args.ca, args.cert, args.key) if args.ca else None
+    return host or "127.0.0.1", int(port), token, ssl_ctx
+
+
+def cmd_feedback(args: argparse.Namespace) -> int:
+    """Report which memories helped; prints each score the memory service moved."""
+    from grpclib.exceptions import GRPCError
+
+    from ibex.client import ContextClient
+
+    host, port, token, ssl_ctx = _client_options(args)
+
+    async def run() -> Any:
+        client = ContextClient(host, port, token=token, ssl_context=ssl_ctx)
+        try:
+            return await client.record_feedback(
+                args.memory,
+                args.feedback,
+                org_id=args.org,
+                session_id=args.session,
+                trace_id=args.trace,
+                timeout=args.timeout,
+            )
+        finally:
+            client.close()
+
+    try:
+        response = asyncio.run(run())
+    except GRPCError as exc:
+        print(f"ibex feedback: {exc.status.name}: {exc.message}", file=sys.stderr)
+        return 1
+    if args.json:
+        from google.protobuf.json_format import MessageToDict
+
+        print(json.dumps(MessageToDict(response), indent=2))
+        return 0
+    print(f"feedback {args.feedback}: recorded, {len(response.updates)} of {len(args.memory)} ids")
+    for u in response.updates:
+        print(f"  {u.memory_id:<40} {u.previous_score:.3f} -> {u.new_score:.3f}")
+    return 0
+
+
 def render_report(result: Any) -> str:
     """The context, then the budget table and every excluded candidate."""
     out = [result.context.rstrip("\n"), ""]
@@ -216,6 +264,12 @@ def render_report(result: Any) -> str:
         "branches: "
         + ", ".join(f"{x.source}={x.status} ({x.latency_ms:.1f}ms)" for x in r.branches)
     )
+    if r.memories_used:  # usefulness shows what feedback (`ibex feedback`) changed
+        out.append("included:")
+        out += [
+            f"  {m.memory_id:<40} score={m.composite_score:.3f} usefulness={m.usefulness_score:.3f}"
+            for m in r.memories_used
+        ]
     if r.excluded:
         out.append("excluded:")
         out += [
@@ -313,6 +367,23 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--key", help="client key for mutual TLS")
     a.add_argument("--json", action="store_true", help="print the whole response as JSON")
     a.set_defaults(func=cmd_assemble)
+
+    f = sub.add_parser("feedback", help="tell a running daemon which memories helped")
+    f.add_argument("--addr", default=os.environ.get("IBEX_CONTEXT_GRPC_ADDR", "127.0.0.1:9092"))
+    f.add_argument("--org", default=SAMPLE_ORG)
+    f.add_argument(
+        "--memory", action="append", required=True, metavar="ID", help="memory id (repeatable)"
+    )
+    f.add_argument("--feedback", required=True, choices=("positive", "negative", "neutral"))
+    f.add_argument("--session", default="", help="session id")
+    f.add_argument("--trace", default="", help="trace id (part of the idempotency key)")
+    f.add_argument("--timeout", type=float, default=2.0, help="deadline in seconds")
+    f.add_argument("--token", help="bearer token (or IBEX_CONTEXT_CLIENT_TOKEN)")
+    f.add_argument("--ca", help="CA file: use TLS")
+    f.add_argument("--cert", help="client certificate for mutual TLS")
+    f.add_argument("--key", help="client key for mutual TLS")
+    f.add_argument("--json", action="store_true", help="print the whole response as JSON")
+    f.set_defaults(func=cmd_feedback)
 
     c = sub.add_parser("config", help="print effective settings (secrets redacted)")
     c.set_defaults(func=cmd_config)

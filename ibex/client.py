@@ -44,6 +44,9 @@ from ibex.assembly.structs import Message
 from ibex.service import wire
 
 DEFAULT_DEADLINE = 0.045
+# Feedback is sent after the model answered, off the latency path: room for the
+# daemon's one retry against the memory service.
+DEFAULT_FEEDBACK_DEADLINE = 1.0
 FAIL_OPEN = frozenset({Status.DEADLINE_EXCEEDED, Status.UNAVAILABLE, Status.RESOURCE_EXHAUSTED})
 _PATH = "/ibex.context.v1.ContextAssemblyService/"
 DOWN_FOR = 1.0  # seconds an address that refused a connection is passed over (gRPC: 1 s backoff)
@@ -287,6 +290,38 @@ class ContextClient:
         )
         return msg
 
+    async def record_feedback(
+        self,
+        memory_ids: Sequence[str],
+        feedback: str,
+        *,
+        org_id: str,
+        session_id: str = "",
+        trace_id: str = "",
+        timeout: float | None = None,  # noqa: ASYNC109  (gRPC deadline)
+    ) -> Any:
+        """RecordMemoryFeedback; the RecordMemoryFeedbackResponse (success, updates).
+
+        Not fail-open: errors raise GRPCError. UNAVAILABLE (memory service down)
+        may be retried with the same arguments: the daemon derives the
+        idempotency key from them, so the feedback is still counted once.
+        `timeout` defaults to DEFAULT_FEEDBACK_DEADLINE.
+        """
+        request = wire.RecordMemoryFeedbackRequest(
+            memory_ids=list(memory_ids),
+            feedback=feedback,
+            org_id=org_id,
+            session_id=session_id,
+            trace_id=trace_id,
+        )
+        msg, _ = await self._unary(
+            "RecordMemoryFeedback",
+            request,
+            wire.RecordMemoryFeedbackResponse,
+            DEFAULT_FEEDBACK_DEADLINE if timeout is None else timeout,
+        )
+        return msg
+
     def _fallback(self, request: Any, status: str) -> Assembled:
         messages = [Message(m.role, m.content) for m in request.recent_messages]
         context, dropped = fallback_history(
@@ -305,3 +340,8 @@ class ContextClient:
     async def assemble_trio(self, request: Any | None = None, **kw: Any) -> Assembled:
         result: Assembled = await trio_asyncio.aio_as_trio(self.assemble)(request, **kw)
         return result
+
+    async def record_feedback_trio(
+        self, memory_ids: Sequence[str], feedback: str, **kw: Any
+    ) -> Any:
+        return await trio_asyncio.aio_as_trio(self.record_feedback)(memory_ids, feedback, **kw)

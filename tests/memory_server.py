@@ -1,5 +1,15 @@
 """A real HTTP/1.1 server on loopback standing in for the memory service.
 
+It serves the read surfaces (hot, search) and the feedback write surface
+(`POST /v1/memories/feedback`, contract section 2): feedback is counted once
+per `Idempotency-Key` (a repeated key gets the first answer again and changes
+nothing; the same key with another body is a 422), ids that are unknown or of
+another org are left out of `updates`. Faults on that endpoint model a write
+whose answer is lost: with `reset`, `hang` or latency the feedback is recorded
+first and then the answer is cut or delayed; an injected status >= 400 (e.g. a
+503) records nothing. `Endpoint.then` scripts one request at a time (e.g. a
+reset, then normal answers).
+
 Why a thread and not the Trio loop under test: latency, hangs and resets must
 happen on the server's own clock; a server on the test's loop would be paused
 and cancelled by the very code it is meant to stress. A `ThreadingHTTPServer`
@@ -73,6 +83,8 @@ class Endpoint:
     # segment (TCP_CORK): over TLS the client's TLS layer reads it off the
     # socket together with the answer, so it waits above the socket.
     stray: bytes | None = None
+    # Behaviours for the next requests, one each, before this endpoint's own.
+    then: deque[Endpoint] = field(default_factory=deque)
 
 
 @dataclass
@@ -88,7 +100,9 @@ class Seen:
 
 @dataclass
 class _Stats:
-    requests: dict[str, int] = field(default_factory=lambda: {"hot": 0, "cold": 0, "other": 0})
+    requests: dict[str, int] = field(
+        default_factory=lambda: {"hot": 0, "cold": 0, "feedback": 0, "other": 0}
+    )
     unauthorized: int = 0
     open_connections: int = 0
     accepted_connections: int = 0
@@ -112,6 +126,12 @@ class FakeMemoryServer:
         self.ssl_context = ssl_context
         self.hot = Endpoint()
         self.cold = Endpoint()
+        self.feedback = Endpoint()
+        # Feedback state: key -> (request body, answer); (org, id) -> usefulness;
+        # memory id -> times feedback was applied to it.
+        self._feedback_keys: dict[str, tuple[bytes, bytes]] = {}
+        self._usefulness: dict[tuple[str, str], float] = {}
+        self.feedback_applied: dict[str, int] = {}
         self.seen: deque[Seen] = deque(maxlen=log_size)
         self._items: dict[str, list[dict[str, Any]]] = {}
         self._stats = _Stats()
@@ -203,6 +223,70 @@ class FakeMemoryServer:
     def clear(self) -> None:
         with self._lock:
             self._items.clear()
+
+    # -- feedback --------------------------------------------------------
+    @property
+    def feedback_keys(self) -> int:
+        """Distinct idempotency keys recorded."""
+        with self._lock:
+            return len(self._feedback_keys)
+
+    def usefulness(self, org_id: str, memory_id: str) -> float | None:
+        """A memory's usefulness now (after feedback), or None if this org has no such memory."""
+        with self._lock:
+            return self._usefulness_of(org_id, memory_id)
+
+    def _usefulness_of(self, org_id: str, memory_id: str) -> float | None:
+        if (org_id, memory_id) in self._usefulness:
+            return self._usefulness[org_id, memory_id]
+        for items in self._items.values():
+            for item in items:
+                m = item["memory"]
+                if m.get("id") == memory_id and m.get("org_id") == org_id:
+                    value = m.get("usefulness")
+                    return float(value) if isinstance(value, int | float) else 0.5
+        return None
+
+    def _record_feedback(self, key: str | None, body: bytes) -> tuple[int, bytes]:
+        """Apply one feedback request once per key; (status, answer)."""
+        if not key or len(key) > 255:
+            return 400, b'{"error": "Idempotency-Key required"}'
+        try:
+            req = json.loads(body)
+            org, kind, ids = req["org_id"], req["feedback"], req["memory_ids"]
+            if kind not in ("positive", "negative", "neutral") or not isinstance(ids, list):
+                raise ValueError(kind)
+            for name in ("session_id", "trace_id"):
+                if not isinstance(req.get(name, ""), str):
+                    raise TypeError(name)
+        except (KeyError, ValueError, TypeError):
+            return 400, b'{"error": "bad feedback"}'
+        step = {"positive": 0.1, "negative": -0.1, "neutral": 0.0}[kind]
+        with self._lock:
+            if key in self._feedback_keys:
+                first_body, answer = self._feedback_keys[key]
+                if first_body != body:
+                    return 422, b'{"error": "idempotency key reused with another body"}'
+                return 200, answer
+            updates = []
+            for memory_id in dict.fromkeys(str(i) for i in ids):
+                previous = self._usefulness_of(org, memory_id)
+                if previous is None:  # unknown, or another org's: left out, never named
+                    continue
+                new = round(min(1.0, max(0.0, previous + step)), 6)
+                self._usefulness[org, memory_id] = new
+                self.feedback_applied[memory_id] = self.feedback_applied.get(memory_id, 0) + 1
+                updates.append(
+                    {"memory_id": memory_id, "previous_score": previous, "new_score": new}
+                )
+            answer = json.dumps({"data": {"updates": updates}}).encode()
+            self._feedback_keys[key] = (body, answer)
+        return 200, answer
+
+    def _step(self, ep: Endpoint) -> Endpoint:
+        """This request's behaviour: the next scripted one, else the endpoint's own."""
+        with self._lock:
+            return ep.then.popleft() if ep.then else ep
 
     # -- counters --------------------------------------------------------
     @property
@@ -357,9 +441,11 @@ class _Handler(BaseHTTPRequestHandler):
         owner.seen.append(
             Seen(method, split.path, query, {k.lower(): v for k, v in self.headers.items()}, body)
         )
-        name = {("GET", "/v1/memories/hot"): "hot", ("POST", "/v1/memories/search"): "cold"}.get(
-            (method, split.path), "other"
-        )
+        name = {
+            ("GET", "/v1/memories/hot"): "hot",
+            ("POST", "/v1/memories/search"): "cold",
+            ("POST", "/v1/memories/feedback"): "feedback",
+        }.get((method, split.path), "other")
         with owner._lock:
             owner._stats.requests[name] += 1
         if self.headers.get("Authorization") != f"Bearer {owner.token}":
@@ -370,7 +456,10 @@ class _Handler(BaseHTTPRequestHandler):
         if name == "other":
             self._send(404, b'{"error": "not found"}')
             return
-        ep = owner.hot if name == "hot" else owner.cold
+        if name == "feedback":
+            self._serve_feedback(owner, body)
+            return
+        ep = owner._step(owner.hot if name == "hot" else owner.cold)
         if not self._wait(owner._delay(ep)):
             return
         if ep.fault == "hang":
@@ -400,6 +489,28 @@ class _Handler(BaseHTTPRequestHandler):
             self._send_with_stray(ep.status, payload, ep.stray)
             return
         self._send(ep.status, payload)
+
+    def _serve_feedback(self, owner: FakeMemoryServer, body: bytes) -> None:
+        """Record first, then the fault: a reset or a hang loses an answer, not the write."""
+        ep = owner._step(owner.feedback)
+        if ep.status >= 400:  # failed before recording anything
+            if self._wait(owner._delay(ep)):
+                self._send(ep.status, ep.body or b'{"error": "injected"}')
+            return
+        status, payload = owner._record_feedback(self.headers.get("Idempotency-Key"), body)
+        if not self._wait(owner._delay(ep)):
+            return
+        if ep.fault == "hang":
+            self._wait(None)
+            return
+        if ep.body is not None:
+            payload = ep.body
+        elif ep.fault == "malformed":
+            payload = b'{"data": {"updates": [{"memory_id": '
+        if ep.fault == "reset":
+            self._reset(payload)
+            return
+        self._send(status, payload)
 
     def _head(self, status: int, length: int) -> bytes:
         reason = self.responses.get(status, ("",))[0]

@@ -22,6 +22,8 @@ ibex_history_messages_dropped_total    C                      oldest history mes
 ibex_token_cache_hits_total            C                      token-count cache hits
 ibex_token_cache_misses_total          C                      token-count cache misses
 ibex_worker_restarts_total             C      reason          workers restarted by the supervisor
+ibex_feedback_total                    C      outcome         RecordMemoryFeedback calls by outcome
+ibex_feedback_retries_total            C                      second feedback attempts (same key)
 =====================================  =====  ==============  ====================================
 
 C counter, G gauge, H histogram. ``code`` is the gRPC status name (``OK``,
@@ -97,6 +99,9 @@ LEVELS: Final = ("L0", "L1", "L2")
 PACK_PATHS: Final = ("dp", "greedy")
 SHED_REASONS: Final = ("in_flight", "queue", "cpu")
 RESTART_REASONS: Final = ("exited", "unresponsive")
+FEEDBACK_OUTCOMES: Final = (
+    "recorded", "invalid", "rejected", "unavailable", "deadline", "shed", "error",
+)  # fmt: skip
 
 # Stage work is sub-millisecond to tens of ms; branch latency is bounded by the
 # retrieval wall (~45 ms) but a misconfigured wall should still land in a bucket.
@@ -306,6 +311,14 @@ class Metrics:
             "Oldest history messages left out so the rest fits the window.",
             registry=r,
         )
+        self.feedback = Counter(
+            "ibex_feedback", "RecordMemoryFeedback calls by outcome.", ["outcome"], registry=r
+        )
+        self.feedback_retries = Counter(
+            "ibex_feedback_retries",
+            "Feedback attempts repeated with the same idempotency key.",
+            registry=r,
+        )
 
         self._token_source: TokenCacheSource | None = None
         self._token_seen = (0, 0)
@@ -333,6 +346,7 @@ class Metrics:
         self._level = {level: self.degradation.labels(level) for level in LEVELS}
         self._path = {path: self.pack_path.labels(path) for path in PACK_PATHS}
         self._shed = {reason: self.shed_requests.labels(reason) for reason in SHED_REASONS}
+        self._feedback = {o: self.feedback.labels(o) for o in FEEDBACK_OUTCOMES}
         # (method, code) -> label children: `labels()` takes a lock and validates on every
         # call, a cost the overload path pays per refusal. Methods are the service's own
         # names (callers map anything else to one label), codes the gRPC status names,
@@ -349,6 +363,13 @@ class Metrics:
             self._request_children[method, code] = children
         children[0].inc()
         children[1].observe(max(0.0, seconds))
+
+    def observe_feedback(self, outcome: str) -> None:
+        """One finished RecordMemoryFeedback call; `outcome` is one of `FEEDBACK_OUTCOMES`.
+
+        Retries are counted as they start (`feedback_retries.inc`), whatever follows.
+        """
+        (self._feedback.get(outcome) or self.feedback.labels(outcome)).inc()
 
     def in_flight(self) -> AbstractContextManager[None]:
         """Count the enclosed block as an in-flight request, however it ends."""

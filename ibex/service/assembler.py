@@ -22,6 +22,7 @@ from ibex.assembly.tokens import Tokenizers
 from ibex.assembly.validation import RequestLimits, validate_request
 from ibex.sources.base import DirectiveSource, MemorySource
 from ibex.sources.directive_cache import DirectiveCache
+from ibex.sources.feedback import FeedbackSink
 from ibex.sources.retrieval import RetrievalConfig, retrieve
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,7 @@ class Assembler:
         backend: str = "",
         offload_chars: int = OFFLOAD_CHARS,
         offload_threads: int = 2,
+        feedback_sink: FeedbackSink | None = None,
     ) -> None:
         self.catalog = catalog
         self.tokenizers = tokenizers
@@ -69,6 +71,7 @@ class Assembler:
         self.backend = backend
         self.offload_chars = offload_chars
         self._cpu_limiter = trio.CapacityLimiter(offload_threads)
+        self.feedback_sink = feedback_sink  # where RecordMemoryFeedback goes; None: UNAVAILABLE
 
     def check_request(self, request: AssemblyRequest) -> AssemblyRequest:
         """Validate before any I/O: ids, weights, sizes and a known model or window."""

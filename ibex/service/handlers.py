@@ -27,10 +27,18 @@ from grpclib.exceptions import GRPCError
 from h2.exceptions import StreamClosedError
 
 from ibex.assembly.candidates import MAX_MEMORIES_HARD_CAP, SearchFilter, rank_search
+from ibex.assembly.feedback import Feedback, validate_feedback
 from ibex.assembly.structs import AssemblyRequest, AssemblyResult, MemoryHit
 from ibex.assembly.validation import canonical_uuid
-from ibex.errors import DeadlineError, IbexError, InputError, SourceError, TooLargeError
-from ibex.errors import Unimplemented as UnimplementedError
+from ibex.errors import (
+    DeadlineError,
+    IbexError,
+    InputError,
+    Overloaded,
+    SourceError,
+    TooLargeError,
+    Unavailable,
+)
 from ibex.ops.logs import bind_request
 from ibex.ops.metrics import Metrics
 from ibex.service import convert
@@ -40,12 +48,15 @@ from ibex.service.assembler import Assembler
 from ibex.service.auth import Authenticator, check_principal
 from ibex.service.grpc_shim import arrival, handler_started, recv_bounded, request_complete
 from ibex.service.status import grpc_error
+from ibex.sources.feedback import FeedbackRejected, Sent, send_feedback
 
 log = logging.getLogger(__name__)
 
 SERVICE = "ibex.context.v1.ContextAssemblyService"
 _PREFIX = f"/{SERVICE}/"
 SEARCH_DEFAULT_LIMIT = 10
+# Kept back from a feedback call's deadline to encode and send the answer.
+FEEDBACK_HEADROOM = 0.002
 
 Handler = Callable[[grpclib.server.Stream[Any, Any]], Awaitable[None]]
 METHODS = frozenset({"AssembleContext", "SearchMemories", "RecordMemoryFeedback"})
@@ -63,6 +74,8 @@ class EdgeConfig(msgspec.Struct, frozen=True):
 
     max_message_bytes: int = 4 * 1024 * 1024
     max_text_bytes: int = 1024 * 1024
+    # RecordMemoryFeedback's time for both attempts when the caller sets no deadline.
+    feedback_timeout: float = 2.0
 
 
 class ContextService:
@@ -295,10 +308,67 @@ class ContextService:
     # --- RecordMemoryFeedback ------------------------------------------------
 
     async def record_memory_feedback(self, stream: grpclib.server.Stream[Any, Any]) -> None:
-        await self._receive(stream)
-        raise UnimplementedError(
-            "RecordMemoryFeedback: the memory service offers no feedback endpoint yet"
-        )
+        """Validate, then forward to the memory service (one retry, same idempotency key).
+
+        `success` is true only when the memory service confirmed; `updates` are
+        what it returned. The request has no agent and no principal: the
+        caller's authentication (bearer token / mTLS, in `_wrap`) is the
+        authorisation, as for SearchMemories.
+        """
+        outcome = "error"
+        try:
+            msg, size = await self._receive(stream)
+            with self.admission.admitted(*_timing(stream), size) as ticket:
+                fb = validate_feedback(
+                    org_id=msg.org_id,
+                    memory_ids=msg.memory_ids,
+                    feedback=msg.feedback,
+                    session_id=msg.session_id,
+                    trace_id=msg.trace_id,
+                )
+                sent = await trio_asyncio.trio_as_aio(self._feedback_in_trio)(fb, ticket)
+                response = pb.RecordMemoryFeedbackResponse(success=True)
+                for u in sent.updates:
+                    response.updates.add(
+                        memory_id=u.memory_id,
+                        previous_score=u.previous_score,
+                        new_score=u.new_score,
+                    )
+                outcome = "recorded"
+                await stream.send_message(response)
+        except FeedbackRejected:
+            outcome = "rejected"
+            raise
+        except InputError:
+            outcome = "invalid"
+            raise
+        except Unavailable:
+            outcome = "unavailable"
+            raise
+        except DeadlineError:
+            outcome = "deadline"
+            raise
+        except Overloaded:
+            outcome = "shed"
+            raise
+        finally:
+            self.metrics.observe_feedback(outcome)
+
+    async def _feedback_in_trio(self, fb: Feedback, ticket: Ticket) -> Sent:
+        sink = self.assembler.feedback_sink
+        if sink is None:
+            raise Unavailable("feedback: no memory service configured")
+        remaining = ticket.remaining(time.monotonic())
+        deadline = None if remaining is None else trio.current_time() + remaining
+        with bind_request(trace_id=fb.trace_id):
+            return await send_feedback(
+                sink,
+                fb,
+                deadline=deadline,
+                default_timeout=self.config.feedback_timeout,
+                headroom=FEEDBACK_HEADROOM,
+                on_retry=self.metrics.feedback_retries.inc,
+            )
 
 
 def _cancel_swallowed() -> bool:

@@ -35,6 +35,7 @@ from ibex.service.daemon import Daemon, DaemonConfig
 from ibex.service.handlers import EdgeConfig
 from ibex.sources.base import DirectiveSource, MemorySource
 from ibex.sources.directive_cache import DirectiveCache, DirectiveCacheConfig
+from ibex.sources.feedback import FeedbackSink
 from ibex.sources.local_file import LocalFileSource
 from ibex.sources.memory_http import MemoryHttpSource
 from ibex.sources.redis_directive import RedisDirectiveSource
@@ -183,13 +184,14 @@ async def open_assembler(
     directive_source: DirectiveSource | DirectiveCache | None = None
     memory_source: MemorySource | None = None
     http: MemoryHttpSource | None = None
+    feedback_sink: FeedbackSink | None = None
     redis: RedisDirectiveSource | None = None
     backend: list[str] = []
     if not settings.redis_configured and settings.memory_base_url is None:
         local = LocalFileSource.load(
             settings.local_source_path, max_content_bytes=settings.memory_max_content_bytes
         )
-        directive_source = memory_source = local
+        directive_source = memory_source = feedback_sink = local
         backend.append(f"local:{local.origin}")
     else:
         if settings.redis_configured:
@@ -201,7 +203,7 @@ async def open_assembler(
         if settings.memory_base_url is not None:
             http = memory_http_source(settings)
             await http.open()
-            memory_source = http
+            memory_source = feedback_sink = http
             backend.append("memory-http")
     try:
         yield Assembler(
@@ -213,6 +215,7 @@ async def open_assembler(
             retrieval=retrieval_config(settings),
             pipeline=pipeline_config(settings),
             backend="+".join(backend),
+            feedback_sink=feedback_sink,
         )
     finally:
         with trio.CancelScope(shield=True):

@@ -37,8 +37,8 @@ slot, and a pool that leaks slots ends up serving nothing):
   be delivered as the next request's answer. If a reused connection still
   fails before a single response byte arrives, the server closed it under us:
   the request is repeated once on a fresh connection. That is connection housekeeping, not a
-  retry of a failed call (both requests are idempotent reads); a fresh
-  connection that fails is an error at once.
+  retry of a failed call (the reads are idempotent; the feedback write carries an
+  Idempotency-Key); a fresh connection that fails is an error at once.
 """
 
 from __future__ import annotations
@@ -136,6 +136,18 @@ def split_base_url(base_url: str) -> Origin:
     if port != default_port:
         authority = f"{authority}:{port}"
     return Origin(scheme, host, port, parts.path.rstrip("/"), authority)
+
+
+def _header_lines(headers: Mapping[str, str]) -> list[str]:
+    """`Name: value\r\n` lines, or ValueError for a name or value that could split the head."""
+    lines = []
+    for name, value in headers.items():
+        if not name or any(ord(c) in _TOKEN_SEPARATORS or ord(c) < 33 for c in name):
+            raise ValueError("invalid header name")
+        if any(c in value for c in "\r\n\0"):
+            raise ValueError(f"header {name}: value must not contain CR, LF or NUL")
+        lines.append(f"{name}: {value}\r\n")
+    return lines
 
 
 class _Stale(Exception):
@@ -310,14 +322,8 @@ class HttpPool:
             connect = tcp_connect(origin.host, origin.port, context)
         self._connect_fn = connect
         self._prefix = origin.prefix
-        lines = [f"Host: {origin.authority}"]
-        for name, value in headers.items():
-            if not name or any(ord(c) in _TOKEN_SEPARATORS or ord(c) < 33 for c in name):
-                raise ValueError("invalid header name")
-            if any(c in value for c in "\r\n\0"):
-                raise ValueError(f"header {name}: value must not contain CR, LF or NUL")
-            lines.append(f"{name}: {value}")
-        self._static = ("\r\n".join(lines) + "\r\n").encode("latin-1")
+        lines = [f"Host: {origin.authority}\r\n", *_header_lines(headers)]
+        self._static = "".join(lines).encode("latin-1")
         self._max_connections = max_connections
         self._slots = trio.Semaphore(max_connections)
         self._idle: list[_Conn] = []  # oldest first; reuse takes the newest
@@ -349,12 +355,20 @@ class HttpPool:
         await trio.lowlevel.checkpoint()
 
     async def request(
-        self, method: str, target: str, body: bytes | None = None, content_type: str = ""
+        self,
+        method: str,
+        target: str,
+        body: bytes | None = None,
+        content_type: str = "",
+        headers: Mapping[str, str] | None = None,
     ) -> Response:
-        """One request; the whole body in memory. Raises TransportError (a SourceError)."""
+        """One request; the whole body in memory. Raises TransportError (a SourceError).
+
+        `headers` are added to this request only (e.g. an Idempotency-Key).
+        """
         if self._closed:
             raise RuntimeError("HTTP pool is closed")
-        data = self._encode(method, target, body, content_type)
+        data = self._encode(method, target, body, content_type, headers)
         stage = ["PoolTimeout"]  # which step the safety-net timeout interrupted
         with trio.move_on_after(self._timeout):
             try:  # a free slot is taken without a trip through the scheduler
@@ -367,15 +381,24 @@ class HttpPool:
                 self._slots.release()
         raise TransportTimeout(f"transport timeout ({stage[0]})")
 
-    def _encode(self, method: str, target: str, body: bytes | None, content_type: str) -> bytes:
+    def _encode(
+        self,
+        method: str,
+        target: str,
+        body: bytes | None,
+        content_type: str,
+        headers: Mapping[str, str] | None = None,
+    ) -> bytes:
         if not target.startswith("/") or not target.isascii() or any(c in target for c in " \r\n"):
             raise ValueError("request target must be an absolute, percent-encoded path")
-        head = f"{method} {self._prefix}{target} HTTP/1.1\r\n".encode("ascii")
+        head = f"{method} {self._prefix}{target} HTTP/1.1\r\n".encode("ascii") + self._static
+        if headers:
+            head += "".join(_header_lines(headers)).encode("latin-1")
         if body is None:
-            return head + self._static + b"\r\n"
+            return head + b"\r\n"
         extra = f"Content-Type: {content_type}\r\n" if content_type else ""
         tail = f"{extra}Content-Length: {len(body)}\r\n\r\n".encode("latin-1")
-        return b"".join((head, self._static, tail, body))
+        return b"".join((head, tail, body))
 
     async def _leased(self, data: bytes, stage: list[str]) -> Response:
         conn = self._take_idle()

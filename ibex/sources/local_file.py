@@ -27,13 +27,21 @@ Hot: memories with confidence >= min_confidence, most confident first (ties by
 id), similarity 0 (there is no query). Cold: TF-IDF cosine between the query
 and each memory, in [0, 1], positive scores only, best first (ties by
 confidence, then id). Ranks count from 1.
+
+Feedback (`feedback`) moves a memory's usefulness in memory, for the life of
+the process, so `ibex assemble` shows its effect: positive +0.1, negative
+-0.1, neutral unchanged, within [0, 1], from the file's value (0.5 when it has
+none). Like the memory service: ids of another org or unknown ids are left out
+of the updates, and a repeated idempotency key changes nothing and gets the
+first answer again (the last `SEEN_KEYS` keys are remembered).
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections import Counter
+import uuid
+from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from importlib import resources
 from pathlib import Path
@@ -42,6 +50,7 @@ from typing import Annotated, Literal
 import msgspec
 import trio
 
+from ibex.assembly.feedback import Feedback, ScoreUpdate
 from ibex.assembly.structs import Directive, InjectionMode, MemoryHit
 from ibex.errors import ConfigError
 from ibex.sources.wire import (
@@ -59,6 +68,9 @@ from ibex.sources.wire import (
 SAMPLE_ORG_ID = "00000000-0000-4000-8000-000000000001"
 SAMPLE_AGENT_ID = "00000000-0000-4000-8000-0000000000a1"
 SOURCE_LABEL = "local"
+FEEDBACK_STEP = {"positive": 0.1, "negative": -0.1, "neutral": 0.0}
+DEFAULT_USEFULNESS = 0.5
+SEEN_KEYS = 4096
 
 # Latin-ish words, or single CJK / kana / hangul characters (no spaces to split on).
 _TOKEN = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af]|[^\W_]+", re.UNICODE)
@@ -163,6 +175,13 @@ class LocalFileSource:
         self._max_content_bytes = max_content_bytes
         self._directives = dict(directives)
         self._index = {key: _index(ms) for key, ms in memories.items()}
+        # (org, canonical id) -> usefulness from the file; feedback's changes in _usefulness.
+        self._initial: dict[tuple[str, str], float | None] = {}
+        for ms in memories.values():
+            for m in ms:
+                self._initial.setdefault((m.org_id.lower(), _canonical(m.id)), m.usefulness)
+        self._usefulness: dict[tuple[str, str], float] = {}
+        self._seen: OrderedDict[str, list[ScoreUpdate]] = OrderedDict()
 
     @classmethod
     def load(
@@ -240,7 +259,9 @@ class LocalFileSource:
             key=lambda m: (-m.confidence, m.id),
         )[:limit]
         cap = self._max_content_bytes
-        return [_hit(m, 0.0, rank, "hot", cap) for rank, m in enumerate(chosen, start=1)]
+        return [
+            _hit(self._current(m), 0.0, rank, "hot", cap) for rank, m in enumerate(chosen, start=1)
+        ]
 
     async def cold(
         self, org_id: str, agent_id: str, query: str, *, limit: int, min_confidence: float
@@ -262,11 +283,51 @@ class LocalFileSource:
         scored.sort(key=lambda sm: (-sm[0], -sm[1].confidence, sm[1].id))
         cap = self._max_content_bytes
         return [
-            _hit(m, s, rank, "cold", cap) for rank, (s, m) in enumerate(scored[:limit], start=1)
+            _hit(self._current(m), s, rank, "cold", cap)
+            for rank, (s, m) in enumerate(scored[:limit], start=1)
         ]
+
+    async def feedback(self, fb: Feedback, key: str) -> list[ScoreUpdate]:
+        """Apply feedback to the in-memory usefulness, once per idempotency key."""
+        await trio.lowlevel.checkpoint()
+        seen = self._seen.get(key)
+        if seen is not None:
+            self._seen.move_to_end(key)
+            return list(seen)
+        updates: list[ScoreUpdate] = []
+        for memory_id in fb.memory_ids:
+            at = (fb.org_id, memory_id)
+            if at not in self._initial:  # unknown, or another org's: left out
+                continue
+            previous = self._usefulness.get(at)
+            if previous is None:
+                initial = self._initial[at]
+                previous = DEFAULT_USEFULNESS if initial is None else initial
+            new = round(min(1.0, max(0.0, previous + FEEDBACK_STEP[fb.feedback])), 6)
+            self._usefulness[at] = new
+            updates.append(ScoreUpdate(memory_id, previous, new))
+        self._seen[key] = updates
+        if len(self._seen) > SEEN_KEYS:
+            self._seen.popitem(last=False)
+        return list(updates)
+
+    def _current(self, m: WireMemory) -> WireMemory:
+        """The memory with the usefulness feedback gave it, if any."""
+        if not self._usefulness:
+            return m
+        value = self._usefulness.get((m.org_id.lower(), _canonical(m.id)))
+        return m if value is None else msgspec.structs.replace(m, usefulness=value)
 
     async def aclose(self) -> None:
         await trio.lowlevel.checkpoint()
+
+
+def _canonical(memory_id: str) -> str:
+    """A UUID id in the canonical form requests use; any other id as it is (never matched)."""
+    try:
+        return str(uuid.UUID(memory_id)) if len(memory_id) <= 64 else memory_id
+    except ValueError:
+        return memory_id
 
 
 def _hit(

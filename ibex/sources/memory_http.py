@@ -21,6 +21,10 @@ failed call is a failed branch (the pool's one re-send, when a pooled
 keep-alive connection turns out to have been closed by the server before any
 answer byte, is connection housekeeping, not a retry).
 
+Feedback (`feedback`, the write surface) has a third pool, so a slow write
+never holds a read's connection; it makes one attempt per call, and
+`ibex.sources.feedback.send_feedback` decides on the one retry.
+
 Trio only: the pool's sockets belong to the Trio run, so the same source used
 from an asyncio task (e.g. under trio-asyncio) would fail deep inside Trio.
 Every call checks and raises RuntimeError instead.
@@ -36,8 +40,16 @@ from urllib.parse import quote
 import msgspec
 import sniffio
 
+from ibex.assembly.feedback import Feedback, ScoreUpdate
 from ibex.assembly.structs import MemoryHit
 from ibex.sources.base import SourceError
+from ibex.sources.feedback import (
+    FEEDBACK_MAX_RESPONSE_BYTES,
+    FEEDBACK_PATH,
+    FeedbackRejected,
+    FeedbackRetryable,
+    decode_updates,
+)
 from ibex.sources.http_pool import HttpPool, PoolStats, TransportError, split_base_url
 from ibex.sources.wire import DEFAULT_MAX_CONTENT_BYTES, decode_hits
 
@@ -56,7 +68,20 @@ class _SearchBody(msgspec.Struct):
     min_confidence: float
 
 
+class _FeedbackBody(msgspec.Struct):
+    org_id: str
+    session_id: str
+    trace_id: str
+    feedback: str
+    memory_ids: tuple[str, ...]
+
+
 _ENCODER = msgspec.json.Encoder()
+# Statuses in 4xx that say nothing about the feedback itself: our own credentials
+# (UNAVAILABLE: the daemon is misconfigured, the caller cannot fix it) and
+# "try again later" (retried like a 5xx).
+_NOT_THE_FEEDBACKS_FAULT = frozenset({401, 403, 407})
+_TRY_AGAIN = frozenset({408, 425, 429})
 
 Branch = Literal["hot", "cold"]
 BRANCHES: tuple[Branch, ...] = ("hot", "cold")
@@ -96,6 +121,7 @@ class MemoryHttpSource:
         self._max_content_bytes = max_content_bytes
         self._ssl_context = ssl_context
         self._pools: dict[Branch, HttpPool] = {}
+        self._feedback_pool: HttpPool | None = None
 
     def __repr__(self) -> str:  # never show the token
         state = "open" if self._pools else "closed"
@@ -114,27 +140,30 @@ class MemoryHttpSource:
         _require_trio()
         if self._pools:
             raise RuntimeError("MemoryHttpSource is already open")
-        self._pools = {
-            branch: HttpPool(
-                self._base_url,
-                headers={
-                    "Authorization": f"Bearer {self._token}",
-                    "Accept": "application/json",
-                    "User-Agent": USER_AGENT,
-                },
-                max_connections=self._pool_size,
-                keepalive_expiry=self._keepalive_expiry,
-                timeout=self._transport_timeout,
-                max_response_bytes=self._max_response_bytes,
-                ssl_context=self._ssl_context,
-            )
-            for branch in BRANCHES
-        }
+        self._pools = {branch: self._new_pool(self._max_response_bytes) for branch in BRANCHES}
+        # Feedback has a pool of its own: a slow write never holds a read's connection.
+        self._feedback_pool = self._new_pool(FEEDBACK_MAX_RESPONSE_BYTES)
+
+    def _new_pool(self, max_response_bytes: int) -> HttpPool:
+        return HttpPool(
+            self._base_url,
+            headers={
+                "Authorization": f"Bearer {self._token}",
+                "Accept": "application/json",
+                "User-Agent": USER_AGENT,
+            },
+            max_connections=self._pool_size,
+            keepalive_expiry=self._keepalive_expiry,
+            timeout=self._transport_timeout,
+            max_response_bytes=max_response_bytes,
+            ssl_context=self._ssl_context,
+        )
 
     async def aclose(self) -> None:
         """Close every pooled connection. Idempotent."""
         pools, self._pools = self._pools, {}
-        for pool in pools.values():
+        feedback, self._feedback_pool = self._feedback_pool, None
+        for pool in (*pools.values(), *([feedback] if feedback else [])):
             await pool.aclose()
 
     async def __aenter__(self) -> Self:
@@ -167,6 +196,47 @@ class MemoryHttpSource:
             _SearchBody(agent_id=agent_id, query=query, limit=limit, min_confidence=min_confidence)
         )
         return await self._call("cold", "POST", SEARCH_PATH, body, limit)
+
+    async def feedback(self, fb: Feedback, key: str) -> list[ScoreUpdate]:
+        """POST /v1/memories/feedback once, with `key` as its Idempotency-Key.
+
+        4xx: FeedbackRejected (the caller's feedback is wrong), except our own
+        credentials refused (SourceError) and 408/425/429 (retryable). 5xx and
+        transport failures: FeedbackRetryable. A 2xx is decoded strictly.
+        """
+        _require_trio()
+        pool = self._feedback_pool
+        if pool is None:
+            raise RuntimeError("MemoryHttpSource is not open")
+        body = _ENCODER.encode(
+            _FeedbackBody(
+                org_id=fb.org_id,
+                session_id=fb.session_id,
+                trace_id=fb.trace_id,
+                feedback=fb.feedback,
+                memory_ids=fb.memory_ids,
+            )
+        )
+        try:
+            response = await pool.request(
+                "POST", FEEDBACK_PATH, body, "application/json", {"Idempotency-Key": key}
+            )
+        except TransportError as exc:  # fixed, safe text
+            raise FeedbackRetryable(f"feedback: {exc}") from None
+        status = response.status
+        if 200 <= status < 300:
+            return decode_updates(response.body, fb.memory_ids)
+        if status >= 500 or status in _TRY_AGAIN:
+            raise FeedbackRetryable(f"feedback: HTTP {status}")
+        if 400 <= status < 500 and status not in _NOT_THE_FEEDBACKS_FAULT:
+            raise FeedbackRejected(status)
+        raise SourceError(f"feedback: HTTP {status}")
+
+    def feedback_pool_stats(self) -> PoolStats:
+        """The feedback pool's connections and slots, for tests and diagnostics."""
+        if self._feedback_pool is None:
+            raise RuntimeError("MemoryHttpSource is not open")
+        return self._feedback_pool.stats()
 
     async def _call(
         self,

@@ -332,19 +332,25 @@ async def test_search_memories_checks_ids(daemon: RunningDaemon) -> None:
     assert "org_id" in info.value.details()
 
 
-async def test_record_memory_feedback_is_unimplemented(daemon: RunningDaemon) -> None:
+async def test_record_memory_feedback_on_the_bundled_sample(daemon: RunningDaemon) -> None:
+    """The embedded sample records feedback in memory (tests/integration/test_feedback_e2e.py
+    covers the memory service)."""
+    memory_id = next(iter(sample_memories()))
+
     def call() -> Any:
         with daemon.channel() as channel:
             stub = context_pb2_grpc.ContextAssemblyServiceStub(channel)
             req = context_pb2.RecordMemoryFeedbackRequest(
-                memory_ids=[next(iter(sample_memories()))], org_id=ORG, feedback="positive"
+                memory_ids=[memory_id], org_id=ORG, feedback="positive", trace_id="e2e-feedback"
             )
             return stub.RecordMemoryFeedback(req, timeout=5)
 
-    with pytest.raises(grpc.RpcError) as info:
-        await in_thread(call)
-    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
-    assert "feedback endpoint" in info.value.details()
+    response = await in_thread(call)
+    assert response.success is True
+    assert [u.memory_id for u in response.updates] == [memory_id]
+    before = sample_memories()[memory_id]["usefulness"]
+    assert response.updates[0].previous_score == pytest.approx(before)
+    assert response.updates[0].new_score == pytest.approx(before + 0.1)
 
 
 # -- CLI ---------------------------------------------------------------------------------------
