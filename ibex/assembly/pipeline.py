@@ -29,7 +29,6 @@ from ibex.assembly.candidates import Selection, select, select_candidates, used
 from ibex.assembly.catalog import Catalog, FamilyPolicy, ModelCapability
 from ibex.assembly.history import Counter, Staged, dropped_tokens, fit_history
 from ibex.assembly.packer import DEFAULT_DP_CELL_CEILING, DEFAULT_MAX_CONSECUTIVE_SKIPS, pack
-from ibex.assembly.scoring import score_schema
 from ibex.assembly.structs import (
     AssemblyMetrics,
     AssemblyRequest,
@@ -365,7 +364,7 @@ def build_result(
         memory_tokens=sum(m.token_estimate for m in ordered),
         tool_tokens=fixed.tool_tokens,
         formatter_tokens=fixed.overhead_tokens if ordered else 0,
-        score_schema=score_schema(request.options),
+        score_schema=selection.score_schema,
         degradation_level=degradation_level(inputs.branches),
         branches=inputs.branches,
         budget=fixed.budget,
