@@ -16,6 +16,7 @@ import trio
 
 from ibex.assembly.catalog import Catalog
 from ibex.assembly.formatter import new_nonce
+from ibex.assembly.nonce import NonceKey
 from ibex.assembly.pipeline import AssemblyInputs, PipelineConfig, assemble_pure, resolve_model
 from ibex.assembly.structs import AssemblyRequest, AssemblyResult
 from ibex.assembly.tokens import Tokenizers
@@ -58,6 +59,7 @@ class Assembler:
         backend: str = "",
         offload_chars: int = OFFLOAD_CHARS,
         offload_threads: int = 2,
+        nonce_key: NonceKey | None = None,
     ) -> None:
         self.catalog = catalog
         self.tokenizers = tokenizers
@@ -69,6 +71,19 @@ class Assembler:
         self.backend = backend
         self.offload_chars = offload_chars
         self._cpu_limiter = trio.CapacityLimiter(offload_threads)
+        self.nonce_key = nonce_key
+
+    def nonce(self, request: AssemblyRequest) -> str:
+        """Session-scoped with a key and a session (the provider can cache the prefix), else fresh.
+
+        See ibex.assembly.nonce for what a session-scoped nonce changes and why it is safe.
+        """
+        nbytes = self.pipeline.nonce_bytes
+        if self.nonce_key is not None and request.session_id:
+            return self.nonce_key.nonce(
+                request.org_id, request.agent_id, request.session_id, nbytes
+            )
+        return new_nonce(nbytes)
 
     def check_request(self, request: AssemblyRequest) -> AssemblyRequest:
         """Validate before any I/O: ids, weights, sizes and a known model or window."""
@@ -104,7 +119,7 @@ class Assembler:
             hot=got.hot,
             cold=got.cold,
             branches=got.branches,
-            nonce=new_nonce(self.pipeline.nonce_bytes),
+            nonce=self.nonce(request),
             now=time.time(),
             retrieval_ms=got.elapsed_ms,
         )
