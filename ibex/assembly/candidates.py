@@ -172,9 +172,15 @@ class SearchResult(msgspec.Struct, frozen=True):
 def rank_search(hits: Sequence[MemoryHit], flt: SearchFilter, now: float) -> SearchResult:
     """The tenant filter, SearchMemories' filters and the default score, best first.
 
-    A hit without tags never matches a tag filter.
+    The default score is the memory service's composite when every own hit
+    carries one, else interim_v1 for all (as in `select`). A hit without tags
+    never matches a tag filter.
     """
     options = AssemblyOptions()
+    own_hits = [h for h in hits if not h.oversized and is_own(h, flt.org_id, flt.agent_id)]
+    schema = score_schema(
+        options, bool(own_hits) and all(h.composite_score is not None for h in own_hits)
+    )
     out: list[SearchHit] = []
     own = filtered = 0
     for hit in hits:
@@ -190,7 +196,7 @@ def rank_search(hits: Sequence[MemoryHit], flt: SearchFilter, now: float) -> Sea
             continue
         if flt.tags and flt.tags.isdisjoint(hit.tags):
             continue
-        scored = score_hit(hit, options, now)
+        scored = score_hit(hit, options, now, schema)
         if scored is not None:
             out.append(SearchHit(hit, scored.composite_score))
     out.sort(key=lambda h: (-h.score, h.hit.memory_id))

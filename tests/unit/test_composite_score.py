@@ -13,6 +13,7 @@ import json
 
 import pytest
 
+from ibex.assembly.candidates import SearchFilter, rank_search
 from ibex.assembly.catalog import Catalog, load_catalog
 from ibex.assembly.pipeline import AssemblyInputs, assemble_pure
 from ibex.assembly.structs import (
@@ -203,3 +204,17 @@ def test_a_non_finite_composite_fails_the_branch() -> None:
     body = _body(composite_score=0.5).replace(b'"composite_score": 0.5', b'"composite_score": NaN')
     with pytest.raises(SourceError):
         decode_hits(body, "cold")
+
+
+# --------------------------------------------------------------------------- SearchMemories
+
+
+def test_search_ranks_by_the_composite_only_when_every_hit_has_one() -> None:
+    flt = SearchFilter(org_id=ORG, agent_id=AGENT, limit=10)
+    hits = [_hit(m, SIMS[m], COMPOSITES[m]) for m in SIMS]
+    res = rank_search(hits, flt, NOW)
+    assert [h.hit.memory_id for h in res.hits] == ["m4", "m3", "m2", "m1"]
+    assert [h.score for h in res.hits] == pytest.approx([0.95, 0.6, 0.4, 0.1])
+    hits[1] = _hit("m2", SIMS["m2"], None)
+    res = rank_search(hits, flt, NOW)
+    assert [h.hit.memory_id for h in res.hits] == ["m1", "m2", "m3", "m4"]
