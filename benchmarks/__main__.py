@@ -30,6 +30,7 @@ ORDER = (
     "token_estimate",
     "memory_client",
     "wakeups",
+    "cache_prefix",
     "load",
     "load.deadlines",
     "load.floor",
@@ -37,6 +38,7 @@ ORDER = (
 # Arguments that shorten a benchmark under --quick (only for modules that accept them).
 QUICK_ARGS = {
     "codec": ["--iterations", "500"],
+    "cache_prefix": ["--conversations", "3"],
     "load": ["--quick"],
     "load.deadlines": ["--quick"],
     "load.floor": ["--quick"],

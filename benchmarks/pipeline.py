@@ -195,7 +195,7 @@ def stages(inputs: AssemblyInputs, catalog: Catalog, tokenizers: Tokenizers) -> 
         t = clock("count fixed sections, budget", t)
         candidates, _ = select_candidates(request, inputs.hot, inputs.cold, inputs.now)
         t = clock("select (filter, score, dedupe)", t)
-        candidates = price(candidates, counter, nonce)
+        candidates = price(candidates, counter)
         t = clock("price (escape, cache lookups)", t)
         result = pack(candidates, fixed.budget.usable_budget)
         t = clock("pack", t)

@@ -32,7 +32,11 @@ __all__ = [
 ]
 
 PREFIX = "IBEX_CONTEXT_"
-SECRET_FIELDS = frozenset({"memory_api_token", "auth_tokens_sha256", "redis_sentinel_password"})
+SECRET_FIELDS = frozenset(
+    {"memory_api_token", "auth_tokens_sha256", "redis_sentinel_password", "nonce_key"}
+)
+#: IBEX_CONTEXT_NONCE_KEY's least length (= ibex.assembly.nonce.MIN_KEY_CHARS).
+NONCE_KEY_MIN_CHARS = 32
 # Variables read outside `load_settings` (the CLI client's token).
 EXTRA_KNOWN = frozenset({"CLIENT_TOKEN"})
 # Query parameters of a URL that carry a secret (redis-py reads `password`).
@@ -75,6 +79,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     packer_dp_cell_ceiling: int = 70 * 6251
     packer_max_consecutive_skips: int = 5
     formatter_nonce_bytes: int = 16
+    nonce_key: str | None = None
     catalog_path: str | None = None
     tiktoken_dir: str | None = None
     token_cache_entries: int = 65536
@@ -359,6 +364,13 @@ def load_settings(
         kw["memory_base_url"] = _url(PREFIX + "MEMORY_BASE_URL", raw, ("http", "https")).rstrip("/")
     if (raw := get("MEMORY_API_TOKEN")) is not None:
         kw["memory_api_token"] = raw.strip()
+    if (raw := get("NONCE_KEY")) is not None and raw.strip():
+        if len(raw.strip()) < NONCE_KEY_MIN_CHARS:
+            raise ConfigError(
+                f"{PREFIX}NONCE_KEY: must be at least {NONCE_KEY_MIN_CHARS} characters "
+                "(a random secret shared by every replica)"
+            )
+        kw["nonce_key"] = raw.strip()
     if (raw := get("REDIS_URL")) is not None:
         kw["redis_url"] = _url(PREFIX + "REDIS_URL", raw, ("redis", "rediss", "unix"))
     if (raw := get("REDIS_SENTINELS")) is not None:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from ibex.assembly.scoring import score_hit
+from ibex.assembly.scoring import INTERIM, score_hit, score_schema
 from ibex.assembly.structs import (
     AssemblyOptions,
     AssemblyRequest,
@@ -70,6 +70,7 @@ class Selection(msgspec.Struct, frozen=True, gc=False):
     candidates: list[ScoredMemory]
     excluded: list[MemoryUsed]
     tenant_filtered: int
+    score_schema: str = INTERIM
 
 
 def select(
@@ -81,13 +82,25 @@ def select(
     able to displace a legitimate duplicate or leak through degradation, and
     it is only counted (`tenant_filtered`), never named in `excluded`. A
     memory id appears in `excluded` at most once, and never when it was ranked.
+    The score schema is chosen once for all candidates (see ibex.assembly.scoring):
+    the service's composite only when every candidate carries one.
     """
     opts = request.options
     org_id, agent_id = request.org_id, request.agent_id
     excluded: list[MemoryUsed] = []
     best: dict[str, ScoredMemory] = {}
     tenant_filtered = 0
-    for skip, hits in ((opts.skip_hot_memories, hot), (opts.skip_cold_memories, cold)):
+    streams = ((opts.skip_hot_memories, hot), (opts.skip_cold_memories, cold))
+    # The schema first (one cheap pass), so exclusions keep stream order.
+    has_composite = [
+        hit.composite_score is not None
+        for skip, hits in streams
+        if not skip
+        for hit in hits
+        if not hit.oversized and is_own(hit, org_id, agent_id)
+    ]
+    schema = score_schema(opts, bool(has_composite) and all(has_composite))
+    for skip, hits in streams:
         for hit in hits:
             if not is_own(hit, org_id, agent_id):
                 tenant_filtered += 1
@@ -98,7 +111,7 @@ def select(
             if hit.oversized:  # content over the source's cap, dropped: never counted
                 excluded.append(hit_used(hit, "failed"))
                 continue
-            scored = score_hit(hit, opts, now)
+            scored = score_hit(hit, opts, now, schema)
             if scored is None:
                 excluded.append(hit_used(hit, "failed"))
                 continue
@@ -118,7 +131,7 @@ def select(
                 once.append(m)
         excluded = once
     excluded += (used(m, "truncated") for m in ranked[cap:])
-    return Selection(ranked[:cap], excluded, tenant_filtered)
+    return Selection(ranked[:cap], excluded, tenant_filtered, schema)
 
 
 def select_candidates(
@@ -159,9 +172,15 @@ class SearchResult(msgspec.Struct, frozen=True):
 def rank_search(hits: Sequence[MemoryHit], flt: SearchFilter, now: float) -> SearchResult:
     """The tenant filter, SearchMemories' filters and the default score, best first.
 
-    A hit without tags never matches a tag filter.
+    The default score is the memory service's composite when every own hit
+    carries one, else interim_v1 for all (as in `select`). A hit without tags
+    never matches a tag filter.
     """
     options = AssemblyOptions()
+    own_hits = [h for h in hits if not h.oversized and is_own(h, flt.org_id, flt.agent_id)]
+    schema = score_schema(
+        options, bool(own_hits) and all(h.composite_score is not None for h in own_hits)
+    )
     out: list[SearchHit] = []
     own = filtered = 0
     for hit in hits:
@@ -177,7 +196,7 @@ def rank_search(hits: Sequence[MemoryHit], flt: SearchFilter, now: float) -> Sea
             continue
         if flt.tags and flt.tags.isdisjoint(hit.tags):
             continue
-        scored = score_hit(hit, options, now)
+        scored = score_hit(hit, options, now, schema)
         if scored is not None:
             out.append(SearchHit(hit, scored.composite_score))
     out.sort(key=lambda h: (-h.score, h.hit.memory_id))

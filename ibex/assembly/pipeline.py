@@ -34,7 +34,6 @@ from ibex.assembly.catalog import (
 )
 from ibex.assembly.history import Counter, Staged, dropped_tokens, fit_history
 from ibex.assembly.packer import DEFAULT_DP_CELL_CEILING, DEFAULT_MAX_CONSECUTIVE_SKIPS, pack
-from ibex.assembly.scoring import score_schema
 from ibex.assembly.structs import (
     AssemblyMetrics,
     AssemblyRequest,
@@ -248,16 +247,11 @@ def count_fixed_sections(
     )
 
 
-def price(candidates: list[ScoredMemory], counter: Counter, nonce: str) -> list[ScoredMemory]:
+def price(candidates: list[ScoredMemory], counter: Counter) -> list[ScoredMemory]:
     """Stage 3: each candidate's token_estimate is the exact cost of its formatted block."""
-    # memory_open = prefix + nonce + suffix, split at pre-tokeniser boundaries
-    # (see fmt.memory_open_suffix): the nonce is counted once, the rest cached.
-    nonce_tokens = (
-        counter.count("0" * len(nonce)) if nonce.isdigit() else _exact_len(counter, nonce)
-    )  # a decimal nonce costs what zeros of its width cost (see Staged.with_nonce)
-    fixed_tokens = (
-        counter.count(fmt.MEMORY_OPEN_PREFIX) + nonce_tokens + counter.count(fmt.MEMORY_CLOSE)
-    )
+    # memory_open = prefix + suffix, split at a pre-tokeniser boundary (see
+    # fmt.memory_open_suffix); memory elements carry no nonce (see ibex.assembly.formatter).
+    fixed_tokens = counter.count(fmt.MEMORY_OPEN_PREFIX) + counter.count(fmt.MEMORY_CLOSE)
     count = counter.count
     return [
         msgspec.structs.replace(
@@ -353,7 +347,7 @@ def build_result(
         memory_tokens=sum(m.token_estimate for m in ordered),
         tool_tokens=fixed.tool_tokens,
         formatter_tokens=fixed.overhead_tokens if ordered else 0,
-        score_schema=score_schema(request.options),
+        score_schema=selection.score_schema,
         degradation_level=degradation_level(inputs.branches),
         branches=inputs.branches,
         budget=fixed.budget,
@@ -386,7 +380,7 @@ def assemble_pure(
     timer.lap("count")
     selection = select(request, inputs.hot, inputs.cold, inputs.now)
     timer.lap("select")
-    candidates = price(selection.candidates, counter, nonce)
+    candidates = price(selection.candidates, counter)
     timer.lap("price")
     packed = pack(
         candidates,

@@ -1,10 +1,20 @@
-"""Packer scores for memory hits.
+"""Packer scores for memory hits, one schema per assembly.
 
-`interim_v1` (0.85 x similarity + 0.15 x confidence) is the default; it is *not*
-the memory service's composite, which is not on the wire yet. When a request
-carries weights, `weighted_v1` is a normalised weighted sum over relevance
-(similarity), confidence, recency and usefulness, over the components a hit
-actually has. A hit whose inputs are non-finite or out of [0, 1] is never scored.
+Which score ranks, in order of precedence:
+
+1. `weighted_v1` when the request carries weights: a normalised weighted sum
+   over relevance (similarity), confidence, recency and usefulness, over the
+   components a hit actually has. The caller asked for it explicitly.
+2. `memory_composite_v1` when *every* candidate carries the memory service's
+   own `composite_score` (relevance, recency, usefulness, confidence, access
+   frequency, weighted by the service): it knows usefulness feedback and
+   access counts the daemon does not.
+3. `interim_v1` (0.85 x similarity + 0.15 x confidence) otherwise, for all of
+   them: one candidate without a composite puts the whole assembly on the
+   interim score, because the two scales are not comparable and a mixed
+   ranking would order memories by which score they happened to get.
+
+A hit whose inputs are non-finite or out of [0, 1] is never scored.
 """
 
 from __future__ import annotations
@@ -16,6 +26,7 @@ from ibex.assembly.structs import AssemblyOptions, MemoryHit, ScoredMemory
 
 INTERIM = "interim_v1"
 WEIGHTED = "weighted_v1"
+COMPOSITE = "memory_composite_v1"
 
 #: Recency half-lives in days: how fast each kind of memory goes stale.
 HALF_LIFE_DAYS = {
@@ -42,8 +53,14 @@ def uses_weights(options: AssemblyOptions) -> bool:
     )
 
 
-def score_schema(options: AssemblyOptions) -> str:
-    return WEIGHTED if uses_weights(options) else INTERIM
+def score_schema(options: AssemblyOptions, all_composite: bool = False) -> str:
+    """The schema that ranks: weights first, then the service's composite, else interim.
+
+    `all_composite`: every candidate of the assembly carries a composite_score.
+    """
+    if uses_weights(options):
+        return WEIGHTED
+    return COMPOSITE if all_composite else INTERIM
 
 
 def recency(created_at: str | None, category: str, now: float) -> float | None:
@@ -59,15 +76,25 @@ def recency(created_at: str | None, category: str, now: float) -> float | None:
     return float(0.5 ** (age_days / half_life))
 
 
-def score_hit(hit: MemoryHit, options: AssemblyOptions, now: float) -> ScoredMemory | None:
-    """The scored candidate, or None when the hit's inputs are unusable (exclusion `failed`)."""
+def score_hit(
+    hit: MemoryHit, options: AssemblyOptions, now: float, schema: str | None = None
+) -> ScoredMemory | None:
+    """The scored candidate, or None when the hit's inputs are unusable (exclusion `failed`).
+
+    `schema` is the assembly's (`score_schema`); None means weighted or interim
+    by the options. COMPOSITE needs the hit's composite_score.
+    """
     if not (_unit(hit.similarity) and _unit(hit.confidence)):
         return None
     if hit.usefulness is not None and not _unit(hit.usefulness):
         return None
     rec = recency(hit.created_at, hit.category, now)
     useful = hit.usefulness
-    if uses_weights(options):
+    if schema == COMPOSITE and hit.composite_score is not None and not uses_weights(options):
+        if not _unit(hit.composite_score):
+            return None
+        score = hit.composite_score
+    elif uses_weights(options):
         parts = [
             (options.relevance_weight, hit.similarity),
             (options.confidence_weight, hit.confidence),

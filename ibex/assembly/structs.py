@@ -84,6 +84,9 @@ class MemoryHit(msgspec.Struct, frozen=True):
     # Content was over the source's cap and dropped (content is ""): the
     # pipeline excludes the hit as `failed` and never counts its tokens.
     oversized: bool = False
+    # The memory service's own composite (0..1) when it sent one; ranks only
+    # when every candidate of the assembly has it (scoring.COMPOSITE).
+    composite_score: float | None = None
 
 
 class BranchOutcome(msgspec.Struct, frozen=True):

@@ -16,6 +16,7 @@ import trio
 
 from ibex.assembly.catalog import Catalog
 from ibex.assembly.formatter import new_nonce
+from ibex.assembly.nonce import NonceKey
 from ibex.assembly.pipeline import AssemblyInputs, PipelineConfig, assemble_pure, resolve_model
 from ibex.assembly.structs import AssemblyRequest, AssemblyResult
 from ibex.assembly.tokens import Tokenizers
@@ -60,6 +61,7 @@ class Assembler:
         offload_chars: int = OFFLOAD_CHARS,
         offload_threads: int = 2,
         feedback_sink: FeedbackSink | None = None,
+        nonce_key: NonceKey | None = None,
     ) -> None:
         self.catalog = catalog
         self.tokenizers = tokenizers
@@ -72,6 +74,19 @@ class Assembler:
         self.offload_chars = offload_chars
         self._cpu_limiter = trio.CapacityLimiter(offload_threads)
         self.feedback_sink = feedback_sink  # where RecordMemoryFeedback goes; None: UNAVAILABLE
+        self.nonce_key = nonce_key
+
+    def nonce(self, request: AssemblyRequest) -> str:
+        """Session-scoped with a key and a session (the provider can cache the prefix), else fresh.
+
+        See ibex.assembly.nonce for what a session-scoped nonce changes and why it is safe.
+        """
+        nbytes = self.pipeline.nonce_bytes
+        if self.nonce_key is not None and request.session_id:
+            return self.nonce_key.nonce(
+                request.org_id, request.agent_id, request.session_id, nbytes
+            )
+        return new_nonce(nbytes)
 
     def check_request(self, request: AssemblyRequest) -> AssemblyRequest:
         """Validate before any I/O: ids, weights, sizes and a known model or window."""
@@ -107,7 +122,7 @@ class Assembler:
             hot=got.hot,
             cold=got.cold,
             branches=got.branches,
-            nonce=new_nonce(self.pipeline.nonce_bytes),
+            nonce=self.nonce(request),
             now=time.time(),
             retrieval_ms=got.elapsed_ms,
         )

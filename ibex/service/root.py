@@ -21,6 +21,7 @@ from contextlib import asynccontextmanager
 import trio
 
 from ibex.assembly.catalog import Catalog, load_catalog
+from ibex.assembly.nonce import NonceKey
 from ibex.assembly.pipeline import PipelineConfig
 from ibex.assembly.tokens import Tokenizers
 from ibex.assembly.validation import RequestLimits
@@ -216,6 +217,7 @@ async def open_assembler(
             pipeline=pipeline_config(settings),
             backend="+".join(backend),
             feedback_sink=feedback_sink,
+            nonce_key=NonceKey(settings.nonce_key) if settings.nonce_key else None,
         )
     finally:
         with trio.CancelScope(shield=True):

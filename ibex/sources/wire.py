@@ -94,10 +94,12 @@ class WireResult(msgspec.Struct, frozen=True):
     similarity: float
     rank: Rank
     source: str
+    composite_score: UnitFloat | None = None
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.similarity):
             raise ValueError("similarity must be finite")
+        check_unit("composite_score", self.composite_score)
 
 
 class WireData(msgspec.Struct, frozen=True):
@@ -160,6 +162,7 @@ def to_hit(
         access_count=m.access_count,
         tags=m.tags,
         oversized=oversized,
+        composite_score=None if result.composite_score is None else float(result.composite_score),
     )
 
 

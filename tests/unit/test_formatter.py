@@ -49,7 +49,7 @@ def test_memory_text_cannot_escape_its_element(content: str) -> None:
         nonce=NONCE,
     )
     # Exactly one opening memory tag, one closing, and the body holds no markup.
-    assert _memory_elements(text) == [f'<memory nonce="{NONCE}" id="m-1" category="factual">']
+    assert _memory_elements(text) == ['<memory id="m-1" category="factual">']
     assert text.count("</memory>\n") == 1
     assert text.count("</memories>\n") == 1
     start = text.index('category="factual">\n') + len('category="factual">\n')
@@ -79,9 +79,8 @@ def test_attributes_cannot_add_or_forge_attributes(memory_id: str, category: str
     )
     [tag] = _memory_elements(text)
     attrs = re.findall(r'(\w+)="([^"]*)"', tag)
-    assert [a for a, _ in attrs] == ["nonce", "id", "category"]
-    assert attrs[0][1] == NONCE
-    assert not re.search(r"[\s<>'\"\x00\u202e]", attrs[1][1] + attrs[2][1])
+    assert [a for a, _ in attrs] == ["id", "category"]
+    assert not re.search(r"[\s<>'\"\x00\u202e]", attrs[0][1] + attrs[1][1])
 
 
 def test_fixed_section_order_and_category_order() -> None:
@@ -104,7 +103,7 @@ def test_fixed_section_order_and_category_order() -> None:
     )
     order = [text.index(t) for t in ("<directive", "<safety", "<history", "<memories", "<tools")]
     assert order == sorted(order)
-    ids = re.findall(r'<memory nonce="[0-9a-f]+" id="([^"]+)"', text)
+    ids = re.findall(r'<memory id="([^"]+)"', text)
     assert ids == ["p1", "p2", "f", "pref", "b", "e", "a", "z"]
     assert f'nonce="{NONCE}"' in text[text.index("<safety") : text.index("<history")]
 
@@ -201,10 +200,14 @@ def test_a_memory_cannot_render_a_fake_section() -> None:
     body = text[start : text.index("</memory>\n")]
     assert not set(body) & set(looks_like)
     assert not any(0xE0000 <= ord(ch) <= 0xE007F for ch in body)
-    # Only the daemon's own tags, each section once, every one carrying the nonce.
+    # Only the daemon's own tags, each section once, every section carrying the nonce;
+    # the memory element (no nonce of its own) inside the memories section.
     tags = re.findall(r"<(directive|safety|history|memories|memory|tools)\b([^>]*)>", text)
     assert [t for t, _ in tags] == ["directive", "safety", "history", "memories", "memory", "tools"]
-    assert all(f'nonce="{NONCE}"' in attrs for _, attrs in tags)
+    assert all(f'nonce="{NONCE}"' in attrs for t, attrs in tags if t != "memory")
+    assert "nonce" not in tags[4][1]
+    section = text[text.index(f'<memories nonce="{NONCE}">') : text.index("</memories>\n")]
+    assert '<memory id="m-1"' in section
 
 
 def test_the_safety_sentence_covers_every_section() -> None:
@@ -213,6 +216,8 @@ def test_the_safety_sentence_covers_every_section() -> None:
         assert section in sentence
     assert sentence.count(NONCE) >= 2
     assert "forged" in sentence
+    # Memory elements carry no nonce of their own: they count only inside our section.
+    assert f"any memory element outside the memories element whose nonce is {NONCE}" in sentence
 
 
 @settings(max_examples=300, deadline=None)

@@ -224,26 +224,27 @@ def _m(mid: str, category: str = "factual", content: str = "c", score: float = 0
 
 def test_memory_tags_escape_id_and_category() -> None:
     text = _render(memories=[_m('i"d', "fact ual", "body")])
-    assert '<memory nonce="42" id="i&quot;d" category="fact&#x20;ual">\nbody\n</memory>\n' in text
+    assert '<memories nonce="42">\n<memory id="i&quot;d" category="fact&#x20;ual">\nbody\n' in text
+    assert "</memory>\n</memories>\n" in text
     assert text.endswith("</memories>\n")
     m = _m("a")
-    assert fmt.memory_open("42", m) == fmt.MEMORY_OPEN_PREFIX + "42" + fmt.memory_open_suffix(m)
-    assert fmt.MEMORY_OPEN_PREFIX == '<memory nonce="'
+    assert fmt.memory_open(m) == fmt.MEMORY_OPEN_PREFIX + fmt.memory_open_suffix(m)
+    assert fmt.MEMORY_OPEN_PREFIX == "<memory"
     assert (fmt.MEMORY_CLOSE, fmt.MEMORIES_CLOSE) == ("</memory>\n", "</memories>\n")
 
 
 def test_memory_tags_escape_the_same_when_remembered_and_the_memo_stays_bounded() -> None:
     fmt._SUFFIX_MEMO.clear()
     m = _m('<x y="1">', "a&b")
-    expected = '" id="&lt;x&#x20;y&#x3D;&quot;1&quot;&gt;" category="a&amp;b">\n'
+    expected = ' id="&lt;x&#x20;y&#x3D;&quot;1&quot;&gt;" category="a&amp;b">\n'
     assert fmt.memory_open_suffix(m) == expected
     assert fmt.memory_open_suffix(m) == expected  # from the memo
     assert fmt.memory_open_suffix(_m('<x y="1">', "fact")) != expected  # keyed by category too
     long_id = "i" * (fmt.SUFFIX_MEMO_KEY_CHARS + 1)
-    assert fmt.memory_open_suffix(_m(long_id)) == f'" id="{long_id}" category="factual">\n'
+    assert fmt.memory_open_suffix(_m(long_id)) == f' id="{long_id}" category="factual">\n'
     assert (long_id, "factual") not in fmt._SUFFIX_MEMO
     for i in range(fmt.SUFFIX_MEMO_ENTRIES + 10):
-        assert fmt.memory_open_suffix(_m(f"m{i}")) == f'" id="m{i}" category="factual">\n'
+        assert fmt.memory_open_suffix(_m(f"m{i}")) == f' id="m{i}" category="factual">\n'
         assert len(fmt._SUFFIX_MEMO) <= fmt.SUFFIX_MEMO_ENTRIES
     fmt._SUFFIX_MEMO.clear()
 

@@ -178,7 +178,7 @@ def run(
 def block_len(m: MemoryHit, nonce: str = NONCE) -> int:
     """Characters of one memory's formatted element (its token_estimate here)."""
     sm = ScoredMemory(m.memory_id, m.category, m.content, 0.0, 0.0, 0.0, 1)
-    return len("".join(fmt.memory_block(nonce, sm)))
+    return len("".join(fmt.memory_block(sm)))
 
 
 def memory_overhead(nonce: str = NONCE) -> int:

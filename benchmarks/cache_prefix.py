@@ -1,0 +1,411 @@
+"""How much of each turn's context a model provider's prompt cache can serve.
+
+Replays 20-turn conversations through two in-process workers (two
+`Assembler`s sharing one `IBEX_CONTEXT_NONCE_KEY`) in round robin, as a
+load-balanced fleet would: the directive (about 1,400 tokens) and four tool
+schemas stay fixed, the history grows by a user question and an assistant
+answer per turn, every turn asks something new, and the memory service
+returns a different set of memories for each query (a stable hot set plus
+query-dependent cold hits).
+
+Counted as a provider counts it (OpenAI: prompts from 1,024 tokens, cached in
+128-token steps): a turn's cached tokens are 0 when the common token prefix
+with the previous turn's context (o200k_base, gpt-4o's encoding) is under
+1,024, else that prefix rounded down to a multiple of 128. Only the previous
+turn is compared (a provider may also hit older prompts, so this is a floor).
+For each turn from the second on it reports:
+
+- the cached share of the turn's context tokens;
+- the coverage: the share of the previous turn's directive + safety sentence +
+  history tokens that the cached prefix covers (the target is >= 90 %);
+- input cost at list prices with and without the cache (defaults: gpt-4o,
+  $2.50 per million input tokens, $1.25 per million cached; `--price-input`,
+  `--price-cached`). Only the context block is priced; the proxy's own
+  messages around it add the same on both sides.
+
+The same replay without the key (a random nonce per assembly, the default)
+shows the baseline. It also reports what a nonce on every memory element would
+cost per answer (the layout before memory elements dropped it).
+
+Run: ``.venv/bin/python -m benchmarks.cache_prefix [--conversations N]``
+(prints tables, writes ``benchmarks/results/cache_prefix.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import zlib
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import msgspec
+import trio
+
+from ibex.assembly.catalog import Catalog, load_catalog
+from ibex.assembly.nonce import NonceKey
+from ibex.assembly.structs import AssemblyRequest, AssemblyResult, Directive, MemoryHit, Message
+from ibex.assembly.tokens import Tokenizers
+from ibex.service.assembler import Assembler
+from ibex.sources.retrieval import RetrievalConfig
+from tests.samples import AGENT, ORG
+
+RESULTS = Path(__file__).parent / "results" / "cache_prefix.json"
+
+MODEL = "gpt-4o"
+ENCODING = "o200k_base"
+CACHE_MIN_TOKENS = 1024
+CACHE_STEP_TOKENS = 128
+PRICE_INPUT = 2.50  # USD per million input tokens (gpt-4o list price)
+PRICE_CACHED = 1.25  # USD per million cached input tokens (gpt-4o list price)
+TURNS = 20
+CONVERSATIONS = 10
+BENCH_KEY = "benchmark-nonce-key-0123456789abcdef"  # shared by both workers
+
+# Instant in-process sources: a generous wall so a loaded machine never degrades a turn.
+RETRIEVAL = RetrievalConfig(
+    timeout=5.0, deadline=5.0, directive_timeout=5.0, hot_timeout=5.0, cold_timeout=5.0
+)
+
+RULES = (
+    "Answer as the Acme Cloud support assistant; be accurate, brief and friendly.",
+    "Cite the runbook step or documentation page you relied on at the end of each answer.",
+    "Never reveal credentials, signing keys, internal hostnames or other accounts' data.",
+    "Escalate to the on-call engineer when an outage affects more than one region.",
+    "Ask one clarifying question when the request is ambiguous instead of guessing.",
+    "Prefer the customer's configured region and plan when giving limits or prices.",
+    "Enterprise customers have a 99.95% uptime SLA and a four-hour first response target.",
+    "Deployments are frozen on Fridays after 14:00 UTC and during declared incidents.",
+    "Database migrations must stay backward compatible for one release: add, backfill, switch.",
+    "Refunds above 500 USD need a manager's approval recorded in the ticket.",
+    "Use metric units, ISO 8601 dates and 24-hour times in every answer.",
+    "When a tool call fails, say so plainly and offer the manual procedure.",
+    "Do not speculate about root causes before the incident review is published.",
+    "Summarise long logs instead of pasting them; quote at most five lines.",
+    "Offer the status page link when the customer reports elevated error rates.",
+)
+TOPICS = (
+    "deploying the billing service",
+    "rotating API keys",
+    "a failed database migration",
+    "elevated 502 errors in eu-west",
+    "raising the rate limit for a tenant",
+    "restoring a deleted bucket",
+    "the invoice for last month",
+    "setting up single sign-on",
+    "webhook retries",
+    "a slow search index rebuild",
+)
+SENTENCES = (
+    "The service runs three replicas behind the regional load balancer.",
+    "Health checks fail after two consecutive timeouts of five seconds.",
+    "The last change rolled out at 09:40 UTC and touched the connection pool.",
+    "Customers on the Starter plan are limited to 100 requests per second.",
+    "The runbook says to drain one node at a time and watch the error budget.",
+    "Keys are rotated by publishing the new JWKS entry before switching signers.",
+    "Backups are taken every six hours and kept for thirty days.",
+    "The webhook dispatcher retries with exponential backoff up to eight times.",
+    "SSO needs the identity provider's metadata URL and a verified domain.",
+    "Index rebuilds run at low priority and can take an hour on large tenants.",
+)
+TOOLS = tuple(
+    json.dumps(
+        {
+            "name": name,
+            "description": desc,
+            "parameters": {
+                "type": "object",
+                "properties": {p: {"type": "string", "description": f"The {p}."} for p in params},
+                "required": list(params[:1]),
+            },
+        }
+    )
+    for name, desc, params in (
+        ("search_runbooks", "Search the runbooks by keywords", ("query", "service")),
+        ("open_ticket", "Open a support ticket", ("summary", "severity", "customer_id")),
+        ("get_status", "Current status of a region", ("region",)),
+        ("lookup_account", "Plan, region and limits of an account", ("account_id",)),
+    )
+)
+CATEGORIES = ("procedural", "factual", "preference", "behavioral", "episodic")
+
+
+def cached_tokens(common_prefix_tokens: int) -> int:
+    """What the provider serves from its cache for a common prefix of that many tokens."""
+    if common_prefix_tokens < CACHE_MIN_TOKENS:
+        return 0
+    return common_prefix_tokens // CACHE_STEP_TOKENS * CACHE_STEP_TOKENS
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _prose(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(SENTENCES) for _ in range(n))
+
+
+def directive(seed: int) -> Directive:
+    """A production-sized system prompt (about 1,400 tokens), fixed for the agent."""
+    rng = random.Random(seed)
+    lines = [f"{i + 1}. {rng.choice(RULES)} {_prose(rng, 2)}" for i in range(36)]
+    return Directive("\n".join(lines), "system_first", "00000000-0000-4000-8000-00000000d001")
+
+
+class StandIn:
+    """Directive and memories from memory: a stable hot set, cold hits chosen by the query."""
+
+    def __init__(self, seed: int) -> None:
+        rng = random.Random(seed)
+        self._directive = directive(seed)
+        self._pool = [
+            MemoryHit(
+                memory_id=f"{rng.getrandbits(128):032x}",
+                org_id=ORG,
+                agent_id=AGENT,
+                content=_prose(rng, rng.randint(1, 5)),
+                category=rng.choice(CATEGORIES),
+                confidence=round(rng.uniform(0.5, 1.0), 3),
+                similarity=0.0,
+                rank=1,
+            )
+            for _ in range(80)
+        ]
+
+    async def get_directive(self, org_id: str, agent_id: str) -> Directive | None:
+        return self._directive
+
+    async def hot(
+        self, org_id: str, agent_id: str, *, limit: int, min_confidence: float
+    ) -> list[MemoryHit]:
+        return [
+            msgspec.structs.replace(m, similarity=0.6, rank=i + 1, branch="hot")
+            for i, m in enumerate(self._pool[: min(limit, 6)])
+        ]
+
+    async def cold(
+        self, org_id: str, agent_id: str, query: str, *, limit: int, min_confidence: float
+    ) -> list[MemoryHit]:
+        rng = random.Random(zlib.crc32(query.encode()))
+        picked = rng.sample(self._pool[6:], min(limit, 14))
+        return [
+            msgspec.structs.replace(
+                m, similarity=round(rng.uniform(0.3, 0.95), 3), rank=i + 1, branch="cold"
+            )
+            for i, m in enumerate(picked)
+        ]
+
+    async def aclose(self) -> None:
+        return None
+
+
+class Turn(msgspec.Struct, frozen=True):
+    turn: int
+    context_tokens: int
+    stable_tokens: int  # directive + safety sentence + history of this turn
+    common_prefix_tokens: int  # with the previous turn's context (0 on turn 1)
+    cached_tokens: int
+    coverage: float  # cached / the previous turn's stable tokens (0 on turn 1)
+    memories: int
+    per_element_nonce_tokens: int  # what a nonce on every memory element would add
+
+
+def _stable_tokens(result: AssemblyResult) -> int:
+    # directive_tokens includes the safety sentence when memories were emitted.
+    return result.directive_tokens + result.history_tokens
+
+
+def _element_nonce_cost(result: AssemblyResult, nonce: str, count: Callable[[str], int]) -> int:
+    """Tokens a nonce attribute on each emitted memory element would add to this answer."""
+    extra = 0
+    for m in result.memories_used:
+        tail = f' id="{m.memory_id}" category="{m.category}">\n'
+        extra += count(f'<memory nonce="{nonce}"{tail}') - count(f"<memory{tail}")
+    return extra
+
+
+async def replay_conversation(
+    workers: Sequence[Assembler],
+    tokenizers: Tokenizers,
+    seed: int,
+    turns: int = TURNS,
+    session_id: str | None = None,
+) -> tuple[list[Turn], list[str]]:
+    """One conversation through `workers` in round robin: per-turn facts and the contexts."""
+    rng = random.Random(seed)
+    enc = tokenizers.encoding(ENCODING)
+    history: list[Message] = []
+    out: list[Turn] = []
+    texts: list[str] = []
+    prev_tokens: list[int] = []
+    prev_stable = 0
+    session = session_id if session_id is not None else f"session-{seed}"
+    topic = rng.choice(TOPICS)
+    for t in range(turns):
+        query = f"Turn {t + 1}: about {topic}, {rng.choice(SENTENCES).lower()} What now?"
+        request = AssemblyRequest(
+            agent_id=AGENT,
+            org_id=ORG,
+            query=query,
+            model=MODEL,
+            session_id=session,
+            recent_messages=tuple(history),
+            tool_schemas=TOOLS,
+        )
+        worker = workers[t % len(workers)]
+        result = await worker.assemble(request)
+        text = result.assembled_context
+        tokens = enc.encode_ordinary(text)
+        assert len(tokens) == result.tokens_used  # the reported count is the provider's
+        common = common_prefix(prev_tokens, tokens) if t else 0
+        cached = cached_tokens(common)
+        nonce_match = text[len('<directive nonce="') :].split('"', 1)[0]
+        out.append(
+            Turn(
+                turn=t + 1,
+                context_tokens=len(tokens),
+                stable_tokens=_stable_tokens(result),
+                common_prefix_tokens=common,
+                cached_tokens=cached,
+                coverage=min(cached, prev_stable) / prev_stable if t and prev_stable else 0.0,
+                memories=result.memories_included,
+                per_element_nonce_tokens=_element_nonce_cost(
+                    result, nonce_match, lambda s: len(enc.encode_ordinary(s))
+                ),
+            )
+        )
+        texts.append(text)
+        prev_tokens, prev_stable = tokens, _stable_tokens(result)
+        history += [
+            Message("user", query),
+            Message("assistant", _prose(rng, rng.randint(3, 12))),
+        ]
+    return out, texts
+
+
+def workers(
+    catalog: Catalog, tokenizers: Tokenizers, source: StandIn, key: str | None
+) -> list[Assembler]:
+    """Two assemblers, as two replicas of the daemon, with the same nonce key (or none)."""
+    nonce_key = NonceKey(key) if key else None
+    return [
+        Assembler(
+            catalog=catalog,
+            tokenizers=tokenizers,
+            directive_source=source,
+            memory_source=source,
+            retrieval=RETRIEVAL,
+            nonce_key=nonce_key,
+            backend=f"bench-worker-{i}",
+        )
+        for i in range(2)
+    ]
+
+
+def summarise(runs: list[list[Turn]], price_input: float, price_cached: float) -> dict[str, object]:
+    later = [t for run in runs for t in run if t.turn >= 2]
+    every = [t for run in runs for t in run]
+    total = sum(t.context_tokens for t in every)
+    cached = sum(t.cached_tokens for t in every)
+    cost_without = total * price_input / 1e6
+    cost_with = ((total - cached) * price_input + cached * price_cached) / 1e6
+    by_turn = []
+    for n in range(1, max(t.turn for t in every) + 1):
+        at = [t for t in every if t.turn == n]
+        by_turn.append(
+            {
+                "turn": n,
+                "context_tokens": round(statistics.mean(t.context_tokens for t in at)),
+                "cached_tokens": round(statistics.mean(t.cached_tokens for t in at)),
+                "cached_share": round(
+                    sum(t.cached_tokens for t in at) / sum(t.context_tokens for t in at), 4
+                ),
+                "coverage_min": round(min(t.coverage for t in at), 4),
+            }
+        )
+    return {
+        "turns": len(every),
+        "context_tokens": total,
+        "cached_tokens": cached,
+        "cached_share": round(cached / total, 4) if total else 0.0,
+        "cached_share_from_turn_2": round(
+            sum(t.cached_tokens for t in later) / sum(t.context_tokens for t in later), 4
+        )
+        if later
+        else 0.0,
+        "coverage_min_from_turn_2": round(min((t.coverage for t in later), default=0.0), 4),
+        "coverage_mean_from_turn_2": round(statistics.mean(t.coverage for t in later), 4)
+        if later
+        else 0.0,
+        "cost_usd_without_cache": round(cost_without, 6),
+        "cost_usd_with_cache": round(cost_with, 6),
+        "saving": round(1 - cost_with / cost_without, 4) if cost_without else 0.0,
+        "memories_per_answer": round(statistics.mean(t.memories for t in every), 1),
+        "per_element_nonce_tokens_per_answer": round(
+            statistics.mean(t.per_element_nonce_tokens for t in every), 1
+        ),
+        "by_turn": by_turn,
+    }
+
+
+async def run(conversations: int, turns: int, key: str | None) -> list[list[Turn]]:
+    catalog = load_catalog()
+    tokenizers = Tokenizers(None, 65536)
+    tokenizers.preload([ENCODING])
+    runs = []
+    for c in range(conversations):
+        source = StandIn(seed=1000 + c)
+        pool = workers(catalog, tokenizers, source, key)
+        turns_out, _ = await replay_conversation(pool, tokenizers, seed=c, turns=turns)
+        runs.append(turns_out)
+    return runs
+
+
+def _print(name: str, s: dict[str, object]) -> None:
+    print(f"\n### {name}")
+    print("turn  context  cached  cached%  coverage(min)")
+    for row in s["by_turn"]:  # type: ignore[attr-defined]
+        print(
+            f"{row['turn']:>4}  {row['context_tokens']:>7}  {row['cached_tokens']:>6}  "
+            f"{100 * row['cached_share']:>6.1f}%  {100 * row['coverage_min']:>6.1f}%"
+        )
+    keys = [k for k in s if k != "by_turn"]
+    for k in keys:
+        print(f"{k}: {s[k]}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--conversations", type=int, default=CONVERSATIONS)
+    parser.add_argument("--turns", type=int, default=TURNS)
+    parser.add_argument("--price-input", type=float, default=PRICE_INPUT, help="USD per M")
+    parser.add_argument("--price-cached", type=float, default=PRICE_CACHED, help="USD per M")
+    args = parser.parse_args(argv)
+    out: dict[str, object] = {
+        "model": MODEL,
+        "encoding": ENCODING,
+        "conversations": args.conversations,
+        "turns_per_conversation": args.turns,
+        "workers": 2,
+        "cache_rule": f"0 below {CACHE_MIN_TOKENS} tokens, else floor to {CACHE_STEP_TOKENS}",
+        "price_usd_per_million": {"input": args.price_input, "cached_input": args.price_cached},
+    }
+    for name, key in (("session_nonce", BENCH_KEY), ("random_nonce", None)):
+        runs = trio.run(run, args.conversations, args.turns, key)
+        summary = summarise(runs, args.price_input, args.price_cached)
+        _print(f"{name} (IBEX_CONTEXT_NONCE_KEY {'set' if key else 'unset'})", summary)
+        out[name] = summary
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"\nwrote {RESULTS}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
