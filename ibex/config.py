@@ -158,33 +158,30 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
 def redact_url(value: str) -> str:
     """`value` with userinfo and password-like query parameters replaced by `<redacted>`.
 
-    Works on strings that are not URLs too (`host:port` comes back unchanged);
-    anything unparseable is redacted whole rather than echoed.
+    The userinfo is everything between `://` (or the start) and the LAST `@`:
+    an unencoded password may hold `/`, `?`, `#` or `@`, which a URL parser
+    reads as the start of the path, query or fragment and would leave on show.
+    Over-redacting a host is harmless; echoing a password is not. Works on
+    strings that are not URLs too (`host:port` comes back unchanged).
     """
-    if "@" not in value and "?" not in value:
-        return value
-    try:
-        parts = urllib.parse.urlsplit(value)
-        netloc = parts.netloc
-        if "@" in netloc:
-            netloc = "<redacted>@" + netloc.rsplit("@", 1)[1]
-        query = parts.query
-        if query:
+    scheme, sep, rest = value.partition("://")
+    if not sep:
+        scheme, rest = "", value
+    if "@" in rest:
+        rest = "<redacted>@" + rest.rpartition("@")[2]
+    rest, hashmark, fragment = rest.partition("#")
+    base, qmark, query = rest.partition("?")
+    if query:
+        try:
             pairs = urllib.parse.parse_qsl(query, keep_blank_values=True)
+        except ValueError:
+            query = "<redacted>"
+        else:
             query = "&".join(
                 f"{k}=<redacted>" if _SECRET_QUERY.search(k) else urllib.parse.urlencode({k: v})
                 for k, v in pairs
             )
-        # Not urlunsplit: it drops the empty authority of `unix:///path`.
-        head = f"{parts.scheme}://{netloc}" if "://" in value else netloc
-        return (
-            head
-            + parts.path
-            + (f"?{query}" if query else "")
-            + (f"#{parts.fragment}" if parts.fragment else "")
-        )
-    except ValueError:
-        return "<redacted>"
+    return f"{scheme}{sep}{base}{qmark}{query}{hashmark}{fragment}"
 
 
 def parse_duration(name: str, raw: str, *, bare_unit: str = "ms") -> float:
