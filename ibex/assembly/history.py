@@ -153,6 +153,19 @@ def body_tokens(
     return n, True
 
 
+def without_empty(messages: tuple[Message, ...]) -> tuple[Message, ...]:
+    """The history without messages that have neither role nor content.
+
+    Such a message says nothing, yet its markup would cost tokens: it is left
+    out before counting, so it is neither rendered, nor counted, nor reported
+    as dropped for budget. A message with only one of the two is kept.
+    """
+    for m in messages:
+        if not m.role and not m.content:
+            return tuple(m for m in messages if m.role or m.content)
+    return messages
+
+
 def fit_history(
     counter: Counter, messages: Sequence[Message], nonce: str, room: int, staged: Staged
 ) -> HistoryFit:

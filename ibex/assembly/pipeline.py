@@ -27,7 +27,7 @@ from ibex.assembly import formatter as fmt
 from ibex.assembly.budget import compute_budget, context_ceiling
 from ibex.assembly.candidates import Selection, select, select_candidates, used
 from ibex.assembly.catalog import Catalog, FamilyPolicy, ModelCapability
-from ibex.assembly.history import Counter, Staged, dropped_tokens, fit_history
+from ibex.assembly.history import Counter, Staged, dropped_tokens, fit_history, without_empty
 from ibex.assembly.packer import DEFAULT_DP_CELL_CEILING, DEFAULT_MAX_CONSECUTIVE_SKIPS, pack
 from ibex.assembly.scoring import score_schema
 from ibex.assembly.structs import (
@@ -209,7 +209,7 @@ def count_fixed_sections(
     overhead = staged.with_nonce(fmt.memories_open, nonce) + staged.count(fmt.MEMORIES_CLOSE)
     ceiling = context_ceiling(cap, family, request.available_tokens)
     room = ceiling - directive_tokens - tool_tokens
-    messages = request.recent_messages
+    messages = without_empty(request.recent_messages)
     fit = fit_history(counter, messages, nonce, room, staged)
     model = cap.model_id or request.model
     dropped = len(messages) - len(fit.kept)
