@@ -29,7 +29,7 @@ from h2.exceptions import StreamClosedError
 from ibex.assembly.candidates import MAX_MEMORIES_HARD_CAP, SearchFilter, rank_search
 from ibex.assembly.structs import AssemblyRequest, AssemblyResult, MemoryHit
 from ibex.assembly.validation import canonical_uuid
-from ibex.errors import DeadlineError, IbexError, InputError, SourceError, TooLargeError
+from ibex.errors import DeadlineError, IbexError, InputError, OverLimitError, SourceError
 from ibex.errors import Unimplemented as UnimplementedError
 from ibex.ops.logs import bind_request
 from ibex.ops.metrics import Metrics
@@ -251,7 +251,7 @@ class ContextService:
         if not msg.query.strip():
             raise InputError("query", "is required")
         if len(msg.query.encode()) > self.config.max_text_bytes:
-            raise TooLargeError("query", "too large")
+            raise OverLimitError("query", f"exceeds {self.config.max_text_bytes} bytes")
         if (
             msg.limit < 0
             or not math.isfinite(msg.min_similarity)

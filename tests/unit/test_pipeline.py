@@ -298,7 +298,8 @@ def _assemble_or_too_large(
     On success, checks the history rule: the kept messages are the newest ones, and
     one more older message would not have fitted.
     """
-    messages = inp.request.recent_messages
+    # A message with neither role nor content is left out before counting.
+    messages = [m for m in inp.request.recent_messages if m.role or m.content]
     try:
         result = run(inp, catalog, tokenizers)
     except TooLargeError as exc:
