@@ -32,7 +32,9 @@ __all__ = [
 ]
 
 PREFIX = "IBEX_CONTEXT_"
-SECRET_FIELDS = frozenset({"memory_api_token", "auth_tokens_sha256", "redis_sentinel_password"})
+SECRET_FIELDS = frozenset(
+    {"memory_api_token", "auth_tokens_sha256", "redis_sentinel_password", "metrics_token_sha256"}
+)
 # Variables read outside `load_settings` (the CLI client's token).
 EXTRA_KNOWN = frozenset({"CLIENT_TOKEN"})
 # Query parameters of a URL that carry a secret (redis-py reads `password`).
@@ -100,6 +102,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     workers: int = 1
     worker_port_base: int | None = None
     metrics_addr: str | None = None
+    metrics_token_sha256: tuple[str, ...] = ()
     log_level: str = "info"
 
     def redacted(self) -> dict[str, Any]:
@@ -274,6 +277,15 @@ def _file(name: str, raw: str) -> str:
     return value
 
 
+def _sha256_list(name: str, raw: str) -> tuple[str, ...]:
+    """Comma-separated SHA-256 hex digests (several: rotation), lower-cased."""
+    hashes = tuple(h.lower() for h in _list(raw))
+    for h in hashes:
+        if not re.fullmatch(r"[0-9a-f]{64}", h):
+            raise ConfigError(f"{name}: each entry must be 64 hex digits (a SHA-256)")
+    return hashes
+
+
 _LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -371,7 +383,14 @@ def load_settings(
     if (raw := get("GRPC_ADDR")) is not None:
         kw["grpc_addr"] = _addr(PREFIX + "GRPC_ADDR", raw)
     if (raw := get("METRICS_ADDR")) is not None:
-        kw["metrics_addr"] = _addr(PREFIX + "METRICS_ADDR", raw)
+        # A bare port binds loopback: the endpoint is for a local scraper unless a
+        # host is named (which, off loopback, needs METRICS_TOKEN_SHA256).
+        bare = raw.strip()
+        kw["metrics_addr"] = _addr(
+            PREFIX + "METRICS_ADDR", f"127.0.0.1:{bare}" if bare.isdigit() else raw
+        )
+    if (raw := get("METRICS_TOKEN_SHA256")) is not None:
+        kw["metrics_token_sha256"] = _sha256_list(PREFIX + "METRICS_TOKEN_SHA256", raw)
     for suffix, field in {
         "CATALOG_PATH": "catalog_path",
         "TIKTOKEN_DIR": "tiktoken_dir",
@@ -382,13 +401,7 @@ def load_settings(
         if (raw := get(suffix)) is not None:
             kw[field] = _file(PREFIX + suffix, raw)
     if (raw := get("AUTH_TOKENS_SHA256")) is not None:
-        hashes = tuple(h.lower() for h in _list(raw))
-        for h in hashes:
-            if not re.fullmatch(r"[0-9a-f]{64}", h):
-                raise ConfigError(
-                    f"{PREFIX}AUTH_TOKENS_SHA256: each entry must be 64 hex digits (a SHA-256)"
-                )
-        kw["auth_tokens_sha256"] = hashes
+        kw["auth_tokens_sha256"] = _sha256_list(PREFIX + "AUTH_TOKENS_SHA256", raw)
     if (raw := get("TLS_ALLOWED_SANS")) is not None:
         kw["tls_allowed_sans"] = _sans(PREFIX + "TLS_ALLOWED_SANS", raw)
     if (raw := get("ALLOW_INSECURE")) is not None:
