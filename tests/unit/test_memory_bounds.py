@@ -353,3 +353,20 @@ def test_canonical_uuid_ids_of_either_case_are_kept_verbatim() -> None:
     ids = ["6ba7b810-9dad-11d1-80b4-00c04fd430c8", "6BA7B811-9DAD-11D1-80B4-00C04FD430C8"]
     body = _body(_result(0, id=ids[0]), _result(1, id=ids[1]))
     assert [h.memory_id for h in decode_hits(body, "cold", limit=20)] == ids
+
+
+def test_the_memory_id_memo_is_bounded_and_holds_only_valid_ids(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(wire, "_VALID_IDS", set())
+    monkeypatch.setattr(wire, "_VALID_IDS_MAX", 3)
+    wire.check_memory_id(_mid(1))
+    assert _mid(1) in wire._VALID_IDS
+    with pytest.raises(ValueError, match="canonical UUID"):
+        wire.check_memory_id("not-a-uuid")
+    assert "not-a-uuid" not in wire._VALID_IDS
+    for i in range(10):
+        wire.check_memory_id(_mid(100 + i))
+        assert len(wire._VALID_IDS) <= 3
+    with pytest.raises(ValueError, match="canonical UUID"):  # a memo never lets one through
+        wire.check_memory_id(_mid(1) + "0")
