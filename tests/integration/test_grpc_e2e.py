@@ -26,6 +26,7 @@ from ibex.assembly.tokens import Tokenizers
 from ibex.client import ContextClient
 from ibex.service import wire
 from tests.grpcio_stubs import context_pb2, context_pb2_grpc, principal_context_pb2
+from tests.memory_server import make_memories, running_memory_server
 
 from .grpc_harness import (
     AGENT,
@@ -603,3 +604,41 @@ async def test_message_over_the_byte_limit_is_refused_before_decoding() -> None:
         assert "4096-byte limit" in info.value.details()
         ok = await in_thread(_assemble, d, _bad(query="deploy billing"))
         assert ok.degradation_level == "L0"
+
+
+async def test_a_memory_id_that_is_not_a_uuid_is_a_branch_error_over_grpc() -> None:
+    """Issue 20 row 13 against the daemon: the stand-in answers both branches with a
+    memory whose id is `not-a-uuid`; it is an error of each branch, never a memory."""
+    with running_memory_server() as memory:
+        good = make_memories(ORG, AGENT, 3, seed=21)
+        odd = {**make_memories(ORG, AGENT, 1, seed=22)[0], "id": "not-a-uuid"}
+        odd.update(content="ODD ID MEMORY TEXT deploy billing", confidence=1.0)
+        memory.add_memories(ORG, AGENT, [*good, odd], similarities=[0.5, 0.5, 0.5, 0.99])
+        async with running_daemon(
+            memory_base_url=memory.url,
+            memory_api_token=memory.token,
+            timeout=2.0,
+            deadline=2.0,
+            hot_timeout=2.0,
+            cold_timeout=2.0,
+        ) as d:
+
+            def call() -> tuple[Any, dict[str, str]]:
+                with d.channel() as channel:
+                    stub = context_pb2_grpc.ContextAssemblyServiceStub(channel)
+                    request_ = context_pb2.AssembleContextRequest(
+                        org_id=ORG, agent_id=AGENT, model="gpt-4o", query="deploy billing"
+                    )
+                    resp, rpc = stub.AssembleContext.with_call(request_, timeout=10)
+                    return resp, dict(rpc.initial_metadata())
+
+            resp, meta = await in_thread(call)
+    branches = {b.source: (b.status, b.detail) for b in resp.branches}
+    for source in ("hot", "cold"):
+        status, detail = branches[source]
+        assert status == "error", (source, detail)
+        assert "id must be a canonical UUID" in detail and "not-a-uuid" not in detail
+    assert "hot=error" in meta["x-ibex-branches"] and "cold=error" in meta["x-ibex-branches"]
+    assert resp.degradation_level == "L2"
+    assert "ODD ID MEMORY TEXT" not in resp.assembled_context
+    assert not resp.memories_used
