@@ -153,6 +153,11 @@ def body_tokens(
     return n, True
 
 
+def _empty(m: Message) -> bool:
+    # Whitespace-only content renders as an empty body (the formatter trims it).
+    return not m.role and not m.content.strip()
+
+
 def without_empty(messages: tuple[Message, ...]) -> tuple[Message, ...]:
     """The history without messages that have neither role nor content.
 
@@ -161,8 +166,8 @@ def without_empty(messages: tuple[Message, ...]) -> tuple[Message, ...]:
     as dropped for budget. A message with only one of the two is kept.
     """
     for m in messages:
-        if not m.role and not m.content:
-            return tuple(m for m in messages if m.role or m.content)
+        if _empty(m):
+            return tuple(m for m in messages if not _empty(m))
     return messages
 
 

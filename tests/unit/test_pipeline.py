@@ -298,8 +298,9 @@ def _assemble_or_too_large(
     On success, checks the history rule: the kept messages are the newest ones, and
     one more older message would not have fitted.
     """
-    # A message with neither role nor content is left out before counting.
-    messages = [m for m in inp.request.recent_messages if m.role or m.content]
+    # A message with neither role nor content (whitespace renders as none) is left out
+    # before counting.
+    messages = [m for m in inp.request.recent_messages if m.role or m.content.strip()]
     try:
         result = run(inp, catalog, tokenizers)
     except TooLargeError as exc:
@@ -614,7 +615,8 @@ def test_an_empty_message_is_left_out_before_counting(
     """No role and no content: not rendered, not counted, not reported as dropped."""
     said = [Message("user", "Our billing deploy failed."), Message("assistant", "Which env?")]
     empty = Message("", "")
-    padded = [empty, said[0], empty, empty, said[1], empty]
+    blank = Message("", " \r\n\t ")  # renders as an empty body: as good as empty
+    padded = [empty, said[0], blank, empty, said[1], empty]
     enc = tokenizers.encoding(EXACT_MODELS["gpt-4o"])
     for window in (0, 700):  # the model's own window, and one that must choose
         base = run(inputs(request(available_tokens=window, messages=said)), catalog, tokenizers)
