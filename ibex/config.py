@@ -401,7 +401,13 @@ def load_settings(
         if (raw := get(suffix)) is not None:
             kw[field] = _file(PREFIX + suffix, raw)
     if (raw := get("AUTH_TOKENS_SHA256")) is not None:
-        kw["auth_tokens_sha256"] = _sha256_list(PREFIX + "AUTH_TOKENS_SHA256", raw)
+        hashes = tuple(h.lower() for h in _list(raw))
+        for h in hashes:
+            if not re.fullmatch(r"[0-9a-f]{64}", h):
+                raise ConfigError(
+                    f"{PREFIX}AUTH_TOKENS_SHA256: each entry must be 64 hex digits (a SHA-256)"
+                )
+        kw["auth_tokens_sha256"] = hashes
     if (raw := get("TLS_ALLOWED_SANS")) is not None:
         kw["tls_allowed_sans"] = _sans(PREFIX + "TLS_ALLOWED_SANS", raw)
     if (raw := get("ALLOW_INSECURE")) is not None:
