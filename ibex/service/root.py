@@ -245,38 +245,44 @@ def server_ssl_context(settings: Settings) -> ssl.SSLContext | None:
 def check_bind_policy(settings: Settings) -> str | None:
     """Refuse a non-loopback bind without authentication unless explicitly allowed.
 
-    Both listeners: gRPC needs caller authentication, /metrics a scrape token
-    (IBEX_CONTEXT_METRICS_TOKEN_SHA256). Returns a warning to log at every
-    start when the insecure override is in use.
+    Returns a warning to log at every start when the insecure override is in use.
     """
-    warnings: list[str] = []
+    metrics_warning = check_metrics_bind_policy(settings)
     host, _ = split_addr(settings.grpc_addr)
     has_auth = bool(settings.auth_tokens_sha256) or settings.tls_client_ca is not None
-    if not (is_loopback(host) or has_auth):
-        if not settings.allow_insecure:
-            raise ConfigError(
-                f"IBEX_CONTEXT_GRPC_ADDR: binding {host} (not loopback) requires caller "
-                "authentication (IBEX_CONTEXT_AUTH_TOKENS_SHA256 or IBEX_CONTEXT_TLS_CLIENT_CA); "
-                "set IBEX_CONTEXT_ALLOW_INSECURE=1 to accept unauthenticated callers"
-            )
-        warnings.append(
-            f"insecure: listening on {host} without caller authentication "
-            "(IBEX_CONTEXT_ALLOW_INSECURE=1); any caller can read any tenant's memories"
+    if is_loopback(host) or has_auth:
+        return metrics_warning
+    if not settings.allow_insecure:
+        raise ConfigError(
+            f"IBEX_CONTEXT_GRPC_ADDR: binding {host} (not loopback) requires caller "
+            "authentication (IBEX_CONTEXT_AUTH_TOKENS_SHA256 or IBEX_CONTEXT_TLS_CLIENT_CA); "
+            "set IBEX_CONTEXT_ALLOW_INSECURE=1 to accept unauthenticated callers"
         )
-    if settings.metrics_addr and not settings.metrics_token_sha256:
-        metrics_host, _ = split_addr(settings.metrics_addr)
-        if not is_loopback(metrics_host):
-            if not settings.allow_insecure:
-                raise ConfigError(
-                    f"IBEX_CONTEXT_METRICS_ADDR: binding {metrics_host} (not loopback) requires "
-                    "a scrape token (IBEX_CONTEXT_METRICS_TOKEN_SHA256); "
-                    "set IBEX_CONTEXT_ALLOW_INSECURE=1 to serve metrics to anyone"
-                )
-            warnings.append(
-                f"insecure: serving /metrics on {metrics_host} without a scrape token "
-                "(IBEX_CONTEXT_ALLOW_INSECURE=1)"
-            )
-    return "; ".join(warnings) or None
+    warning = (
+        f"insecure: listening on {host} without caller authentication "
+        "(IBEX_CONTEXT_ALLOW_INSECURE=1); any caller can read any tenant's memories"
+    )
+    return f"{warning}; {metrics_warning}" if metrics_warning else warning
+
+
+def check_metrics_bind_policy(settings: Settings) -> str | None:
+    """The same rule for /metrics: off loopback it needs a scrape token
+    (IBEX_CONTEXT_METRICS_TOKEN_SHA256) unless the insecure override is given."""
+    if not settings.metrics_addr or settings.metrics_token_sha256:
+        return None
+    host, _ = split_addr(settings.metrics_addr)
+    if is_loopback(host):
+        return None
+    if not settings.allow_insecure:
+        raise ConfigError(
+            f"IBEX_CONTEXT_METRICS_ADDR: binding {host} (not loopback) requires a scrape "
+            "token (IBEX_CONTEXT_METRICS_TOKEN_SHA256); "
+            "set IBEX_CONTEXT_ALLOW_INSECURE=1 to serve metrics to anyone"
+        )
+    return (
+        f"insecure: serving /metrics on {host} without a scrape token "
+        "(IBEX_CONTEXT_ALLOW_INSECURE=1)"
+    )
 
 
 def make_daemon(
