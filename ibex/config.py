@@ -33,7 +33,13 @@ __all__ = [
 
 PREFIX = "IBEX_CONTEXT_"
 SECRET_FIELDS = frozenset(
-    {"memory_api_token", "auth_tokens_sha256", "redis_sentinel_password", "nonce_key"}
+    {
+        "memory_api_token",
+        "auth_tokens_sha256",
+        "redis_sentinel_password",
+        "nonce_key",
+        "metrics_token_sha256",
+    }
 )
 #: IBEX_CONTEXT_NONCE_KEY's least length (= ibex.assembly.nonce.MIN_KEY_CHARS).
 NONCE_KEY_MIN_CHARS = 32
@@ -105,6 +111,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     workers: int = 1
     worker_port_base: int | None = None
     metrics_addr: str | None = None
+    metrics_token_sha256: tuple[str, ...] = ()
     log_level: str = "info"
 
     def redacted(self) -> dict[str, Any]:
@@ -163,33 +170,30 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
 def redact_url(value: str) -> str:
     """`value` with userinfo and password-like query parameters replaced by `<redacted>`.
 
-    Works on strings that are not URLs too (`host:port` comes back unchanged);
-    anything unparseable is redacted whole rather than echoed.
+    The userinfo is everything between `://` (or the start) and the LAST `@`:
+    an unencoded password may hold `/`, `?`, `#` or `@`, which a URL parser
+    reads as the start of the path, query or fragment and would leave on show.
+    Over-redacting a host is harmless; echoing a password is not. Works on
+    strings that are not URLs too (`host:port` comes back unchanged).
     """
-    if "@" not in value and "?" not in value:
-        return value
-    try:
-        parts = urllib.parse.urlsplit(value)
-        netloc = parts.netloc
-        if "@" in netloc:
-            netloc = "<redacted>@" + netloc.rsplit("@", 1)[1]
-        query = parts.query
-        if query:
+    scheme, sep, rest = value.partition("://")
+    if not sep:
+        scheme, rest = "", value
+    if "@" in rest:
+        rest = "<redacted>@" + rest.rpartition("@")[2]
+    rest, hashmark, fragment = rest.partition("#")
+    base, qmark, query = rest.partition("?")
+    if query:
+        try:
             pairs = urllib.parse.parse_qsl(query, keep_blank_values=True)
+        except ValueError:
+            query = "<redacted>"
+        else:
             query = "&".join(
                 f"{k}=<redacted>" if _SECRET_QUERY.search(k) else urllib.parse.urlencode({k: v})
                 for k, v in pairs
             )
-        # Not urlunsplit: it drops the empty authority of `unix:///path`.
-        head = f"{parts.scheme}://{netloc}" if "://" in value else netloc
-        return (
-            head
-            + parts.path
-            + (f"?{query}" if query else "")
-            + (f"#{parts.fragment}" if parts.fragment else "")
-        )
-    except ValueError:
-        return "<redacted>"
+    return f"{scheme}{sep}{base}{qmark}{query}{hashmark}{fragment}"
 
 
 def parse_duration(name: str, raw: str, *, bare_unit: str = "ms") -> float:
@@ -280,6 +284,15 @@ def _file(name: str, raw: str) -> str:
     if not os.path.exists(value):
         raise ConfigError(f"{name}: no such file or directory: {value!r}")
     return value
+
+
+def _sha256_list(name: str, raw: str) -> tuple[str, ...]:
+    """Comma-separated SHA-256 hex digests (several: rotation), lower-cased."""
+    hashes = tuple(h.lower() for h in _list(raw))
+    for h in hashes:
+        if not re.fullmatch(r"[0-9a-f]{64}", h):
+            raise ConfigError(f"{name}: each entry must be 64 hex digits (a SHA-256)")
+    return hashes
 
 
 _LEVELS = ("debug", "info", "warning", "error")
@@ -386,7 +399,14 @@ def load_settings(
     if (raw := get("GRPC_ADDR")) is not None:
         kw["grpc_addr"] = _addr(PREFIX + "GRPC_ADDR", raw)
     if (raw := get("METRICS_ADDR")) is not None:
-        kw["metrics_addr"] = _addr(PREFIX + "METRICS_ADDR", raw)
+        # A bare port binds loopback: the endpoint is for a local scraper unless a
+        # host is named (which, off loopback, needs METRICS_TOKEN_SHA256).
+        bare = raw.strip()
+        kw["metrics_addr"] = _addr(
+            PREFIX + "METRICS_ADDR", f"127.0.0.1:{bare}" if bare.isdigit() else raw
+        )
+    if (raw := get("METRICS_TOKEN_SHA256")) is not None:
+        kw["metrics_token_sha256"] = _sha256_list(PREFIX + "METRICS_TOKEN_SHA256", raw)
     for suffix, field in {
         "CATALOG_PATH": "catalog_path",
         "TIKTOKEN_DIR": "tiktoken_dir",

@@ -29,8 +29,17 @@ class InputError(IbexError, ValueError):
         self.field = field
 
 
+class OverLimitError(InputError):
+    """A field breaks a count or size cap (INVALID_ARGUMENT); the message names field and limit.
+
+    The contract's "oversize inputs": the caller must change the request, so it
+    is not RESOURCE_EXHAUSTED, which a proxy reads as load and may retry.
+    """
+
+
 class TooLargeError(InputError):
-    """The request exceeds a configured size limit or cannot fit (RESOURCE_EXHAUSTED)."""
+    """The request cannot fit even after the oldest history is left out, or the whole
+    gRPC message is over the byte cap, as gRPC itself answers it (RESOURCE_EXHAUSTED)."""
 
     status: ClassVar[str] = "RESOURCE_EXHAUSTED"
 

@@ -34,10 +34,10 @@ re-counts the whole text only if it fails.
 Bodies and attribute values are escaped, so a memory can neither close its
 element, forge a nonce nor add an attribute: bodies contain no ``<`` at all,
 and no character that draws an angle bracket (full-width, small-form, CJK,
-mathematical and other look-alikes), hides text (format characters such as
-zero-width and direction marks, soft hyphen, Unicode tag characters, variation
-selectors, invisible fillers, private-use characters) or breaks a line where
-the reader does not see one. Those become numeric references (``&#xFF1C;``).
+mathematical and other look-alikes), hides text (the whole
+Default_Ignorable_Code_Point property, assigned or not, every format
+character, private-use characters) or breaks a line where the reader does not
+see one. Those become numeric references (``&#xFF1C;``).
 The formatter only serialises; it never parses memory markup.
 """
 
@@ -54,34 +54,51 @@ CATEGORY_ORDER = ("procedural", "factual", "preference", "behavioral", "episodic
 _CATEGORY_RANK = {name: i for i, name in enumerate(CATEGORY_ORDER)}
 
 # Characters that become numeric references in bodies. Besides `&`, `<` and
-# `>`: C0/C1 controls (but tab and newline) and DEL; every format character (Cf)
-# of Unicode 15.1, listed rather than looked up so the output does not depend on
-# the Python build's Unicode version (soft hyphen, Arabic and Syriac marks,
-# zero-width space/joiners and direction marks, bidi embeddings, overrides and
-# isolates, word joiner and invisible operators, BOM, interlinear annotation,
-# the whole tag block U+E0000-U+E007F used for "ASCII smuggling"); line and
-# paragraph separators; variation selectors; invisible fillers (combining
-# grapheme joiner, Hangul fillers, Khmer inherent vowels); private use (Co);
-# and the angle-bracket look-alikes (modifier arrowheads, Canadian syllabics,
-# single guillemets, technical, mathematical, ornamental, CJK, vertical,
-# small-form and full-width angle brackets). None of them has a place in a
-# prompt that a human reviewer must be able to read as the model reads it.
-_BODY_UNSAFE_CLASS = (
+# `>`: C0/C1 controls (but tab and newline) and DEL; the whole
+# Default_Ignorable_Code_Point property, assigned or not (soft hyphen, combining
+# grapheme joiner, Arabic letter mark, Hangul and Khmer fillers, Mongolian free
+# variation selectors and vowel separator, zero-width space/joiners and
+# direction marks, bidi embeddings, overrides and isolates, word joiner,
+# invisible operators and the reserved U+2065, variation selectors, BOM, the
+# reserved U+FFF0-FFF8, shorthand and musical format controls, and all of
+# U+E0000-E0FFF: the tag characters used for "ASCII smuggling" and the
+# reserved code points around them), so a code point assigned there later
+# cannot pass hidden; every other format character (Cf: Arabic and Syriac
+# marks, interlinear annotation, Egyptian hieroglyph controls); line and
+# paragraph separators; private use (Co); and the angle-bracket look-alikes
+# (what Unicode's confusables map to `<` or `>`, modifier arrowheads, single
+# guillemets, precedes/succeeds, less/greater-than with dot, double nested
+# less/greater-than, technical, mathematical, ornamental, CJK, vertical,
+# small-form and full-width angle brackets). Listed rather than looked up, so
+# the output does not depend on the Python build's Unicode version; the tests
+# check the list against the `regex` module's newer Unicode data. None of them
+# has a place in a prompt that a human reviewer must read as the model does.
+#
+# Split at U+FFFF for speed: `re` tests the BMP part of a class with one bitmap
+# lookup but each range above it one by one, which made the scan of every
+# character several times slower. Text without astral characters (most text)
+# is scanned with the BMP class alone.
+_BODY_UNSAFE_BMP_CLASS = (
     "&<>"
     "\x00-\x08\x0b-\x1f\x7f-\x9f"
-    "\u00ad\u0600-\u0605\u061c\u06dd\u070f\u0890\u0891\u08e2\u180e"
-    "\u200b-\u200f\u202a-\u202e\u2060-\u2064\u2066-\u206f\ufeff\ufff9-\ufffb"
-    "\U000110bd\U000110cd\U00013430-\U0001343f\U0001bca0-\U0001bca3"
-    "\U0001d173-\U0001d17a\U000e0000-\U000e007f"
+    "\u00ad\u034f\u061c\u115f\u1160\u17b4\u17b5\u180b-\u180f"
+    "\u200b-\u200f\u202a-\u202e\u2060-\u206f\u3164\ufe00-\ufe0f\ufeff\uffa0\ufff0-\ufff8"
+    "\u0600-\u0605\u06dd\u070f\u0890\u0891\u08e2\ufff9-\ufffb"
     "\u2028\u2029"
-    "\ufe00-\ufe0f\U000e0100-\U000e01ef"
-    "\u034f\u115f\u1160\u17b4\u17b5\u3164\uffa0"
-    "\ue000-\uf8ff\U000f0000-\U000ffffd\U00100000-\U0010fffd"
-    "\u02c2\u02c3\u1433\u1438\u2039\u203a\u2329\u232a\u276c-\u2771"
-    "\u27e8-\u27eb\u2991-\u2996\u29fc\u29fd\u3008-\u300b\ufe3d-\ufe40"
-    "\ufe64\ufe65\uff1c\uff1e"
+    "\ue000-\uf8ff"
+    "\u02c2\u02c3\u02f1\u02f2\u1433\u1438\u16b2\u2039\u203a\u227a\u227b\u22d6\u22d7"
+    "\u2329\u232a\u276c-\u2771\u27e8-\u27eb\u2991-\u2996\u29fc\u29fd\u2aa1\u2aa2"
+    "\u3008-\u300b\ufe3d-\ufe40\ufe64\ufe65\uff1c\uff1e"
 )
-_BODY_UNSAFE = re.compile(f"[{_BODY_UNSAFE_CLASS}]")
+_BODY_UNSAFE_ASTRAL_CLASS = (
+    "\U0001bca0-\U0001bca3\U0001d173-\U0001d17a\U000e0000-\U000e0fff"
+    "\U000110bd\U000110cd\U00013430-\U0001343f"
+    "\U000f0000-\U000ffffd\U00100000-\U0010fffd"
+    "\U00016f3f\U0001d236\U0001d237"
+)
+_BODY_UNSAFE_BMP = re.compile(f"[{_BODY_UNSAFE_BMP_CLASS}]")
+_BODY_UNSAFE = re.compile(f"[{_BODY_UNSAFE_BMP_CLASS}{_BODY_UNSAFE_ASTRAL_CLASS}]")
+_ASTRAL = re.compile("[\U00010000-\U0010ffff]")
 # Attribute values are ids and categories: anything outside a small safe set is
 # escaped, so quotes, spaces and angle brackets can never add an attribute.
 _ATTR_UNSAFE = re.compile(r"[^A-Za-z0-9_.:@+\-]")
@@ -96,7 +113,8 @@ def _ref(m: re.Match[str]) -> str:
 def escape_body(text: str) -> str:
     """Escape a body so it holds no markup and starts on a clean token boundary."""
     text = text.replace("\r\n", "\n").replace("\r", "\n").strip()
-    text = _BODY_UNSAFE.sub(_ref, text)
+    unsafe = _BODY_UNSAFE if _ASTRAL.search(text) is not None else _BODY_UNSAFE_BMP
+    text = unsafe.sub(_ref, text)
     if text.startswith("/"):
         text = "&#x2F;" + text[1:]
     return text

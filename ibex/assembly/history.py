@@ -153,6 +153,24 @@ def body_tokens(
     return n, True
 
 
+def _empty(m: Message) -> bool:
+    # Whitespace-only content renders as an empty body (the formatter trims it).
+    return not m.role and not m.content.strip()
+
+
+def without_empty(messages: tuple[Message, ...]) -> tuple[Message, ...]:
+    """The history without messages that have neither role nor content.
+
+    Such a message says nothing, yet its markup would cost tokens: it is left
+    out before counting, so it is neither rendered, nor counted, nor reported
+    as dropped for budget. A message with only one of the two is kept.
+    """
+    for m in messages:
+        if _empty(m):
+            return tuple(m for m in messages if not _empty(m))
+    return messages
+
+
 def fit_history(
     counter: Counter, messages: Sequence[Message], nonce: str, room: int, staged: Staged
 ) -> HistoryFit:

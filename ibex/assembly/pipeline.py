@@ -32,7 +32,7 @@ from ibex.assembly.catalog import (
     ModelCapability,
     resolve_model,
 )
-from ibex.assembly.history import Counter, Staged, dropped_tokens, fit_history
+from ibex.assembly.history import Counter, Staged, dropped_tokens, fit_history, without_empty
 from ibex.assembly.packer import DEFAULT_DP_CELL_CEILING, DEFAULT_MAX_CONSECUTIVE_SKIPS, pack
 from ibex.assembly.structs import (
     AssemblyMetrics,
@@ -196,7 +196,7 @@ def count_fixed_sections(
     overhead = staged.with_nonce(fmt.memories_open, nonce) + staged.count(fmt.MEMORIES_CLOSE)
     ceiling = context_ceiling(cap, family, request.available_tokens)
     room = ceiling - directive_tokens - tool_tokens
-    messages = request.recent_messages
+    messages = without_empty(request.recent_messages)
     fit = fit_history(counter, messages, nonce, room, staged)
     model = cap.model_id or request.model
     dropped = len(messages) - len(fit.kept)

@@ -12,7 +12,7 @@ import uuid
 import msgspec
 
 from ibex.assembly.structs import AssemblyRequest
-from ibex.errors import InputError, TooLargeError
+from ibex.errors import InputError, OverLimitError
 
 MAX_ID_LENGTH = 256
 MAX_ROLE_LENGTH = 64
@@ -42,11 +42,16 @@ def canonical_uuid(field: str, value: str, *, required: bool = True) -> str:
 
 def _text(field: str, value: str, limit: int) -> None:
     if len(value) > limit or len(value.encode("utf-8", "surrogatepass")) > limit:
-        raise TooLargeError(field, f"exceeds {limit} bytes")
+        raise OverLimitError(field, f"exceeds {limit} bytes")
 
 
 def validate_request(request: AssemblyRequest, limits: RequestLimits) -> AssemblyRequest:
-    """A copy with canonical ids, or InputError / TooLargeError naming the field."""
+    """A copy with canonical ids, or InputError naming the field (and the limit it breaks).
+
+    Count and size caps are INVALID_ARGUMENT (`OverLimitError`): only an input
+    that cannot fit even after trimming is RESOURCE_EXHAUSTED, and that is the
+    pipeline's call, once the model's window is known.
+    """
     org_id = canonical_uuid("org_id", request.org_id)
     agent_id = canonical_uuid("agent_id", request.agent_id)
     version = canonical_uuid("directive_version_id", request.directive_version_id, required=False)
@@ -63,9 +68,9 @@ def validate_request(request: AssemblyRequest, limits: RequestLimits) -> Assembl
     if opts.max_memories < 0:
         raise InputError("options.max_memories", "must be >= 0 (0 = no cap)")
     if len(request.recent_messages) > limits.max_history_messages:
-        raise TooLargeError("recent_messages", f"more than {limits.max_history_messages} messages")
+        raise OverLimitError("recent_messages", f"more than {limits.max_history_messages} messages")
     if len(request.tool_schemas) > limits.max_tool_schemas:
-        raise TooLargeError("tool_schemas", f"more than {limits.max_tool_schemas} entries")
+        raise OverLimitError("tool_schemas", f"more than {limits.max_tool_schemas} entries")
     _text("query", request.query, limits.max_text_bytes)
     for i, msg in enumerate(request.recent_messages):
         _text(f"recent_messages[{i}].content", msg.content, limits.max_text_bytes)

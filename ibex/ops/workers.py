@@ -26,6 +26,7 @@ metrics server and the watchdog; nothing outlives `supervise`.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -113,7 +114,15 @@ class Supervisor:
                     registry = exposition_registry()
                     registry.register(self.restart_metric)
                     host, _, port = self.settings.metrics_addr.rpartition(":")
-                    await nursery.start(serve_metrics, registry, host, int(port))
+                    await nursery.start(
+                        functools.partial(
+                            serve_metrics,
+                            token_sha256=self.settings.metrics_token_sha256,
+                        ),
+                        registry,
+                        host,
+                        int(port),
+                    )
                 task_status.started()
                 with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
                     async for signum in signals:

@@ -34,9 +34,9 @@ from ibex.errors import (
     DeadlineError,
     IbexError,
     InputError,
+    OverLimitError,
     Overloaded,
     SourceError,
-    TooLargeError,
     Unavailable,
 )
 from ibex.ops.logs import bind_request
@@ -264,7 +264,7 @@ class ContextService:
         if not msg.query.strip():
             raise InputError("query", "is required")
         if len(msg.query.encode()) > self.config.max_text_bytes:
-            raise TooLargeError("query", "too large")
+            raise OverLimitError("query", f"exceeds {self.config.max_text_bytes} bytes")
         if (
             msg.limit < 0
             or not math.isfinite(msg.min_similarity)

@@ -252,19 +252,41 @@ def check_bind_policy(settings: Settings) -> str | None:
 
     Returns a warning to log at every start when the insecure override is in use.
     """
+    metrics_warning = check_metrics_bind_policy(settings)
     host, _ = split_addr(settings.grpc_addr)
     has_auth = bool(settings.auth_tokens_sha256) or settings.tls_client_ca is not None
     if is_loopback(host) or has_auth:
-        return None
+        return metrics_warning
     if not settings.allow_insecure:
         raise ConfigError(
             f"IBEX_CONTEXT_GRPC_ADDR: binding {host} (not loopback) requires caller "
             "authentication (IBEX_CONTEXT_AUTH_TOKENS_SHA256 or IBEX_CONTEXT_TLS_CLIENT_CA); "
             "set IBEX_CONTEXT_ALLOW_INSECURE=1 to accept unauthenticated callers"
         )
-    return (
+    warning = (
         f"insecure: listening on {host} without caller authentication "
         "(IBEX_CONTEXT_ALLOW_INSECURE=1); any caller can read any tenant's memories"
+    )
+    return f"{warning}; {metrics_warning}" if metrics_warning else warning
+
+
+def check_metrics_bind_policy(settings: Settings) -> str | None:
+    """The same rule for /metrics: off loopback it needs a scrape token
+    (IBEX_CONTEXT_METRICS_TOKEN_SHA256) unless the insecure override is given."""
+    if not settings.metrics_addr or settings.metrics_token_sha256:
+        return None
+    host, _ = split_addr(settings.metrics_addr)
+    if is_loopback(host):
+        return None
+    if not settings.allow_insecure:
+        raise ConfigError(
+            f"IBEX_CONTEXT_METRICS_ADDR: binding {host} (not loopback) requires a scrape "
+            "token (IBEX_CONTEXT_METRICS_TOKEN_SHA256); "
+            "set IBEX_CONTEXT_ALLOW_INSECURE=1 to serve metrics to anyone"
+        )
+    return (
+        f"insecure: serving /metrics on {host} without a scrape token "
+        "(IBEX_CONTEXT_ALLOW_INSECURE=1)"
     )
 
 

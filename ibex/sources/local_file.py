@@ -17,7 +17,7 @@ starting with `#` are skipped). An AGENT is
                    "version_id": "<uuid>" | null} | null,
      "memories": [MEMORY, ...]}
 
-and a MEMORY is the contract's memory object (`id`, `content`, `category`,
+and a MEMORY is the contract's memory object (`id` a UUID, `content`, `category`,
 `confidence`, optional `created_at`, `usefulness`, `access_count`). Its
 `org_id`/`agent_id` default to the AGENT's; giving other ones serves another
 tenant's memory to this agent, which is how the sample demonstrates the
@@ -60,6 +60,7 @@ from ibex.sources.wire import (
     UnitFloat,
     WireMemory,
     WireResult,
+    check_memory_id,
     check_rfc3339,
     check_unit,
     to_hit,
@@ -98,6 +99,7 @@ class LocalMemory(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     tags: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        check_memory_id(self.id)
         check_unit("confidence", self.confidence)
         check_unit("usefulness", self.usefulness)
         check_rfc3339(self.created_at)

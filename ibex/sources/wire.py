@@ -36,6 +36,12 @@ DEFAULT_MAX_CONTENT_BYTES: Final = 32 * 1024
 _RFC3339 = re.compile(
     r"^\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}:\d{2}(?:\.\d+)?(?:[Zz]|[+-]\d{2}:\d{2})$"
 )
+# The contract's memory ids are UUIDs: the proxy drops any other id from its
+# evidence and feedback names memories by it, so a non-UUID id is a malformed
+# item (the branch fails), never a memory. 8-4-4-4-12 hex, hex digits of either case.
+_UUID = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
+_VALID_IDS: set[str] = set()
+_VALID_IDS_MAX: Final = 8192
 _DETAIL_MAX = 160
 # Timestamps already found valid: the same memories come back call after call, and
 # the regex plus fromisoformat is a fifth of validating one. Bounded: cleared when
@@ -61,6 +67,21 @@ def check_rfc3339(value: str | None) -> None:
         _VALID_TIMESTAMPS.add(value)
 
 
+def check_memory_id(value: str) -> None:
+    """Raise ValueError unless value is a canonical (hyphenated, 36-character) UUID.
+
+    Memoised like the timestamps: the same memories come back call after call,
+    and a set lookup is a tenth of the regex.
+    """
+    if value in _VALID_IDS:
+        return
+    if _UUID.fullmatch(value) is None:
+        raise ValueError("id must be a canonical UUID")
+    if len(_VALID_IDS) >= _VALID_IDS_MAX:
+        _VALID_IDS.clear()
+    _VALID_IDS.add(value)
+
+
 def check_unit(name: str, value: float | None) -> None:
     """Raise ValueError unless value is None or a finite number in [0, 1]."""
     if value is not None and not (math.isfinite(value) and 0.0 <= value <= 1.0):
@@ -84,6 +105,7 @@ class WireMemory(msgspec.Struct, frozen=True):
     def __post_init__(self) -> None:
         # Meta bounds already reject out-of-range values; NaN slips past
         # comparisons, so check finiteness explicitly.
+        check_memory_id(self.id)
         check_unit("confidence", self.confidence)
         check_unit("usefulness", self.usefulness)
         check_rfc3339(self.created_at)

@@ -380,3 +380,25 @@ async def test_directive_cache_answers_a_known_version_without_redis(
         third = await assembler.assemble(newer)
         assert gets() == before + 2  # tenant b's first lookup and the unknown version
         assert "cached, 6ba7b810" in third.branches[0].detail
+
+
+async def test_a_memory_id_that_is_not_a_uuid_fails_both_memory_branches(
+    redis_server: RedisServer, memory_server: FakeMemoryServer
+) -> None:
+    """Contract section 2: ids are UUIDs and a malformed item is an `error` of its branch."""
+    seed_directive(redis_server, "a")
+    data = seed_tenant(memory_server, "a", seed=6)
+    odd = make_memories(ORG_A, AGENT_A, 1, seed=7)[0]
+    odd.update(id="not-a-uuid", content="NOT A UUID TEXT", confidence=1.0)
+    # Top of both endpoints' answers, so hot and cold each return it within their limit.
+    memory_server.add_memories(ORG_A, AGENT_A, [odd], similarities=[0.999])
+    async with open_stack(redis_server, memory_server, RELAXED_TIMEOUTS) as assembler:
+        result = await assembler.assemble(make_request())
+    assert statuses(result) == {"directive": "success", "hot": "error", "cold": "error"}
+    assert result.degradation_level == "L2"
+    for branch in result.branches[1:]:
+        assert "id must be a canonical UUID - at `$.data.results[0].memory`" in branch.detail
+        assert "not-a-uuid" not in branch.detail
+    assert "NOT A UUID TEXT" not in result.assembled_context
+    assert not included_ids(result) and not ids_in_text(result, data.expected_ids | {"not-a-uuid"})
+    assert has_directive(result, "a") and history_present(result)

@@ -27,6 +27,17 @@ async def test_cli_config_redacts_url_credentials() -> None:
     assert shown["memory_base_url"] == "http://<redacted>@127.0.0.1:9"
 
 
+async def test_cli_config_redacts_a_password_holding_url_delimiters() -> None:
+    """Everything between `://` and the last `@` is userinfo, whatever characters it holds."""
+    for password in ("pa/ss", "pa?ss", "pa#ss", "pa@ss"):
+        out = await in_thread(
+            run_cli, "config", env={"IBEX_CONTEXT_REDIS_URL": f"redis://:{password}@redis:6379/0"}
+        )
+        assert out.returncode == 0, out.stderr
+        assert password not in out.stdout + out.stderr
+        assert json.loads(out.stdout)["redis_url"] == "redis://<redacted>@redis:6379/0"
+
+
 async def test_cli_check_reports_an_unknown_variable() -> None:
     out = await in_thread(
         run_cli,

@@ -26,6 +26,7 @@ from ibex.assembly.tokens import Tokenizers
 from ibex.client import ContextClient
 from ibex.service import wire
 from tests.grpcio_stubs import context_pb2, context_pb2_grpc, principal_context_pb2
+from tests.memory_server import make_memories, running_memory_server
 
 from .grpc_harness import (
     AGENT,
@@ -510,42 +511,93 @@ async def small_daemon() -> AsyncIterator[RunningDaemon]:
 
 
 @pytest.mark.parametrize(
-    ("request_", "field"),
+    ("request_", "field", "limit"),
     [
         (
             _bad(recent_messages=[context_pb2.Message(role="user", content="hi")] * 5),
             "recent_messages",
+            "more than 4 messages",
         ),
-        (_bad(query=SECRET_TEXT * 100), "query"),
+        (_bad(query=SECRET_TEXT * 100), "query", "exceeds 2000 bytes"),
         (
             _bad(recent_messages=[context_pb2.Message(role="user", content=SECRET_TEXT * 100)]),
             "recent_messages[0].content",
+            "exceeds 2000 bytes",
         ),
-        (_bad(tool_schemas=["{}", "x" * 2001]), "tool_schemas[1]"),
-        # Fits the byte limits but not the model: 4 messages of ~200 tokens in a 600 window.
-        (
-            _bad(
-                available_tokens=600,
-                model="gpt-4o",
-                recent_messages=[context_pb2.Message(role="user", content=SECRET_TEXT * 40)] * 4,
-            ),
-            "recent_messages",
-        ),
+        (_bad(tool_schemas=["{}", "x" * 2001]), "tool_schemas[1]", "exceeds 2000 bytes"),
     ],
-    ids=lambda v: v if isinstance(v, str) else "",
+    ids=lambda v: v if isinstance(v, str) and not v[0].isspace() else "",
 )
-async def test_oversize_request_is_resource_exhausted(
-    small_daemon: RunningDaemon, request_: Any, field: str
+async def test_a_field_over_its_cap_is_invalid_argument_naming_field_and_limit(
+    small_daemon: RunningDaemon, request_: Any, field: str, limit: str
 ) -> None:
+    """Contract: oversize inputs are INVALID_ARGUMENT; RESOURCE_EXHAUSTED is for load."""
     with pytest.raises(grpc.RpcError) as info:
         await in_thread(_assemble, small_daemon, request_)
-    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     details = info.value.details()
-    assert details.startswith(f"{field}:")
+    assert details == f"{field}: {limit}"
     assert SECRET_TEXT not in details
     # The limits hold the daemon to nothing: the next normal call is served.
     ok = await in_thread(_assemble, small_daemon, _bad(query="deploy billing"))
     assert ok.degradation_level == "L0"
+
+
+async def test_a_history_that_cannot_fit_even_trimmed_is_resource_exhausted(
+    small_daemon: RunningDaemon,
+) -> None:
+    # Fits the byte limits but not the model: the newest message alone overflows a 600 window.
+    request_ = _bad(
+        available_tokens=600,
+        model="gpt-4o",
+        recent_messages=[context_pb2.Message(role="user", content=SECRET_TEXT * 80)],
+    )
+    with pytest.raises(grpc.RpcError) as info:
+        await in_thread(_assemble, small_daemon, request_)
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    details = info.value.details()
+    assert details.startswith("recent_messages: the newest message alone needs")
+    assert SECRET_TEXT not in details
+
+
+MIB = 1024 * 1024
+
+
+async def test_default_caps_answer_invalid_argument_over_a_real_socket(
+    daemon: RunningDaemon,
+) -> None:
+    """Issue 20 row 15 with the default limits: 512 messages, 1 MiB of text, 128 tool schemas."""
+    cases = [
+        (
+            _bad(recent_messages=[context_pb2.Message(role="user", content="hi")] * 513),
+            "recent_messages: more than 512 messages",
+        ),
+        (_bad(query="q" * (MIB + 1)), f"query: exceeds {MIB} bytes"),
+        (_bad(tool_schemas=["{}"] * 129), "tool_schemas: more than 128 entries"),
+        (
+            _bad(recent_messages=[context_pb2.Message(role="user", content="é" * (MIB // 2 + 1))]),
+            f"recent_messages[0].content: exceeds {MIB} bytes",
+        ),
+    ]
+    for request_, details in cases:
+        with pytest.raises(grpc.RpcError) as info:
+            await in_thread(_assemble, daemon, request_)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, details
+        assert info.value.details() == details
+    with pytest.raises(grpc.RpcError) as info:
+        await in_thread(_search, daemon, query="q" * (MIB + 1))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details() == f"query: exceeds {MIB} bytes"
+    # One under each cap is served.
+    ok = await in_thread(
+        _assemble,
+        daemon,
+        _bad(
+            recent_messages=[context_pb2.Message(role="user", content="hi")] * 512,
+            tool_schemas=["{}"] * 128,
+        ),
+    )
+    assert ok.budget.messages_dropped == 0
 
 
 async def test_message_over_the_byte_limit_is_refused_before_decoding() -> None:
@@ -558,3 +610,41 @@ async def test_message_over_the_byte_limit_is_refused_before_decoding() -> None:
         assert "4096-byte limit" in info.value.details()
         ok = await in_thread(_assemble, d, _bad(query="deploy billing"))
         assert ok.degradation_level == "L0"
+
+
+async def test_a_memory_id_that_is_not_a_uuid_is_a_branch_error_over_grpc() -> None:
+    """Issue 20 row 13 against the daemon: the stand-in answers both branches with a
+    memory whose id is `not-a-uuid`; it is an error of each branch, never a memory."""
+    with running_memory_server() as memory:
+        good = make_memories(ORG, AGENT, 3, seed=21)
+        odd = {**make_memories(ORG, AGENT, 1, seed=22)[0], "id": "not-a-uuid"}
+        odd.update(content="ODD ID MEMORY TEXT deploy billing", confidence=1.0)
+        memory.add_memories(ORG, AGENT, [*good, odd], similarities=[0.5, 0.5, 0.5, 0.99])
+        async with running_daemon(
+            memory_base_url=memory.url,
+            memory_api_token=memory.token,
+            timeout=2.0,
+            deadline=2.0,
+            hot_timeout=2.0,
+            cold_timeout=2.0,
+        ) as d:
+
+            def call() -> tuple[Any, dict[str, str]]:
+                with d.channel() as channel:
+                    stub = context_pb2_grpc.ContextAssemblyServiceStub(channel)
+                    request_ = context_pb2.AssembleContextRequest(
+                        org_id=ORG, agent_id=AGENT, model="gpt-4o", query="deploy billing"
+                    )
+                    resp, rpc = stub.AssembleContext.with_call(request_, timeout=10)
+                    return resp, dict(rpc.initial_metadata())
+
+            resp, meta = await in_thread(call)
+    branches = {b.source: (b.status, b.detail) for b in resp.branches}
+    for source in ("hot", "cold"):
+        status, detail = branches[source]
+        assert status == "error", (source, detail)
+        assert "id must be a canonical UUID" in detail and "not-a-uuid" not in detail
+    assert "hot=error" in meta["x-ibex-branches"] and "cold=error" in meta["x-ibex-branches"]
+    assert resp.degradation_level == "L2"
+    assert "ODD ID MEMORY TEXT" not in resp.assembled_context
+    assert not resp.memories_used

@@ -55,7 +55,7 @@ def memory_statuses(result: AssemblyResult) -> dict[str, str]:
 
 def _tiny(i: int) -> dict[str, Any]:
     return {
-        "id": f"many-{i:06d}",
+        "id": f"00000000-0000-4000-9000-{i:012d}",
         "content": f"note {i}",
         "category": "factual",
         "confidence": 0.5,
@@ -68,7 +68,7 @@ async def test_one_huge_memory_is_excluded_failed_and_the_branch_succeeds(
     seed_directive(redis_server, "a")
     data = seed_tenant(memory_server, "a", seed=11)
     huge = make_memories(ORG_A, AGENT_A, 1, seed=12)[0]
-    huge["id"] = "huge-memory-0001"
+    huge["id"] = "00000000-0000-4000-9999-000000000001"
     huge["content"] = "H" * HUGE
     huge["confidence"] = 0.99  # first in the hot answer
     memory_server.add_memories(ORG_A, AGENT_A, [huge], similarities=[0.1])
@@ -106,7 +106,7 @@ async def test_forty_thousand_results_when_twenty_were_asked(
     hot = next(s for s in memory_server.seen if s.path == "/v1/memories/hot")
     assert hot.query["limit"] == ["20"]
     seen_ids = included_ids(result) | {m.memory_id for m in result.excluded}
-    assert seen_ids <= {f"many-{i:06d}" for i in range(40_000)}
+    assert seen_ids <= {f"00000000-0000-4000-9000-{i:012d}" for i in range(40_000)}
     # hot and cold each took at most 20; both answers start with the same memories
     assert 0 < len(seen_ids) <= 40
     assert len(result.memories_used) + len(result.excluded) <= 40

@@ -186,6 +186,14 @@ BAD_BODIES: dict[str, bytes] = {
     "empty id": _body(_item(1, memory=_memory(1, id=""))),
     "empty org_id": _body(_item(1, memory=_memory(1, org_id=""))),
     "numeric id": _body(_item(1, memory=_memory(1, id=123))),
+    "id not a uuid": _body(_item(1, memory=_memory(1, id="not-a-uuid"))),
+    "id uuid without hyphens": _body(_item(1, memory=_memory(1, id="1" * 32))),
+    "id uuid in braces": _body(_item(1, memory=_memory(1, id="{" + _memory(1)["id"] + "}"))),
+    "id uuid urn": _body(_item(1, memory=_memory(1, id="urn:uuid:" + _memory(1)["id"]))),
+    "id uuid and newline": _body(_item(1, memory=_memory(1, id=_memory(1)["id"] + "\n"))),
+    "id uuid with a non-ascii digit": _body(
+        _item(1, memory=_memory(1, id=_memory(1)["id"][:-1] + "\u0661"))
+    ),
     "usefulness 2": _body(_item(1, memory=_memory(1, usefulness=2))),
     "access_count negative": _body(_item(1, memory=_memory(1, access_count=-1))),
     "created_at not rfc3339": _body(_item(1, memory=_memory(1, created_at="yesterday"))),
@@ -214,6 +222,24 @@ async def test_bad_item_detail_names_the_path(memory_server: FakeMemoryServer) -
     memory_server.hot.body = BAD_BODIES["one bad item among good"]
     exc = await _error(memory_server)
     assert "$.data.results[2].memory.confidence" in str(exc)
+
+
+async def test_non_uuid_id_detail_names_the_path_not_the_value(
+    memory_server: FakeMemoryServer,
+) -> None:
+    memory_server.cold.body = _body(_item(1), _item(2, memory=_memory(2, id="not-a-uuid")))
+    exc = await _error(memory_server, "cold")
+    assert "id must be a canonical UUID - at `$.data.results[1].memory`" in str(exc)
+    assert "not-a-uuid" not in str(exc)
+
+
+async def test_upper_case_uuid_ids_are_accepted_verbatim(memory_server: FakeMemoryServer) -> None:
+    upper = _memory(1)["id"].upper().replace("0", "A")
+    memory_server.hot.body = _body(_item(1, memory=_memory(1, id=upper)))
+    with trio.fail_after(CAP):
+        async with memory_server.source() as source:
+            hits = await source.hot(DEMO_ORG, DEMO_AGENT, limit=10, min_confidence=0.0)
+    assert [h.memory_id for h in hits] == [upper]
 
 
 @pytest.mark.parametrize("status", [500, 503, 404, 302, 204])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 import subprocess
 import sys
@@ -27,6 +29,7 @@ from ibex.ops.metrics import (
     exposition_registry,
     mark_process_dead,
     serve_metrics,
+    token_digest,
 )
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -88,9 +91,12 @@ def make_result() -> AssemblyResult:
     )
 
 
-async def http(port: int, request: bytes) -> tuple[str, dict[str, str], bytes]:
-    """One raw HTTP exchange; the server closes the connection after its answer."""
-    stream = await trio.open_tcp_stream("127.0.0.1", port)
+async def http(
+    port: int, request: bytes, *, local: str | None = None
+) -> tuple[str, dict[str, str], bytes]:
+    """One raw HTTP exchange (from source address `local`); the server closes the
+    connection after its answer."""
+    stream = await trio.open_tcp_stream("127.0.0.1", port, local_address=local)
     async with stream:
         await stream.send_all(request)
         data = bytearray()
@@ -271,3 +277,127 @@ def test_exposition_registry_needs_a_directory(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
     with pytest.raises(RuntimeError, match="PROMETHEUS_MULTIPROC_DIR"):
         exposition_registry()
+
+
+# -- who may scrape: bearer token, read timeout, per-peer cap (issue 20 row 8) ---------------
+
+TOKEN = "scrape-token-0f1e2d3c4b5a69788796a5b4"
+NEXT_TOKEN = "rotated-token-8796a5b4c3d2e1f00f1e2d3c"
+SCRAPE = b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n"
+
+
+def scrape_with(authorization: str | None, path: str = "/metrics", method: str = "GET") -> bytes:
+    header = f"Authorization: {authorization}\r\n" if authorization is not None else ""
+    return f"{method} {path} HTTP/1.1\r\nHost: x\r\n{header}\r\n".encode()
+
+
+async def test_with_a_token_every_request_needs_it(
+    nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    metrics = Metrics()
+    metrics.observe_request("AssembleContext", "OK", 0.01)
+    port = await nursery.start(
+        functools.partial(
+            serve_metrics,
+            metrics,
+            "127.0.0.1",
+            0,
+            token_sha256=[token_digest(TOKEN), token_digest(NEXT_TOKEN).upper()],
+        )
+    )
+    refused = [
+        SCRAPE,
+        scrape_with(f"Bearer {TOKEN[:-1]}"),
+        scrape_with(f"Bearer {TOKEN}x"),
+        scrape_with(f"Basic {TOKEN}"),
+        scrape_with(TOKEN),
+        scrape_with("Bearer "),
+        scrape_with(f"Bearer {token_digest(TOKEN)}"),  # the digest is not the token
+        scrape_with(f"Bearer {TOKEN}")[:-2] + f"Authorization: Bearer {TOKEN}\r\n\r\n".encode(),
+        scrape_with(None, path="/"),  # unknown paths too: nothing is said without the token
+        scrape_with(None, method="HEAD"),
+    ]
+    with trio.fail_after(10):
+        for request in refused:
+            status, headers, body = await http(port, request)
+            assert status == "HTTP/1.1 401 Unauthorized", request
+            assert headers["www-authenticate"] == 'Bearer realm="ibex-metrics"'
+            assert b"ibex_" not in body
+        for authorization in (f"Bearer {TOKEN}", f"bearer  {TOKEN} ", f"Bearer {NEXT_TOKEN}"):
+            status, _, body = await http(port, scrape_with(authorization))
+            assert status == "HTTP/1.1 200 OK", authorization
+            assert b'ibex_grpc_requests_total{code="OK",method="AssembleContext"} 1.0' in body
+        upper = SCRAPE[:-2] + f"AUTHORIZATION: Bearer {TOKEN}\r\n\r\n".encode()
+        assert (await http(port, upper))[0] == "HTTP/1.1 200 OK"
+        status, _, _ = await http(port, scrape_with(f"Bearer {TOKEN}", path="/"))
+        assert status == "HTTP/1.1 404 Not Found"
+        status, headers, body = await http(port, scrape_with(f"Bearer {TOKEN}", method="HEAD"))
+        assert (status, body) == ("HTTP/1.1 200 OK", b"")
+    for secret in (TOKEN, NEXT_TOKEN, token_digest(TOKEN)):
+        assert secret not in caplog.text
+
+
+async def test_a_peer_that_sends_nothing_is_closed_after_the_head_timeout(
+    nursery: trio.Nursery,
+) -> None:
+    port = await nursery.start(
+        functools.partial(
+            serve_metrics, Metrics(), "127.0.0.1", 0, head_timeout=0.3, connection_timeout=60
+        )
+    )
+    with trio.fail_after(10):
+        silent = await trio.open_tcp_stream("127.0.0.1", port)
+        slow = await trio.open_tcp_stream("127.0.0.1", port)
+        async with silent, slow:
+            await slow.send_all(b"GET /metrics HTTP/1.1\r\n")  # never ends its head
+            t0 = trio.current_time()
+            assert await silent.receive_some(1024) == b""
+            assert await slow.receive_some(1024) == b""
+            assert trio.current_time() - t0 < 5  # the head timeout, not the connection's 60 s
+
+
+async def _idle(port: int, local: str, n: int) -> list[trio.SocketStream]:
+    return [await trio.open_tcp_stream("127.0.0.1", port, local_address=local) for _ in range(n)]
+
+
+async def _closed_by_server(stream: trio.SocketStream) -> bool:
+    with trio.move_on_after(2):
+        return await stream.receive_some(1024) == b""
+    return False
+
+
+async def test_idle_sockets_of_one_peer_cannot_shut_out_the_scraper(nursery: trio.Nursery) -> None:
+    """16 idle connections from one address (the process-wide cap), then scrapes from
+    another address and from that same one: both are answered."""
+    port = await nursery.start(serve_metrics, Metrics(), "127.0.0.1", 0)  # the defaults
+    with trio.fail_after(20):
+        idle = await _idle(port, "127.0.0.1", 16)
+        try:
+            status, _, body = await http(port, SCRAPE, local="127.0.0.2")
+            assert status == "HTTP/1.1 200 OK" and b"ibex_grpc_requests_total" in body
+            status, _, _ = await http(port, SCRAPE, local="127.0.0.1")
+            assert status == "HTTP/1.1 200 OK"
+            # The peer holds at most 4: each newer connection closed its oldest idle one.
+            closed = [await _closed_by_server(s) for s in idle[:12]]
+            assert all(closed)
+        finally:
+            for s in idle:
+                await trio.aclose_forcefully(s)
+
+
+async def test_idle_sockets_of_many_peers_cannot_shut_out_the_scraper(
+    nursery: trio.Nursery,
+) -> None:
+    port = await nursery.start(
+        functools.partial(serve_metrics, Metrics(), "127.0.0.1", 0, max_connections=8)
+    )
+    with trio.fail_after(20):
+        idle = [s for peer in ("127.0.0.10", "127.0.0.11") for s in await _idle(port, peer, 4)]
+        try:
+            status, _, _ = await http(port, SCRAPE, local="127.0.0.2")
+            assert status == "HTTP/1.1 200 OK"
+            assert await _closed_by_server(idle[0])  # the oldest idle one made room
+        finally:
+            for s in idle:
+                await trio.aclose_forcefully(s)

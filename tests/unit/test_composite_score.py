@@ -172,7 +172,7 @@ def test_another_tenants_hit_does_not_decide_the_schema(
 def _body(**extra: object) -> bytes:
     result = {
         "memory": {
-            "id": "m1",
+            "id": "00000000-0000-4000-8000-00000000c001",
             "org_id": ORG,
             "agent_id": AGENT,
             "content": "text",

@@ -181,6 +181,28 @@ def test_url_credentials_are_redacted(url: str, shown: str) -> None:
     assert "hunter2" not in redact_url(url)
 
 
+@pytest.mark.parametrize(
+    "url,shown",
+    [
+        # A password with characters a URL parser reads as path, query, fragment or userinfo end.
+        ("redis://:pa/ss@redis:6379/0", "redis://<redacted>@redis:6379/0"),
+        ("redis://:pa?ss@redis:6379/0", "redis://<redacted>@redis:6379/0"),
+        ("redis://:pa#ss@redis:6379/0", "redis://<redacted>@redis:6379/0"),
+        ("redis://default:pa@ss@redis:6379/0", "redis://<redacted>@redis:6379/0"),
+        ("rediss://u:a/b?c#d@e@redis:6380/1", "rediss://<redacted>@redis:6380/1"),
+        (
+            "redis://:pa/ss@redis:6379/0?password=q&db=1",
+            "redis://<redacted>@redis:6379/0?password=<redacted>&db=1",
+        ),
+        ("user:pa/ss@host:26379", "<redacted>@host:26379"),
+    ],
+)
+def test_userinfo_up_to_the_last_at_sign_is_redacted(url: str, shown: str) -> None:
+    assert redact_url(url) == shown
+    for piece in ("pa/ss", "pa?ss", "pa#ss", "pa@ss", "a/b?c#d@e", ":pa", "ss@"):
+        assert piece not in redact_url(url)
+
+
 def test_every_url_setting_is_redacted() -> None:
     s = load_settings(
         {

@@ -14,6 +14,7 @@ import pytest
 
 from ibex import config
 from ibex.config import PREFIX, Settings, load_settings, parse_duration
+from ibex.service.root import check_bind_policy
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 UNIT = DEPLOY / "systemd" / "ibex-context.service"
@@ -280,6 +281,14 @@ def test_config_and_secret_make_a_startable_configuration() -> None:
     assert settings.auth_tokens_sha256
     assert "IBEX_CONTEXT_MEMORY_API_TOKEN" not in docs["ConfigMap"]["data"]
     assert "IBEX_CONTEXT_AUTH_TOKENS_SHA256" not in docs["ConfigMap"]["data"]
+    # Metrics on the pod address need a scrape token; its digest is a secret too.
+    assert settings.metrics_token_sha256
+    assert "IBEX_CONTEXT_METRICS_TOKEN_SHA256" not in docs["ConfigMap"]["data"]
+    assert check_bind_policy(settings) is None  # starts, with no insecure override
+    assert not settings.allow_insecure
+    without = {k: v for k, v in env.items() if k != "IBEX_CONTEXT_METRICS_TOKEN_SHA256"}
+    with pytest.raises(config.ConfigError, match="IBEX_CONTEXT_METRICS_ADDR"):
+        check_bind_policy(load_settings(without))
 
 
 def test_service_is_headless_and_selects_the_pods() -> None:

@@ -37,8 +37,12 @@ def _agent(memories: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
     return {"org_id": ORG, "agent_id": AGENT, "memories": memories, **extra}
 
 
+def _mid(i: int) -> str:
+    return f"00000000-0000-4000-8000-{i:012d}"
+
+
 def _mem(i: int, content: str = "some text", **extra: Any) -> dict[str, Any]:
-    return {"id": f"m{i}", "content": content, "category": "factual", "confidence": 0.5, **extra}
+    return {"id": _mid(i), "content": content, "category": "factual", "confidence": 0.5, **extra}
 
 
 async def test_sample_directive_and_every_memory(sample: LocalFileSource) -> None:
@@ -123,7 +127,7 @@ async def test_jsonl_and_defaults(tmp_path: Path) -> None:
     path.write_text("\n".join(lines), encoding="utf-8")
     source = LocalFileSource.load(path)
     hits = await source.hot(ORG, AGENT, limit=10, min_confidence=0.0)
-    assert {h.memory_id: h.agent_id for h in hits} == {"m1": AGENT, "m2": OTHER_AGENT}
+    assert {h.memory_id: h.agent_id for h in hits} == {_mid(1): AGENT, _mid(2): OTHER_AGENT}
     assert hits[0].created_at is None and hits[0].usefulness is None
     assert await source.get_directive(ORG, AGENT) is None
     assert await source.get_directive(ORG, OTHER_AGENT) == Directive("Be kind.")
@@ -139,7 +143,9 @@ async def test_jsonl_and_defaults(tmp_path: Path) -> None:
         (_mem(1, created_at="soon"), "$.agents[0].memories[1]"),
         (_mem(1, access_count=-3), "$.agents[0].memories[1].access_count"),
         (_mem(1, colour="blue"), "$.agents[0].memories[1]"),
-        ({"id": "m1", "content": "x", "confidence": 0.5}, "$.agents[0].memories[1]"),
+        ({"id": _mid(1), "content": "x", "confidence": 0.5}, "$.agents[0].memories[1]"),
+        (_mem(1, id="m1"), "$.agents[0].memories[1]"),
+        (_mem(1, id="not-a-uuid"), "$.agents[0].memories[1]"),
     ],
 )
 def test_bad_memory_names_file_and_item(tmp_path: Path, memory: dict[str, Any], where: str) -> None:

@@ -29,9 +29,17 @@ NOW = 1_760_000_000.0
 NESTED = b"[" * 100_000
 
 
+def _mid(i: int) -> str:
+    """Memory ids are UUIDs (contract section 2); item i gets one that names it."""
+    return f"00000000-0000-4000-8000-{i:012d}"
+
+
+SMALL, BIG = _mid(901), _mid(902)
+
+
 def _result(i: int, content: str = "text", **memory: Any) -> dict[str, Any]:
     m = {
-        "id": f"m{i}",
+        "id": _mid(i),
         "org_id": ORG,
         "agent_id": AGENT,
         "content": content,
@@ -50,7 +58,7 @@ def test_only_the_requested_number_of_results_become_hits() -> None:
     results = [_result(i) for i in range(50)]
     results[30]["memory"]["confidence"] = 7.0  # invalid, but past the limit: never looked at
     hits = decode_hits(_body(*results), "hot", limit=20)
-    assert [h.memory_id for h in hits] == [f"m{i}" for i in range(20)]
+    assert [h.memory_id for h in hits] == [_mid(i) for i in range(20)]
     assert decode_hits(_body(*results), "hot", limit=0) == []
 
 
@@ -60,7 +68,7 @@ def test_a_large_answer_is_decoded_only_up_to_the_limit() -> None:
     body = _body(*results)
     assert len(body) > 256 * 1024
     hits = decode_hits(body, "cold", limit=20)
-    assert [h.memory_id for h in hits] == [f"m{i}" for i in range(20)]
+    assert [h.memory_id for h in hits] == [_mid(i) for i in range(20)]
     results[5]["memory"]["confidence"] = 7.0
     with pytest.raises(SourceError, match=r"\$\.data\.results\[5\]\.memory\.confidence"):
         decode_hits(_body(*results), "cold", limit=20)
@@ -92,16 +100,16 @@ def test_content_cap_is_in_utf8_bytes(content: str, oversized: bool) -> None:
     (hit,) = decode_hits(_body(_result(0, content)), "hot", limit=1, max_content_bytes=100)
     assert hit.oversized is oversized
     assert hit.content == ("" if oversized else content)
-    assert hit.memory_id == "m0"
+    assert hit.memory_id == _mid(0)
 
 
 def test_a_huge_memory_is_flagged_and_its_neighbours_kept() -> None:
     body = _body(_result(0), _result(1, "x" * 4_000_000), _result(2))
     hits = decode_hits(body, "hot", limit=20)
     assert [(h.memory_id, h.oversized, len(h.content)) for h in hits] == [
-        ("m0", False, 4),
-        ("m1", True, 0),
-        ("m2", False, 4),
+        (_mid(0), False, 4),
+        (_mid(1), True, 0),
+        (_mid(2), False, 4),
     ]
 
 
@@ -158,8 +166,8 @@ async def test_local_file_applies_the_content_cap(tmp_path: Path) -> None:
         "org_id": ORG,
         "agent_id": AGENT,
         "memories": [
-            {"id": "small", "content": "deploy billing", "category": "factual", "confidence": 0.9},
-            {"id": "big", "content": "deploy " * 40, "category": "factual", "confidence": 0.8},
+            {"id": SMALL, "content": "deploy billing", "category": "factual", "confidence": 0.9},
+            {"id": BIG, "content": "deploy " * 40, "category": "factual", "confidence": 0.8},
         ],
     }
     path = tmp_path / "mem.json"
@@ -167,11 +175,11 @@ async def test_local_file_applies_the_content_cap(tmp_path: Path) -> None:
     source = LocalFileSource.load(path, max_content_bytes=100)
     hot = await source.hot(ORG, AGENT, limit=10, min_confidence=0.0)
     assert [(h.memory_id, h.oversized, h.content) for h in hot] == [
-        ("small", False, "deploy billing"),
-        ("big", True, ""),
+        (SMALL, False, "deploy billing"),
+        (BIG, True, ""),
     ]
     cold = await source.cold(ORG, AGENT, "deploy", limit=10, min_confidence=0.0)
-    assert {h.memory_id: h.oversized for h in cold} == {"small": False, "big": True}
+    assert {h.memory_id: h.oversized for h in cold} == {SMALL: False, BIG: True}
     assert len(await source.hot(ORG, AGENT, limit=1, min_confidence=0.0)) == 1
 
 
@@ -316,3 +324,49 @@ def test_the_timestamp_memo_keeps_short_values_and_empties_when_full(
         decode_hits(_body(_result(0, created_at=value)), "hot", limit=1)
     # Full at 3 (the longest and two days): the third day emptied it first.
     assert {days[2]} == wire._VALID_TIMESTAMPS
+
+
+@pytest.mark.parametrize(
+    "bad_id",
+    [
+        "not-a-uuid",
+        "m1",
+        "1" * 32,  # the right digits without hyphens
+        "{" + _mid(1) + "}",
+        "urn:uuid:" + _mid(1),
+        _mid(1) + "\n",
+        " " + _mid(1),
+        _mid(1)[:-1] + "g",
+        _mid(1)[:-1] + "\u0661",  # ARABIC-INDIC DIGIT ONE: a digit, not a hex digit
+        _mid(1).replace("-", "_"),
+    ],
+)
+def test_a_memory_id_that_is_not_a_canonical_uuid_fails_the_answer(bad_id: str) -> None:
+    results = [_result(0), _result(1, id=bad_id), _result(2)]
+    with pytest.raises(SourceError, match=r"canonical UUID - at `\$\.data\.results\[1\]\.memory`"):
+        decode_hits(_body(*results), "hot", limit=20)
+    # Past the limit the item is never looked at, as for any other malformed item.
+    assert len(decode_hits(_body(*results), "hot", limit=1)) == 1
+
+
+def test_canonical_uuid_ids_of_either_case_are_kept_verbatim() -> None:
+    ids = ["6ba7b810-9dad-11d1-80b4-00c04fd430c8", "6BA7B811-9DAD-11D1-80B4-00C04FD430C8"]
+    body = _body(_result(0, id=ids[0]), _result(1, id=ids[1]))
+    assert [h.memory_id for h in decode_hits(body, "cold", limit=20)] == ids
+
+
+def test_the_memory_id_memo_is_bounded_and_holds_only_valid_ids(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(wire, "_VALID_IDS", set())
+    monkeypatch.setattr(wire, "_VALID_IDS_MAX", 3)
+    wire.check_memory_id(_mid(1))
+    assert _mid(1) in wire._VALID_IDS
+    with pytest.raises(ValueError, match="canonical UUID"):
+        wire.check_memory_id("not-a-uuid")
+    assert "not-a-uuid" not in wire._VALID_IDS
+    for i in range(10):
+        wire.check_memory_id(_mid(100 + i))
+        assert len(wire._VALID_IDS) <= 3
+    with pytest.raises(ValueError, match="canonical UUID"):  # a memo never lets one through
+        wire.check_memory_id(_mid(1) + "0")

@@ -19,6 +19,8 @@ ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "deploy" / "prometheus" / "ibex-context.rules.yml"
 RULES_TEST = Path(__file__).parent / "prometheus" / "rules_test.yml"
 DASHBOARD = ROOT / "deploy" / "grafana" / "ibex-context.json"
+SCRAPE = ROOT / "deploy" / "prometheus" / "scrape-config.yml"
+DEPLOYMENT = ROOT / "deploy" / "kubernetes" / "deployment.yaml"
 
 # A PromQL identifier; `ibex_`/`ibex:` names are checked, the rest are functions,
 # keywords and labels.
@@ -151,4 +153,62 @@ def test_promtool_unit_tests_of_the_rules_pass() -> None:
         timeout=120,
         cwd=RULES_TEST.parent,
     )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# -- scraping: every job sends the bearer token /metrics asks for ---------------------------
+
+
+def test_every_scrape_job_sends_a_bearer_token_from_a_file() -> None:
+    jobs = yaml_load(SCRAPE)["scrape_configs"]
+    assert {j["job_name"] for j in jobs} == {"ibex-context", "ibex-context-systemd"}
+    files = set()
+    for job in jobs:
+        auth = job["authorization"]
+        assert auth.get("type", "Bearer") == "Bearer", job["job_name"]
+        assert "credentials" not in auth  # never inline in the config
+        files.add(auth["credentials_file"])
+    assert len(files) == 1
+
+
+def test_the_kubernetes_job_keeps_the_pods_metrics_port() -> None:
+    (job,) = [j for j in yaml_load(SCRAPE)["scrape_configs"] if j["job_name"] == "ibex-context"]
+    pod = yaml_load(DEPLOYMENT)["spec"]["template"]
+    keep = {
+        tuple(r["source_labels"]): r["regex"]
+        for r in job["relabel_configs"]
+        if r.get("action") == "keep"
+    }
+    app = pod["metadata"]["labels"]["app.kubernetes.io/name"]
+    assert keep[("__meta_kubernetes_pod_label_app_kubernetes_io_name",)] == app
+    port_names = {p["name"] for p in pod["spec"]["containers"][0]["ports"]}
+    assert keep[("__meta_kubernetes_pod_container_port_name",)] in port_names
+    assert job["metrics_path"] == "/metrics"
+
+
+@pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (Debian package prometheus)")
+def test_promtool_checks_the_scrape_config(tmp_path: Path) -> None:
+    """Syntax only: the token file exists on the Prometheus host, not here. Debian's
+    promtool is built without Kubernetes discovery; then the job is checked with a
+    static target in its place."""
+    assert PROMTOOL is not None
+
+    def check(path: Path) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [PROMTOOL, "check", "config", "--syntax-only", str(path)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    proc = check(SCRAPE)
+    if "field kubernetes_sd_configs not found" in proc.stdout + proc.stderr:
+        yaml = pytest.importorskip("yaml")
+        doc = yaml_load(SCRAPE)
+        for job in doc["scrape_configs"]:
+            if job.pop("kubernetes_sd_configs", None) is not None:
+                job["static_configs"] = [{"targets": ["ibex-context:9464"]}]
+        copy = tmp_path / SCRAPE.name
+        copy.write_text(yaml.safe_dump(doc))
+        proc = check(copy)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -186,7 +186,7 @@ TEXT = st.one_of(
     st.lists(FRAGMENT, max_size=6).map("".join),
     st.sampled_from(ADVERSARIAL).map(lambda s: s * 40),  # very long bodies
 )
-ROLES = st.sampled_from(["user", "assistant", "system", "tool", 'x" evil="1', "<role>"])
+ROLES = st.sampled_from(["user", "assistant", "system", "tool", 'x" evil="1', "<role>", ""])
 CATEGORIES = st.sampled_from(
     ["procedural", "factual", "preference", "behavioral", "episodic", "zeta", 'a"b<c>']
 )
@@ -298,7 +298,9 @@ def _assemble_or_too_large(
     On success, checks the history rule: the kept messages are the newest ones, and
     one more older message would not have fitted.
     """
-    messages = inp.request.recent_messages
+    # A message with neither role nor content (whitespace renders as none) is left out
+    # before counting.
+    messages = [m for m in inp.request.recent_messages if m.role or m.content.strip()]
     try:
         result = run(inp, catalog, tokenizers)
     except TooLargeError as exc:
@@ -356,6 +358,8 @@ def test_exact_families_count_the_final_text_exactly(
     if opens:  # all of them inside the one memories section, which carries the nonce
         section = text[text.index(f'<memories nonce="{inp.nonce}">\n') : text.index("</memories>")]
         assert len(re.findall(r"<memory [^>]*>", section)) == len(opens)
+    # A message with neither role nor content is never rendered (nor counted).
+    assert '<message role="">\n</message>' not in text
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -606,6 +610,43 @@ def test_history_alone_too_large(tokenizers: Tokenizers, catalog: Catalog) -> No
             tokenizers,
         )
     assert info.value.field == "recent_messages"
+
+
+def test_an_empty_message_is_left_out_before_counting(
+    tokenizers: Tokenizers, catalog: Catalog
+) -> None:
+    """No role and no content: not rendered, not counted, not reported as dropped."""
+    said = [Message("user", "Our billing deploy failed."), Message("assistant", "Which env?")]
+    empty = Message("", "")
+    blank = Message("", " \r\n\t ")  # renders as an empty body: as good as empty
+    padded = [empty, said[0], blank, empty, said[1], empty]
+    enc = tokenizers.encoding(EXACT_MODELS["gpt-4o"])
+    for window in (0, 700):  # the model's own window, and one that must choose
+        base = run(inputs(request(available_tokens=window, messages=said)), catalog, tokenizers)
+        got = run(inputs(request(available_tokens=window, messages=padded)), catalog, tokenizers)
+        assert got.assembled_context == base.assembled_context
+        exact = len(enc.encode_ordinary(got.assembled_context))
+        assert got.tokens_used == base.tokens_used == exact
+        assert got.history_tokens == base.history_tokens
+        assert got.budget.messages_dropped == got.budget.messages_dropped_tokens == 0
+        assert got.assembled_context.count("<message ") == 2
+        assert 'role=""' not in got.assembled_context
+    only_empty = run(inputs(request(messages=[empty] * 3)), catalog, tokenizers)
+    nothing = run(inputs(request()), catalog, tokenizers)
+    assert only_empty.assembled_context == nothing.assembled_context
+    assert only_empty.history_tokens == 0 and only_empty.budget.messages_dropped == 0
+
+
+def test_a_message_with_only_a_role_or_only_content_is_kept(
+    tokenizers: Tokenizers, catalog: Catalog
+) -> None:
+    messages = [Message("", "content without a role"), Message("assistant", "")]
+    result = run(inputs(request(messages=messages)), catalog, tokenizers)
+    enc = tokenizers.encoding(EXACT_MODELS["gpt-4o"])
+    text = result.assembled_context
+    assert '<message role="">\ncontent without a role' in text
+    assert '<message role="assistant">\n</message>' in text
+    assert result.tokens_used == len(enc.encode_ordinary(text))
 
 
 def test_bad_nonce_is_refused(tokenizers: Tokenizers, catalog: Catalog) -> None:

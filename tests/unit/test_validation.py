@@ -1,8 +1,9 @@
 """Request validation, table-driven: every field, every bound, both sides of each bound.
 
 The contract: malformed ids, non-finite or negative weights and oversize
-inputs are refused before any I/O, and the error names the field
-(INVALID_ARGUMENT, or RESOURCE_EXHAUSTED for a size limit). Ids come back in
+inputs are refused before any I/O, and the error names the field and the
+limit (INVALID_ARGUMENT, count and size caps included: RESOURCE_EXHAUSTED is
+for overload and for input that cannot fit even after trimming). Ids come back in
 lower-case canonical form, because the Redis key and the tenant filter compare
 them byte for byte. Text limits are in bytes *and* characters: multi-byte text
 under the character limit must still hit the byte limit.
@@ -24,7 +25,7 @@ from ibex.assembly.validation import (
     canonical_uuid,
     validate_request,
 )
-from ibex.errors import InputError, TooLargeError
+from ibex.errors import InputError, OverLimitError, TooLargeError
 from tests.samples import AGENT, ORG
 
 VERSION = "00000000-0000-4000-8000-00000000d1d1"
@@ -206,7 +207,7 @@ def test_history_message_count_limit(count: int) -> None:
         assert len(validate_request(r, SMALL).recent_messages) == count
     else:
         err = refused(r)
-        assert type(err) is TooLargeError
+        assert type(err) is OverLimitError and err.status == "INVALID_ARGUMENT"
         assert err.field == "recent_messages"
         assert "3" in str(err)
 
@@ -218,7 +219,7 @@ def test_tool_schema_count_limit(count: int) -> None:
         assert len(validate_request(r, SMALL).tool_schemas) == count
     else:
         err = refused(r)
-        assert type(err) is TooLargeError
+        assert type(err) is OverLimitError and err.status == "INVALID_ARGUMENT"
         assert err.field == "tool_schemas"
 
 
@@ -277,7 +278,7 @@ def test_text_byte_limit(field: str, text: str, fits: bool) -> None:
         assert validate_request(r, SMALL) == r
     else:
         err = refused(r)
-        assert type(err) is TooLargeError
+        assert type(err) is OverLimitError and err.status == "INVALID_ARGUMENT"
         assert err.field == FIELD_NAMES[field]
         assert "12 bytes" in str(err)
 
@@ -293,14 +294,14 @@ def test_message_role_length(role: str, ok: bool) -> None:
     else:
         err = refused(r)
         assert type(err) is InputError
-        assert not isinstance(err, TooLargeError)
+        assert not isinstance(err, (OverLimitError, TooLargeError))
         assert err.field == "recent_messages[1].role"
         assert "64" in str(err)
 
 
 # --------------------------------------------------------------------------- messages
 
-# The caller sees these strings (INVALID_ARGUMENT / RESOURCE_EXHAUSTED details):
+# The caller sees these strings (INVALID_ARGUMENT details):
 # each names the field and the bound that was broken.
 MESSAGES = [
     (req(org_id=""), "org_id: is required (a UUID)"),
