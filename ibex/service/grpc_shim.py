@@ -544,8 +544,13 @@ class _TrackedProtocol(H2Protocol):
         return True
 
     def forget(self) -> None:
-        if not self._refused:
-            self._connections.closed(self)
+        """The socket is gone; if HTTP/2 never started (a TLS handshake that did not finish),
+        grpclib is told too, else it would keep the connection's handler."""
+        if self._refused:
+            return
+        self._connections.closed(self)
+        if getattr(self, "processor", None) is None:
+            self.handler.close()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         if self._raw is None and not self.accept(transport):
