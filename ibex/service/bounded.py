@@ -21,7 +21,7 @@ import grpclib.server
 
 from ibex.errors import DeadlineError, IbexError, InputError
 from ibex.service.admission import Admission
-from ibex.service.grpc_shim import recv_next, request_complete, reset_unread
+from ibex.service.grpc_shim import handler_started, recv_next, request_complete, reset_unread
 from ibex.service.status import grpc_error
 
 HEALTH_MAX_MESSAGE_BYTES = 1024  # a HealthCheckRequest is one service name
@@ -46,6 +46,10 @@ class BoundedReads:
         self, func: Callable[..., Any], streaming: bool
     ) -> Callable[[grpclib.server.Stream[Any, Any]], Any]:
         async def run(stream: grpclib.server.Stream[Any, Any]) -> None:
+            # Out of the gate's count of calls waiting to start: a Watch stream lives on,
+            # and must not read as work ahead of every new call.
+            handler_started(stream)
+
             async def recv_message() -> Any:
                 message = await self._read(stream)
                 if message is None and not streaming:

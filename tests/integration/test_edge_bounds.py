@@ -390,12 +390,13 @@ async def test_watch_is_capped_per_connection_and_is_not_activity() -> None:
                     raw.send(w, health_request(), end=True)
                     watches.append(w)
                 out["fifth"] = raw.wait_status(watches[4], timeout=5)
+                out["gated"] = d.daemon.state.gated  # open Watches are not calls waiting
                 # Four Watch streams open and nothing else: idle, closed at the idle timeout.
                 out["closed"] = raw.wait_closed(timeout=5)
             return out
 
         out = await in_thread(scenario)
-        assert out == {"call": "0", "fifth": "8", "closed": True}
+        assert out == {"call": "0", "fifth": "8", "gated": 0, "closed": True}
         assert d.daemon.connections.closed_idle == 1
 
 
