@@ -105,6 +105,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     max_tool_schemas: int = 128
     drain_grace: float = 10.0
     max_connections: int | None = None  # None: min(1024, RLIMIT_NOFILE soft - 64) at start-up
+    max_connections_per_peer: int | None = None  # None: MAX_CONNECTIONS // 4, at least 1
+    connection_auth_timeout: float = 10.0
+    tls_handshake_timeout: float = 5.0
     connection_idle_timeout: float = 300.0
     max_connection_age: float | None = None
     max_connection_age_grace: float | None = None  # None: DRAIN_GRACE
@@ -337,6 +340,8 @@ def load_settings(
         "REQUEST_READ_TIMEOUT": "request_read_timeout",
         "DIRECTIVE_CACHE_TTL": "directive_cache_ttl",
         "CONNECTION_IDLE_TIMEOUT": "connection_idle_timeout",
+        "CONNECTION_AUTH_TIMEOUT": "connection_auth_timeout",
+        "TLS_HANDSHAKE_TIMEOUT": "tls_handshake_timeout",
         "MAX_CONNECTION_AGE": "max_connection_age",
         "MAX_CONNECTION_AGE_GRACE": "max_connection_age_grace",
     }.items():
@@ -365,6 +370,7 @@ def load_settings(
         "MAX_TOOL_SCHEMAS": ("max_tool_schemas", 0, 10_000),
         "WORKERS": ("workers", 1, 256),
         "MAX_CONNECTIONS": ("max_connections", 1, 1_000_000),
+        "MAX_CONNECTIONS_PER_PEER": ("max_connections_per_peer", 1, 1_000_000),
         "WORKER_PORT_BASE": ("worker_port_base", 1, 65535),
     }
     for suffix, (field, lo, hi) in ints.items():

@@ -243,17 +243,35 @@ class Admission:
         """A call that passed the gate has started its handler (or ended without one)."""
         self.gated -= 1
 
+    def reserve_bytes(self, size: int) -> None:
+        """Count `size` request bytes in flight from their length prefix on, before they are
+        buffered; refuse them (RESOURCE_EXHAUSTED) over the byte cap. One message always fits
+        when nothing else is in flight. Pair with `release_bytes`."""
+        if self.in_flight_bytes and self.in_flight_bytes + size > self.config.max_in_flight_bytes:
+            self._shed(
+                "in_flight",
+                f"overloaded: {self.in_flight_bytes} request bytes in flight, {size} more",
+            )
+        self.in_flight_bytes += size
+
+    def release_bytes(self, size: int) -> None:
+        self.in_flight_bytes -= size
+
     @contextmanager
     def admitted(self, arrived: float, remaining: float | None, size: int = 0) -> Iterator[Ticket]:
         """The request has arrived: count it in flight until it ends; refuse what cannot fit.
 
         `arrived` is when the call reached the process (`time.monotonic()`), the start
         of its sojourn; `remaining` the caller's time left now (None without a deadline);
-        `size` the request message's bytes.
+        `size` the request message's bytes, unless `reserve_bytes` counted them already.
         """
         now = time.monotonic()
         self.check_open()
-        if self.in_flight_bytes and self.in_flight_bytes + size > self.config.max_in_flight_bytes:
+        if (
+            size
+            and self.in_flight_bytes
+            and self.in_flight_bytes + size > self.config.max_in_flight_bytes
+        ):
             self._shed(
                 "in_flight",
                 f"overloaded: {self.in_flight_bytes} request bytes in flight, {size} more",

@@ -1,10 +1,18 @@
-"""Connection bookkeeping for the gRPC port: a cap, idle close, age rotation, a polite drain.
+"""Connection bookkeeping for the gRPC port: caps, idle close, age rotation, a polite drain.
 
 grpclib keeps every accepted connection until the peer leaves and never says
 goodbye, so idle sockets pile up (each an fd: past RLIMIT_NOFILE `accept`
 fails) and a long-lived HTTP/2 connection never moves to a new replica. This
 module decides *what* happens to each connection; `grpc_shim` does the
 HTTP/2 part on grpclib's protocol objects (the `Conn` methods below).
+
+Fair to callers: a connection counts from accept (before any TLS handshake),
+against the process cap and its peer's (by IP) cap. A connection that has made
+no authenticated call within `auth_timeout` of accept is closed, and when a cap
+is reached a new connection first evicts the oldest unauthenticated one, then
+the oldest idle one, and is refused only when every connection is an
+authenticated caller's busy one: a peer that only holds sockets cannot keep a
+caller with credentials out.
 
 Goodbye follows grpc-go's `MaxConnectionAge` convention: a first GOAWAY with
 last-stream-id 2^31-1 and a PING (the client stops opening streams here);
@@ -91,9 +99,13 @@ class LoopErrorHandler:
 
 
 class ConnectionsConfig(msgspec.Struct, frozen=True):
-    """Connection limits (seconds). None turns the idle close or the age rotation off."""
+    """Connection limits (seconds). None turns the per-peer cap, the idle close, the close of
+    unauthenticated connections or the age rotation off."""
 
     max_connections: int = MAX_CONNECTIONS_CEILING
+    max_per_peer: int | None = None
+    auth_timeout: float | None = None
+    tls_handshake_timeout: float = 5.0
     idle_timeout: float | None = 300.0
     max_age: float | None = None
     age_grace: float = 10.0
@@ -103,7 +115,8 @@ class ConnectionsConfig(msgspec.Struct, frozen=True):
 class Conn(Protocol):
     """One HTTP/2 connection as the shim exposes it."""
 
-    def open_streams(self) -> int: ...
+    def open_streams(self) -> int:
+        """Calls in progress (a Health/Watch stream is not one: it keeps nothing busy)."""
 
     def goaway_heads_up(self) -> None:
         """GOAWAY(last-stream-id 2^31-1) then a PING whose ack calls `Connections.acked`."""
@@ -112,7 +125,7 @@ class Conn(Protocol):
         """GOAWAY(highest stream taken); streams opened after it are refused."""
 
     def close_idle(self) -> None:
-        """GOAWAY (h2 close_connection) and close: nothing is in flight."""
+        """GOAWAY (h2 close_connection) and close; before HTTP/2 (a TLS handshake), close."""
 
     def close(self) -> None:
         """Close the transport (pending writes are flushed first)."""
@@ -125,9 +138,22 @@ class _Phase:
 
 
 class _State:
-    __slots__ = ("age_deadline", "grace_deadline", "heads_up_at", "last_active", "phase", "reason")
+    __slots__ = (
+        "accepted",
+        "age_deadline",
+        "authenticated",
+        "grace_deadline",
+        "heads_up_at",
+        "last_active",
+        "peer",
+        "phase",
+        "reason",
+    )
 
-    def __init__(self, now: float, age_deadline: float | None) -> None:
+    def __init__(self, now: float, age_deadline: float | None, peer: str | None) -> None:
+        self.accepted = now
+        self.peer = peer
+        self.authenticated = False
         self.last_active = now
         self.age_deadline = age_deadline
         self.phase = _Phase.OPEN
@@ -150,9 +176,14 @@ class Connections:
         self._clock = clock
         self._jitter = jitter
         self._conns: dict[Conn, _State] = {}
+        self._peers: dict[str, int] = {}  # open connections per peer address
         self.refused = 0  # connections closed at once because the cap was reached
         self._refused_logged = 0
         self._refusal_logged_at = -REFUSAL_LOG_INTERVAL
+        self.evicted = 0  # idle or unauthenticated connections closed to make room
+        self._evicted_logged = 0
+        self._eviction_logged_at = -REFUSAL_LOG_INTERVAL
+        self.closed_unauthenticated = 0
         self.closed_idle = 0
         self.rotated = 0
         self._draining = False
@@ -164,10 +195,19 @@ class Connections:
 
     # -- called by the shim from the asyncio loop's callbacks ------------------------------
 
-    def admit(self, conn: Conn) -> bool:
-        """False when the cap is reached (or draining): the shim closes the socket at once."""
+    def admit(self, conn: Conn, peer: str | None = None) -> bool:
+        """Count a just-accepted connection from `peer` (its IP), making room if a cap is
+        reached; False when there is none (or draining): the shim closes the socket at once.
+        """
         now = self._clock()
-        if self._draining or len(self._conns) >= self.config.max_connections:
+        cfg = self.config
+        room = not self._draining
+        limit = cfg.max_per_peer
+        if room and peer is not None and limit is not None and self._peers.get(peer, 0) >= limit:
+            room = self._evict(now, peer)
+        if room and len(self._conns) >= cfg.max_connections:
+            room = self._evict(now, None)
+        if not room:
             self.refused += 1
             if now - self._refusal_logged_at >= REFUSAL_LOG_INTERVAL:
                 log.warning(
@@ -175,18 +215,69 @@ class Connections:
                     extra={
                         "refused": self.refused - self._refused_logged,
                         "open": len(self._conns),
-                        "max_connections": self.config.max_connections,
+                        "max_connections": cfg.max_connections,
+                        "max_per_peer": cfg.max_per_peer,
                         "draining": self._draining,
                     },
                 )
                 self._refusal_logged_at = now
                 self._refused_logged = self.refused
             return False
-        age = self.config.max_age
+        age = cfg.max_age
         # +-10% jitter, as grpc-go, so connections opened together do not all rotate together.
         deadline = None if age is None else now + age * (0.9 + 0.2 * self._jitter())
-        self._conns[conn] = _State(now, deadline)
+        self._conns[conn] = _State(now, deadline, peer)
+        if peer is not None:
+            self._peers[peer] = self._peers.get(peer, 0) + 1
         return True
+
+    def _evict(self, now: float, peer: str | None) -> bool:
+        """Close the oldest unauthenticated connection (of `peer`, or of anyone), else the
+        oldest idle one; False when every candidate is an authenticated caller's busy one."""
+        victim: Conn | None = None
+        for conn, state in self._conns.items():  # in accept order: the oldest first
+            if peer is not None and state.peer != peer:
+                continue
+            if not state.authenticated:
+                victim = conn
+                break
+            if victim is None and state.phase == _Phase.OPEN and not conn.open_streams():
+                victim = conn
+        if victim is None:
+            return False
+        self.evicted += 1
+        if now - self._eviction_logged_at >= REFUSAL_LOG_INTERVAL:
+            log.warning(
+                "connections_evicted",
+                extra={
+                    "evicted": self.evicted - self._evicted_logged,
+                    "open": len(self._conns),
+                    "cap": "per_peer" if peer is not None else "process",
+                },
+            )
+            self._eviction_logged_at = now
+            self._evicted_logged = self.evicted
+        self._forget(victim)
+        victim.close_idle()
+        return True
+
+    def _forget(self, conn: Conn) -> None:
+        state = self._conns.pop(conn, None)
+        if state is not None and state.peer is not None:
+            left = self._peers.get(state.peer, 0) - 1
+            if left > 0:
+                self._peers[state.peer] = left
+            else:
+                self._peers.pop(state.peer, None)
+
+    def authenticated(self, conn: Conn) -> None:
+        """A call on `conn` passed authentication: it is a caller's, not a socket holder's."""
+        state = self._conns.get(conn)
+        if state is not None:
+            state.authenticated = True
+
+    def peer_count(self, peer: str) -> int:
+        return self._peers.get(peer, 0)
 
     def active(self, conn: Conn) -> None:
         """Data arrived: a stream may have started."""
@@ -201,7 +292,7 @@ class Connections:
             self._final(conn, state)
 
     def closed(self, conn: Conn) -> None:
-        self._conns.pop(conn, None)
+        self._forget(conn)
 
     # -- policy ------------------------------------------------------------------------------
 
@@ -221,12 +312,21 @@ class Connections:
         now = self._clock()
         cfg = self.config
         for conn, state in list(self._conns.items()):
+            if (
+                not state.authenticated
+                and cfg.auth_timeout is not None
+                and now - state.accepted >= cfg.auth_timeout
+            ):
+                self.closed_unauthenticated += 1
+                self._forget(conn)
+                conn.close_idle()
+                continue
             if state.phase == _Phase.OPEN:
                 if conn.open_streams():
                     state.last_active = now
                 elif cfg.idle_timeout is not None and now - state.last_active >= cfg.idle_timeout:
                     self.closed_idle += 1
-                    self._conns.pop(conn, None)
+                    self._forget(conn)
                     conn.close_idle()
                     continue
                 if state.age_deadline is not None and now >= state.age_deadline:
@@ -238,14 +338,14 @@ class Connections:
                 self._final(conn, state)
             if state.phase == _Phase.FINAL:
                 if not conn.open_streams():
-                    self._conns.pop(conn, None)
+                    self._forget(conn)
                     conn.close()
                 elif now >= state.grace_deadline:
                     log.warning(
                         "connection_grace_expired",
                         extra={"reason": state.reason, "streams": conn.open_streams()},
                     )
-                    self._conns.pop(conn, None)
+                    self._forget(conn)
                     conn.close()
 
     def _heads_up(self, conn: Conn, state: _State, now: float, grace: float, reason: str) -> None:
@@ -267,6 +367,8 @@ class Connections:
         tick = 1.0
         if cfg.idle_timeout is not None:
             tick = min(tick, cfg.idle_timeout / 10)
+        if cfg.auth_timeout is not None:
+            tick = min(tick, cfg.auth_timeout / 10)
         if cfg.max_age is not None:
             tick = min(tick, cfg.max_age / 20)
         return max(tick, 0.01)

@@ -34,6 +34,11 @@ from ibex.service.admission import Admission, AdmissionConfig
 from ibex.service.aio_loop import batch_ready_callbacks
 from ibex.service.assembler import Assembler
 from ibex.service.auth import Authenticator
+from ibex.service.bounded import (
+    HEALTH_MAX_MESSAGE_BYTES,
+    REFLECTION_MAX_MESSAGE_BYTES,
+    BoundedReads,
+)
 from ibex.service.connections import Connections, ConnectionsConfig, LoopErrorHandler
 from ibex.service.grpc_shim import (
     answer_expired_deadlines,
@@ -100,8 +105,19 @@ class Daemon:
             authenticator=self.auth,
             config=self.edge,
         )
-        health = Health({service: [self.health_status]})
-        server = grpclib.server.Server(with_reflection([service, health], self.auth))
+        # Health and reflection read their requests as the service does (bounded, timed,
+        # counted): they answer before any authentication.
+        health = BoundedReads(
+            Health({service: [self.health_status]}),
+            limit=HEALTH_MAX_MESSAGE_BYTES,
+            admission=self.state,
+        )
+        _, _, *reflection = with_reflection([service, health], self.auth)
+        reflection = [
+            BoundedReads(r, limit=REFLECTION_MAX_MESSAGE_BYTES, admission=self.state)
+            for r in reflection
+        ]
+        server = grpclib.server.Server([service, health, *reflection])
         if self.config.worker is not None:
             listen(server, SendTrailingMetadata, _worker_trailer(str(self.config.worker)))
         return server
@@ -149,8 +165,14 @@ class Daemon:
             self.metrics.set_token_cache_source(lambda: _cache_totals(tokenizers))
             server = self.build_server(assembler)
             self.server = server
+            # TLS is done by the tracked protocol (counted from accept, handshake timed),
+            # so the listeners themselves are plain TCP.
             track_connections(
-                server, self.connections, gate=self._gate, gate_left=self.state.left_gate
+                server,
+                self.connections,
+                gate=self._gate,
+                gate_left=self.state.left_gate,
+                ssl=ssl_ctx,
             )
             # Start-up objects (catalog, rank tables, modules) live for the process:
             # move them out of the collector's reach so a full collection cannot
@@ -159,14 +181,14 @@ class Daemon:
             gc.freeze()
             host = self.config.host
             if sock is not None:
-                await trio_asyncio.aio_as_trio(server.start)(sock=sock, ssl=ssl_ctx)
+                await trio_asyncio.aio_as_trio(server.start)(sock=sock)
             else:
                 await trio_asyncio.aio_as_trio(server.start)(
-                    host, self.config.port, ssl=ssl_ctx, reuse_port=self.config.reuse_port or None
+                    host, self.config.port, reuse_port=self.config.reuse_port or None
                 )
             self.port = bound_port(server)
             for own in self.config.own_ports:
-                await trio_asyncio.aio_as_trio(listen_also)(server, host, own, ssl=ssl_ctx)
+                await trio_asyncio.aio_as_trio(listen_also)(server, host, own)
             self.health_status.set(True)
             log.info(
                 "serving",

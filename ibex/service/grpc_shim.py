@@ -12,6 +12,7 @@ test_connections.py and test_client_balancing.py exercise every function below).
 from __future__ import annotations
 
 import asyncio
+import asyncio.sslproto
 import contextlib
 import functools
 import logging
@@ -47,24 +48,46 @@ MAX_STREAM_ID = 2**31 - 1
 GOAWAY_PING = b"ibex-bye"  # 8 bytes of PING payload marking the drain's heads-up
 
 
-async def recv_bounded(stream: grpclib.server.Stream[Any, Any], limit: int) -> tuple[Any, int]:
+Reserve = Callable[[int], None]
+"""Told a request message's declared length before its bytes are read (may raise to refuse)."""
+
+
+async def recv_bounded(
+    stream: grpclib.server.Stream[Any, Any], limit: int, reserve: Reserve | None = None
+) -> tuple[Any, int]:
     """The unary request message and its size in bytes, refused before it is buffered
     when over `limit` bytes.
 
     grpclib reads a whole message before decoding it and has no size cap, so
     this reads the 5-byte gRPC prefix itself and checks the declared length
     first; HTTP/2 flow control keeps the unread body bounded by the window.
+    `reserve` hears the declared length before the body is read, so the bytes
+    are counted (toward the in-flight bytes) before they are buffered.
     It then does what `Stream.recv_message` does (decode, dispatch event).
     """
+    message = await recv_next(stream, limit, reserve)
+    if message is None:
+        raise InputError("request", "no message")
+    return message
+
+
+async def recv_next(
+    stream: grpclib.server.Stream[Any, Any], limit: int, reserve: Reserve | None = None
+) -> tuple[Any, int] | None:
+    """`recv_bounded` for a stream of request messages: None at the end of the stream."""
     inner = stream._stream
     meta = await inner.recv_data(5)
+    if not meta:
+        return None
     if len(meta) < 5:
-        raise InputError("request", "no message")
+        raise InputError("request", "truncated message")
     compressed, length = struct.unpack(">?I", meta)
     if compressed:
         raise Unimplemented("request: compressed messages are not supported")
     if length > limit:
         raise TooLargeError("request", f"message of {length} bytes exceeds the {limit}-byte limit")
+    if reserve is not None:
+        reserve(length)
     data = await inner.recv_data(length)
     if len(data) != length:
         raise InputError("request", "truncated message")
@@ -77,6 +100,21 @@ async def recv_bounded(stream: grpclib.server.Stream[Any, Any], limit: int) -> t
     inner.connection.messages_received += 1
     inner.connection.last_message_received = time.monotonic()
     return message, length
+
+
+def reset_unread(stream: grpclib.server.Stream[Any, Any]) -> None:
+    """After an answer to a request not read to its end: RST_STREAM(NO_ERROR), as grpc-go
+    does, so the peer stops sending (what it sent is acknowledged and dropped)."""
+    if not request_complete(stream):
+        with contextlib.suppress(Exception):  # already closed or reset
+            stream._stream.reset_nowait()
+
+
+def caller_authenticated(stream: grpclib.server.Stream[Any, Any]) -> None:
+    """A call on this stream's connection passed authentication (see `Connections`)."""
+    protocol = getattr(stream._stream.connection, "ibex_protocol", None)
+    if protocol is not None:
+        protocol._connections.authenticated(protocol)
 
 
 def request_complete(stream: grpclib.server.Stream[Any, Any]) -> bool:
@@ -340,6 +378,8 @@ def track_connections(
     connections: Connections,
     gate: Gate | None = None,
     gate_left: GateLeft | None = None,
+    *,
+    ssl: _ssl.SSLContext | None = None,
 ) -> None:
     """Route every connection `server` accepts through `connections` (call before `start`).
 
@@ -349,16 +389,65 @@ def track_connections(
     every new call before grpclib starts a task for it (see `_ask_gate`);
     `gate_left` hears once for each call it let through, when the handler starts
     (`handler_started`) or, if it never does, when the call's task ends.
+
+    With `ssl`, TLS is done here (start the server and `listen_also` without it):
+    asyncio's own TLS calls the protocol only once the handshake is done, so a
+    stalled handshake would hold an fd uncounted, for asyncio's 60 s. Here the
+    connection counts from accept and the handshake has
+    `connections.config.tls_handshake_timeout`.
     """
     original = server._protocol_factory
 
-    def factory() -> H2Protocol:
+    def factory() -> asyncio.BaseProtocol:
         base = original()
-        return _TrackedProtocol(
+        tracked = _TrackedProtocol(
             base.handler, base.config, base.h2_config, connections, gate, gate_left
         )
+        if ssl is None:
+            return tracked
+        return _TlsAccept(
+            asyncio.get_running_loop(),
+            tracked,
+            ssl,
+            connections.config.tls_handshake_timeout,
+        )
 
-    server._protocol_factory = factory  # type: ignore[method-assign]
+    server._protocol_factory = factory  # type: ignore[method-assign,assignment]
+
+
+class _TlsAccept(asyncio.sslproto.SSLProtocol):
+    """asyncio's server-side TLS protocol, counting its connection from accept."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        tracked: _TrackedProtocol,
+        context: _ssl.SSLContext,
+        handshake_timeout: float,
+    ) -> None:
+        # No waiter (nobody awaits the handshake here); typeshed's types are narrower
+        # than asyncio's (a float timeout is fine).
+        super().__init__(
+            loop,
+            tracked,
+            context,
+            None,  # type: ignore[arg-type]
+            server_side=True,
+            ssl_handshake_timeout=handshake_timeout,  # type: ignore[arg-type]
+        )
+        self._tracked = tracked
+        self._ibex_refused = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if not self._tracked.accept(transport):
+            self._ibex_refused = True
+            return
+        super().connection_made(transport)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._tracked.forget()  # also when the handshake never finished
+        if not self._ibex_refused:
+            super().connection_lost(exc)
 
 
 class _CorkedTransport:
@@ -402,10 +491,30 @@ class _CorkedTransport:
         return getattr(self._transport, name)
 
 
+HEALTH_WATCH = "/grpc.health.v1.Health/Watch"
+MAX_WATCHES_PER_CONNECTION = 4
+WATCH_CAP_MESSAGE = "too many Health/Watch streams on this connection"
+
+
+def _peer_ip(transport: asyncio.BaseTransport) -> str | None:
+    peer = transport.get_extra_info("peername")
+    if isinstance(peer, tuple) and peer and isinstance(peer[0], str):
+        return peer[0]
+    return None
+
+
+def _path(event: RequestReceived) -> str:
+    for name, value in event.headers or ():
+        if name in (b":path", ":path"):
+            return value.decode() if isinstance(value, bytes) else value
+    return ""
+
+
 class _TrackedProtocol(H2Protocol):
     """grpclib's protocol plus admission, activity reports and a two-step GOAWAY."""
 
     _refused = False
+    _raw: asyncio.BaseTransport | None = None  # the accepted socket's transport
     _last_stream_id: int | None = None  # set by the final GOAWAY: later streams are refused
 
     def __init__(
@@ -421,16 +530,34 @@ class _TrackedProtocol(H2Protocol):
         self._connections = connections
         self._gate = gate
         self._gate_left = gate_left
+        self._watches: set[int] = set()  # open Health/Watch streams
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        if not self._connections.admit(self):
-            # Over the cap: release the fd at once, before any HTTP/2 work.
+    def accept(self, transport: asyncio.BaseTransport) -> bool:
+        """Count the connection from accept (before a TLS handshake); False: closed at once."""
+        self._raw = transport
+        if not self._connections.admit(self, _peer_ip(transport)):
+            # No room: release the fd at once, before any TLS or HTTP/2 work.
             self._refused = True
             self.handler.close()  # lets grpclib forget the handler
             cast(asyncio.Transport, transport).abort()
+            return False
+        return True
+
+    def forget(self) -> None:
+        """The socket is gone; if HTTP/2 never started (a TLS handshake that did not finish),
+        grpclib is told too, else it would keep the connection's handler."""
+        if self._refused:
+            return
+        self._connections.closed(self)
+        if getattr(self, "processor", None) is None:
+            self.handler.close()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if self._raw is None and not self.accept(transport):
             return
         corked = _CorkedTransport(cast(asyncio.Transport, transport), asyncio.get_running_loop())
         super().connection_made(cast(asyncio.Transport, corked))
+        self.connection.ibex_protocol = self  # type: ignore[attr-defined]  # caller_authenticated
 
     def data_received(self, data: bytes) -> None:
         if self._refused:
@@ -449,6 +576,12 @@ class _TrackedProtocol(H2Protocol):
                 if self._refuse(event.stream_id):
                     with contextlib.suppress(ProtocolError):  # reset by the client already
                         h2.reset_stream(event.stream_id, ErrorCodes.REFUSED_STREAM)
+                    continue
+                if _path(event) == HEALTH_WATCH and not self._watch(event.stream_id):
+                    with contextlib.suppress(ProtocolError):
+                        send_refusal(
+                            h2, event.stream_id, Status.RESOURCE_EXHAUSTED.value, WATCH_CAP_MESSAGE
+                        )
                     continue
                 verdict = self._ask_gate(event)
                 if verdict == "refused":
@@ -528,6 +661,16 @@ class _TrackedProtocol(H2Protocol):
         stream.ibex_gate_left = (left, task, done)
         task.add_done_callback(done)
 
+    def _watch(self, stream_id: int | None) -> bool:
+        """Count a new Health/Watch stream; False when the connection has its cap of them."""
+        if stream_id is None:
+            return True
+        self._watches.intersection_update(self.processor.streams)
+        if len(self._watches) >= MAX_WATCHES_PER_CONNECTION:
+            return False
+        self._watches.add(stream_id)
+        return True
+
     def _refuse(self, stream_id: int | None) -> bool:
         return (
             self._last_stream_id is not None
@@ -539,13 +682,23 @@ class _TrackedProtocol(H2Protocol):
         if self._refused:
             return
         self._connections.closed(self)
+        if getattr(self, "processor", None) is None:  # the TLS handshake never finished
+            self.handler.close()
+            return
         super().connection_lost(exc)
 
     # -- the `connections.Conn` interface ------------------------------------------------------
 
     def open_streams(self) -> int:
+        """Calls in progress; an open Health/Watch stream is not one."""
         processor = getattr(self, "processor", None)
-        return len(processor.streams) if processor is not None else 0
+        if processor is None:
+            return 0
+        streams = processor.streams
+        if self._watches:
+            self._watches.intersection_update(streams)
+            return len(streams) - len(self._watches)
+        return len(streams)
 
     def _write_goaway(self, last_stream_id: int) -> None:
         # Not h2's close_connection: that moves h2 to CLOSED, after which the
@@ -567,11 +720,18 @@ class _TrackedProtocol(H2Protocol):
         self._write_goaway(self._last_stream_id)
 
     def close_idle(self) -> None:
+        if getattr(self, "connection", None) is None:
+            self.close()
+            return
         if not self.connection.is_closing():
             self.connection._connection.close_connection()
             self.connection.flush()
         self.close()
 
     def close(self) -> None:
+        if getattr(self, "connection", None) is None:  # still in its TLS handshake
+            if self._raw is not None and not self._raw.is_closing():
+                cast(asyncio.Transport, self._raw).abort()
+            return
         if not self.connection.is_closing():
             self.connection._transport.close()

@@ -14,6 +14,7 @@ import asyncio
 import logging
 import math
 import time
+import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -46,7 +47,13 @@ from ibex.service import wire as pb
 from ibex.service.admission import Admission, Ticket
 from ibex.service.assembler import Assembler
 from ibex.service.auth import Authenticator, check_principal
-from ibex.service.grpc_shim import arrival, handler_started, recv_bounded, request_complete
+from ibex.service.grpc_shim import (
+    arrival,
+    caller_authenticated,
+    handler_started,
+    recv_bounded,
+    request_complete,
+)
 from ibex.service.status import grpc_error
 from ibex.sources.feedback import FeedbackRejected, Sent, send_feedback
 
@@ -59,6 +66,10 @@ SEARCH_DEFAULT_LIMIT = 10
 FEEDBACK_HEADROOM = 0.002
 
 Handler = Callable[[grpclib.server.Stream[Any, Any]], Awaitable[None]]
+# Request bytes each call's `_receive` counted in flight (released when the call ends).
+_RESERVED: weakref.WeakKeyDictionary[grpclib.server.Stream[Any, Any], int] = (
+    weakref.WeakKeyDictionary()
+)
 METHODS = frozenset({"AssembleContext", "SearchMemories", "RecordMemoryFeedback"})
 
 
@@ -134,6 +145,7 @@ class ContextService:
                 self.admission.check_open()
                 peer_cert = stream.peer.cert() if self.auth.mtls else None
                 self.auth.authenticate(stream.metadata or {}, peer_cert)
+                caller_authenticated(stream)
                 await handler(stream)
                 if _cancel_swallowed():
                     raise asyncio.CancelledError
@@ -166,6 +178,7 @@ class ContextService:
                 log.exception("handler_failed", extra={"method": method})
                 raise GRPCError(Status.INTERNAL, "internal error") from None
             finally:
+                self.admission.release_bytes(_RESERVED.pop(stream, 0))
                 self.metrics.observe_request(method, code, time.perf_counter() - t0)
 
         return run
@@ -176,22 +189,29 @@ class ContextService:
         """The request message and its bytes, read within `read_timeout`: a stalled stream
         holds nothing.
 
-        Usually the request arrived whole with its HEADERS: then the read cannot stall and
-        arms no timer (a timer costs a loop crossing to set and one to cancel).
+        Its bytes count toward the in-flight bytes from its length prefix on, so a slow
+        body is counted while it arrives. Usually the request arrived whole with its
+        HEADERS: then the read cannot stall and arms no timer (a timer costs a loop
+        crossing to set and one to cancel).
         """
+
+        def reserve(size: int) -> None:
+            self.admission.reserve_bytes(size)
+            _RESERVED[stream] = size  # released when the call ends (`_wrap`)
+
         if request_complete(stream):
-            return await recv_bounded(stream, self.config.max_message_bytes)
+            return await recv_bounded(stream, self.config.max_message_bytes, reserve)
         try:
             async with asyncio.timeout(self.admission.config.read_timeout):
-                return await recv_bounded(stream, self.config.max_message_bytes)
+                return await recv_bounded(stream, self.config.max_message_bytes, reserve)
         except TimeoutError:
             raise DeadlineError(
                 f"request: not received within {self.admission.config.read_timeout:g}s"
             ) from None
 
     async def assemble_context(self, stream: grpclib.server.Stream[Any, Any]) -> None:
-        msg, size = await self._receive(stream)
-        with self.admission.admitted(*_timing(stream), size) as ticket:
+        msg, _ = await self._receive(stream)  # its bytes are counted by `_receive`
+        with self.admission.admitted(*_timing(stream)) as ticket:
             request = self.assembler.check_request(convert.request_from_proto(msg))
             principal = msg.principal_context if msg.HasField("principal_context") else None
             check_principal(principal, request.org_id, request.agent_id)
@@ -224,8 +244,8 @@ class ContextService:
     # --- SearchMemories ------------------------------------------------------
 
     async def search_memories(self, stream: grpclib.server.Stream[Any, Any]) -> None:
-        msg, size = await self._receive(stream)
-        with self.admission.admitted(*_timing(stream), size) as ticket:
+        msg, _ = await self._receive(stream)  # its bytes are counted by `_receive`
+        with self.admission.admitted(*_timing(stream)) as ticket:
             flt = self._search_filter(msg)
             fetch = MAX_MEMORIES_HARD_CAP if flt.narrows else flt.limit
             t0 = time.perf_counter()

@@ -26,6 +26,7 @@ from grpclib.reflection.service import ServerReflection
 from ibex._proto.google_proto_descriptor_pool import default_google_proto_descriptor_pool
 from ibex.errors import IbexError
 from ibex.service.auth import Authenticator
+from ibex.service.grpc_shim import caller_authenticated
 from ibex.service.status import grpc_error
 
 
@@ -88,6 +89,7 @@ class _Authenticated:
                 auth.authenticate(stream.metadata or {}, peer_cert)
             except IbexError as exc:
                 raise grpc_error(exc) from None
+            caller_authenticated(stream)
             await func(stream)
 
         return run

@@ -110,9 +110,14 @@ def directive_cache_config(settings: Settings) -> DirectiveCacheConfig:
 
 
 def connections_config(settings: Settings) -> ConnectionsConfig:
-    """Connection limits; the cap's default is computed from RLIMIT_NOFILE at start-up."""
+    """Connection limits; the cap's default is computed from RLIMIT_NOFILE at start-up, the
+    per-peer cap's from the cap."""
+    cap = settings.max_connections or default_max_connections()
     return ConnectionsConfig(
-        max_connections=settings.max_connections or default_max_connections(),
+        max_connections=cap,
+        max_per_peer=settings.max_connections_per_peer or max(1, cap // 4),
+        auth_timeout=settings.connection_auth_timeout,
+        tls_handshake_timeout=settings.tls_handshake_timeout,
         idle_timeout=settings.connection_idle_timeout,
         max_age=settings.max_connection_age,
         age_grace=(

@@ -159,7 +159,9 @@ async def test_idle_connection_flood_at_a_128_fd_limit(mode: str, tmp_path: Path
         env["IBEX_CONTEXT_MAX_CONNECTIONS"] = "1000"
     if mode == "idle":
         env["IBEX_CONTEXT_CONNECTION_IDLE_TIMEOUT"] = "1s"
-    refusal = "accept_failed" if mode == "emfile" else "connections_refused"
+    # The flood comes from one peer: past its cap (MAX_CONNECTIONS / 4) each new socket
+    # evicts that peer's oldest unauthenticated one, closed at once.
+    refusal = "accept_failed" if mode == "emfile" else "connections_evicted"
 
     with daemon_process(env, tmp_path / "serve.log", preexec_fn=limit_fds) as proc:
 
@@ -202,7 +204,8 @@ async def test_idle_connection_flood_at_a_128_fd_limit(mode: str, tmp_path: Path
     else:
         # (A burst may still briefly exhaust fds: asyncio accepts up to 100 sockets
         # before the cap closes the extra ones; that is logged and survived too.)
-        assert logged["connections_refused"]["max_connections"] == FD_LIMIT - 64
+        assert logged["connections_evicted"]["cap"] == "per_peer"
+        assert logged["connections_evicted"]["open"] == (FD_LIMIT - 64) // 4
 
 
 # -- in-process: cap, idle close ----------------------------------------------------------------
@@ -226,21 +229,51 @@ PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 EMPTY_SETTINGS = b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
 
 
-async def test_connection_over_the_cap_is_closed_before_any_http2() -> None:
-    async with running_daemon(max_connections=2) as d:
+def open_call(sock: socket.socket, path: str, stream_id: int = 1) -> None:
+    """The preface and one call's HEADERS on a raw socket; the request message held back."""
+    block = hpack.Encoder().encode(
+        [
+            (":method", "POST"),
+            (":scheme", "http"),
+            (":path", path),
+            (":authority", "localhost"),
+            ("content-type", "application/grpc"),
+            ("te", "trailers"),
+        ]
+    )
+    sock.sendall(
+        PREFACE
+        + SettingsFrame(0).serialize()
+        + HeadersFrame(stream_id, block, flags=["END_HEADERS"]).serialize()
+    )
 
-        def scenario() -> tuple[bytes, list[tuple[int, bytes]]]:
+
+ASSEMBLE = "/ibex.context.v1.ContextAssemblyService/AssembleContext"
+
+
+async def test_connection_over_the_cap_is_closed_before_any_http2() -> None:
+    """Refused only when every connection is a busy caller's (else one is evicted)."""
+    async with running_daemon(max_connections=2, max_connections_per_peer=2) as d:
+        conns = d.daemon.connections
+
+        def scenario() -> tuple[bytes, int]:
             with flood(d.port, 2) as held:
+                for s in held:
+                    s.setblocking(True)
+                    s.settimeout(10)
+                    open_call(s, ASSEMBLE)  # authenticated (auth off) and in flight
+                while sum(st.authenticated for st in list(conns._conns.values())) < 2:
+                    time.sleep(0.01)
                 with socket.create_connection(("127.0.0.1", d.port), timeout=10) as extra:
                     over_cap = extra.recv(100)  # closed at once: EOF (or a reset) and no SETTINGS
                 # The held ones got the server's preface; they are still open.
-                held[0].settimeout(10)
-                return over_cap, [(held[0].recv(9)[3], b"")]
+                return over_cap, held[0].recv(9)[3]
 
         over_cap, first = await in_thread(scenario)
     assert over_cap == b""
-    assert first == [(0x4, b"")]  # a SETTINGS frame: admitted connections get HTTP/2
-    assert d.daemon.connections.refused >= 1
+    assert first == 0x4  # a SETTINGS frame: admitted connections get HTTP/2
+    assert conns.refused >= 1
+    assert conns.evicted == 0
 
 
 async def test_idle_connection_gets_goaway_then_closes() -> None:

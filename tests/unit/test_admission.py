@@ -344,6 +344,28 @@ def test_request_bytes_in_flight_are_capped_but_one_call_always_fits() -> None:
     assert shed(a, "in_flight") == 2
 
 
+def test_declared_request_bytes_are_reserved_before_they_arrive_under_the_same_cap() -> None:
+    """`reserve_bytes` counts a message from its length prefix; the call it belongs to is
+    then admitted with size 0, also when its one message alone is over the cap."""
+    a = admission(AdmissionConfig(max_in_flight=64, max_in_flight_bytes=10_000))
+    a.reserve_bytes(50_000)  # alone: reserved whatever its size
+    with a.admitted(time.monotonic(), 1.0):  # its bytes are not counted a second time
+        assert a.in_flight_bytes == 50_000
+        with pytest.raises(Overloaded) as info:
+            a.reserve_bytes(1)
+        assert info.value.reason == "in_flight"
+    a.release_bytes(50_000)
+    a.reserve_bytes(6_000)
+    a.reserve_bytes(4_000)  # exactly at the cap
+    with pytest.raises(Overloaded), a.admitted(time.monotonic(), 1.0, 1):
+        pass
+    with pytest.raises(Overloaded):
+        a.reserve_bytes(1)
+    a.release_bytes(10_000)
+    assert a.in_flight_bytes == 0 and a.in_flight == 0
+    assert shed(a, "in_flight") == 3
+
+
 # -- exact boundaries and what a refusal records ----------------------------------------------
 
 

@@ -262,3 +262,30 @@ def test_connection_settings() -> None:
         load_settings({"IBEX_CONTEXT_MAX_CONNECTION_AGE": "0"})
     with pytest.raises(ConfigError, match="IBEX_CONTEXT_MAX_CONNECTIONS"):
         load_settings({"IBEX_CONTEXT_MAX_CONNECTIONS": "0"})
+
+
+def test_fair_connection_settings() -> None:
+    """Per-peer cap, the close of unauthenticated connections, the TLS handshake timeout;
+    and their translation (the per-peer default is a quarter of the cap, at least 1)."""
+    from ibex.service.root import connections_config
+
+    s = load_settings({"IBEX_CONTEXT_MAX_CONNECTIONS": "100"})
+    assert (s.max_connections_per_peer, s.connection_auth_timeout) == (None, 10.0)
+    assert s.tls_handshake_timeout == 5.0
+    c = connections_config(s)
+    assert (c.max_per_peer, c.auth_timeout, c.tls_handshake_timeout) == (25, 10.0, 5.0)
+    assert (
+        connections_config(load_settings({"IBEX_CONTEXT_MAX_CONNECTIONS": "3"})).max_per_peer == 1
+    )
+    s = load_settings(
+        {
+            "IBEX_CONTEXT_MAX_CONNECTIONS_PER_PEER": "7",
+            "IBEX_CONTEXT_CONNECTION_AUTH_TIMEOUT": "3",
+            "IBEX_CONTEXT_TLS_HANDSHAKE_TIMEOUT": "1500ms",
+        }
+    )
+    c = connections_config(s)
+    assert (c.max_per_peer, c.auth_timeout, c.tls_handshake_timeout) == (7, 3.0, 1.5)
+    for name in ("MAX_CONNECTIONS_PER_PEER", "CONNECTION_AUTH_TIMEOUT", "TLS_HANDSHAKE_TIMEOUT"):
+        with pytest.raises(ConfigError, match=f"IBEX_CONTEXT_{name}"):
+            load_settings({f"IBEX_CONTEXT_{name}": "0"})

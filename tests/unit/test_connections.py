@@ -59,14 +59,83 @@ def test_default_cap_leaves_headroom_under_the_fd_limit(soft: int, cap: int) -> 
     assert default_max_connections(soft) == cap
 
 
-def test_over_the_cap_is_refused() -> None:
+def test_over_the_cap_is_refused_when_every_connection_is_a_busy_caller() -> None:
     conns = make(Clock(), max_connections=2)
     a, b, c = FakeConn(), FakeConn(), FakeConn()
     assert conns.admit(a) and conns.admit(b)
+    for conn in (a, b):
+        conns.authenticated(conn)
+        conn.streams = 1
     assert not conns.admit(c)
     assert conns.refused == 1
+    assert a.calls == b.calls == []
     conns.closed(a)
     assert conns.admit(c)
+
+
+def test_at_the_cap_the_oldest_unauthenticated_then_the_oldest_idle_is_evicted() -> None:
+    conns = make(Clock(), max_connections=4)
+    busy, idle_old, unauth_old, unauth_new = (FakeConn() for _ in range(4))
+    for conn in (busy, idle_old, unauth_old, unauth_new):
+        assert conns.admit(conn)
+    conns.authenticated(busy)
+    busy.streams = 1
+    conns.authenticated(idle_old)
+    unauth_old.streams = unauth_new.streams = 1  # e.g. Health calls: still unauthenticated
+    first, second, third, fourth = (FakeConn() for _ in range(4))
+    assert conns.admit(first)
+    assert unauth_old.calls == ["close_idle"] and unauth_new.calls == []
+    assert conns.admit(second)
+    assert unauth_new.calls == ["close_idle"]
+    # `first` and `second` are unauthenticated too: they go before the idle caller.
+    assert conns.admit(third)
+    assert first.calls == ["close_idle"] and idle_old.calls == []
+    for conn in (second, third):
+        conns.authenticated(conn)
+        conn.streams = 1
+    assert conns.admit(fourth)  # only now the idle authenticated connection goes
+    assert idle_old.calls == ["close_idle"]
+    assert busy.calls == []
+    assert conns.evicted == 4 and conns.refused == 0
+    assert conns.count == 4
+
+
+def test_the_per_peer_cap_evicts_only_that_peers_connections() -> None:
+    conns = make(Clock(), max_connections=10, max_per_peer=2)
+    other = FakeConn()
+    assert conns.admit(other, "10.0.0.2")
+    a, b, c = FakeConn(), FakeConn(), FakeConn()
+    assert conns.admit(a, "10.0.0.1") and conns.admit(b, "10.0.0.1")
+    assert conns.admit(c, "10.0.0.1")  # evicts a, the peer's oldest unauthenticated
+    assert a.calls == ["close_idle"] and other.calls == []
+    assert conns.peer_count("10.0.0.1") == 2
+    for conn in (b, c):
+        conns.authenticated(conn)
+        conn.streams = 1
+    assert not conns.admit(FakeConn(), "10.0.0.1")  # the peer's callers are all busy
+    assert conns.admit(FakeConn(), "10.0.0.3")
+    conns.closed(b)
+    assert conns.peer_count("10.0.0.1") == 1
+    assert conns.admit(FakeConn(), "10.0.0.1")
+
+
+def test_a_connection_without_an_authenticated_call_is_closed_after_the_auth_timeout() -> None:
+    clock = Clock()
+    conns = make(clock, auth_timeout=5.0)
+    caller, holder, prober = FakeConn(), FakeConn(), FakeConn()
+    for conn in (caller, holder, prober):
+        conns.admit(conn, "127.0.0.1")
+    prober.streams = 1  # an open Health call does not authenticate a connection
+    clock.now += 4.9
+    conns.authenticated(caller)
+    conns.sweep()
+    assert holder.calls == prober.calls == []
+    clock.now += 0.2
+    conns.sweep()
+    assert holder.calls == prober.calls == ["close_idle"]
+    assert caller.calls == []
+    assert conns.closed_unauthenticated == 2
+    assert conns.count == 1 and conns.peer_count("127.0.0.1") == 1
 
 
 def busy_and_idle(clock: Clock) -> tuple[Connections, FakeConn, FakeConn]:
@@ -165,6 +234,15 @@ def test_drain_says_goodbye_to_every_connection_and_refuses_new_ones() -> None:
     assert a.calls[-1] == "close" and conns.count == 0
 
 
+def hold_busy(conns: Connections) -> FakeConn:
+    """An authenticated caller's connection with a call open: never evicted."""
+    conn = FakeConn()
+    assert conns.admit(conn)
+    conns.authenticated(conn)
+    conn.streams = 1
+    return conn
+
+
 def _events(caplog: pytest.LogCaptureFixture, name: str) -> list[logging.LogRecord]:
     return [r for r in caplog.records if r.getMessage() == name]
 
@@ -174,7 +252,7 @@ def test_a_flood_of_refusals_is_logged_once_per_interval_with_what_was_refused(
 ) -> None:
     clock = Clock()
     conns = make(clock, max_connections=1)
-    conns.admit(FakeConn())
+    hold_busy(conns)
     with caplog.at_level(logging.WARNING, logger="ibex.service.connections"):
         for _ in range(3):  # the first one logs at once, the next two wait for the interval
             assert not conns.admit(FakeConn())
@@ -305,7 +383,7 @@ def test_the_first_refusal_is_logged_even_at_clock_zero(caplog: pytest.LogCaptur
     clock = Clock()
     clock.now = 0.0  # a monotonic clock may start near zero (a fresh boot)
     conns = make(clock, max_connections=1)
-    conns.admit(FakeConn())
+    hold_busy(conns)
     with caplog.at_level(logging.WARNING, logger="ibex.service.connections"):
         assert not conns.admit(FakeConn())
     assert len(_events(caplog, "connections_refused")) == 1
