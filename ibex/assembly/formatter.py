@@ -83,10 +83,23 @@ def _ref(m: re.Match[str]) -> str:
     return _NAMED.get(ch) or f"&#x{ord(ch):X};"
 
 
+# Characters one `sub` call escapes at most. A large body (a 100 K-character tool
+# schema) is escaped slice by slice: one regex call holds the GIL from start to end,
+# and in a worker thread that is time the event loop cannot run. The class matches
+# single characters, so slicing anywhere gives the same text.
+_ESCAPE_SLICE = 8192
+
+
 def escape_body(text: str) -> str:
     """Escape a body so it holds no markup and starts on a clean token boundary."""
     text = text.replace("\r\n", "\n").replace("\r", "\n").strip()
-    text = _BODY_UNSAFE.sub(_ref, text)
+    if len(text) <= _ESCAPE_SLICE:
+        text = _BODY_UNSAFE.sub(_ref, text)
+    else:
+        text = "".join(
+            _BODY_UNSAFE.sub(_ref, text[i : i + _ESCAPE_SLICE])
+            for i in range(0, len(text), _ESCAPE_SLICE)
+        )
     if text.startswith("/"):
         text = "&#x2F;" + text[1:]
     return text

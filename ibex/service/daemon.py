@@ -44,6 +44,7 @@ from ibex.service.grpc_shim import (
     track_connections,
 )
 from ibex.service.handlers import ContextService, EdgeConfig, method_label
+from ibex.service.queues import share_the_gil
 from ibex.service.reflection import with_reflection
 
 log = logging.getLogger(__name__)
@@ -137,6 +138,7 @@ class Daemon:
         answer_expired_deadlines()
         lighten_h2()
         batch_ready_callbacks()
+        share_the_gil()
         notifier = notifier or Notifier.from_env()
         shutdown = shutdown if shutdown is not None else trio.Event()
         async with trio_asyncio.open_loop() as loop, self._open_assembler() as assembler:
