@@ -23,15 +23,15 @@ pipelines, with an estimate of how long a new call would wait for one.
 from __future__ import annotations
 
 import functools
-import os
 import sys
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from typing import Final, TypeVar
 
 import trio
+
+from ibex.sources.cpu import niced
 
 URGENT: Final = 0
 TIMED: Final = 1
@@ -188,26 +188,7 @@ class WorkerThreads:
         t0 = time.monotonic()
         try:
             return await trio.to_thread.run_sync(
-                functools.partial(_niced, fn), limiter=trio.CapacityLimiter(1)
+                functools.partial(niced, fn), limiter=trio.CapacityLimiter(1)
             )
         finally:
             self.service += _EWMA * (time.monotonic() - t0 - self.service)
-
-
-WORKER_NICE: Final = 10  # worker threads yield the CPU to the loop thread when both can run
-
-
-def _niced(fn: Callable[[], T]) -> T:
-    """Run `fn` in this worker thread at a lower CPU priority than the loop thread.
-
-    On Linux a thread's nice value is its own (setpriority on the thread id), so
-    the loop thread wins a contended core; elsewhere this is a no-op.
-    """
-    if sys.platform == "linux":
-        try:
-            tid = threading.get_native_id()
-            if os.getpriority(os.PRIO_PROCESS, tid) < WORKER_NICE:
-                os.setpriority(os.PRIO_PROCESS, tid, WORKER_NICE)
-        except OSError:
-            pass
-    return fn()
