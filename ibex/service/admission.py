@@ -384,7 +384,11 @@ class Admission:
                 f"overloaded: about {expected * 1000:.0f}ms of worker-thread queue, over the "
                 f"{self.config.max_queue_wait * 1000:.0f}ms a call without a deadline waits",
             )
-        if remaining is not None and remaining - expected < self.config.min_useful:
+        useful = self.config.min_useful
+        if remaining is not None and expected > 0 and useful <= remaining < expected + useful:
+            # A call with less than min_useful left is never refused as overload: an idle
+            # daemon could not serve it usefully either (it waits and gets its answer or
+            # DEADLINE_EXCEEDED).
             self._shed(
                 "threads",
                 f"overloaded: about {expected * 1000:.0f}ms of worker-thread queue "
@@ -398,6 +402,8 @@ class Admission:
         finally:
             self.thread_waiting -= 1
         if not acquired:
+            if remaining is not None and remaining < useful:
+                raise DeadlineError("no worker thread free within the deadline")
             self._shed("threads", "overloaded: no worker thread free within the call's wait")
 
     def _no_slot(self, ticket: Ticket, org: str) -> NoReturn:

@@ -603,6 +603,10 @@ async def test_a_long_thread_queue_refuses_and_says_which_queue(
     exc = await refused(0.045)
     assert exc.reason == "threads" and "worker-thread queue" in str(exc)
     assert a.slots.held == 0 and a.thread_waiting == 0
+    # Less than min_useful left: never refused as overload, it waits and misses its deadline.
+    with pytest.raises(DeadlineError), a.admitted(time.monotonic(), 0.015) as ticket:
+        async with a.slot(ticket, ORG_A, threads):
+            pass
     # A call with room waits (and gets the thread once it frees).
     async with trio.open_nursery() as nursery:
 
