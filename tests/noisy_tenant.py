@@ -27,6 +27,7 @@ NOISY_ORG = "30000000-0000-4000-8000-000000000001"
 NOISY_AGENT = "30000000-0000-4000-8000-000000000002"
 NOISY_IN_FLIGHT = 24
 SCHEMA_CHARS = 100_000
+CJK_SCHEMA_CHARS = 40_000  # about 60 K tokens: 100 K CJK characters would not fit gpt-4o
 PROBE_RPS = 50
 PROBE_CALLS = 100  # two seconds
 _WORDS = [
@@ -36,17 +37,20 @@ _WORDS = [
 
 
 _TEXT = " ".join(random.Random(3).choices(_WORDS, k=400_000))
+# CJK text costs the most to escape and to count: the worker threads' worst case.
+_CJK_TEXT = "".join(chr(c) for c in random.Random(4).choices(range(0x4E00, 0x9FA0), k=400_000))
 
 
-def large_schema(rng: random.Random) -> str:
+def large_schema(rng: random.Random, cjk: bool = False) -> str:
     """A tool schema of about SCHEMA_CHARS characters that no earlier call sent.
 
     A slice of one long text at a random offset: cheap for the test process, whose
     own CPU would otherwise delay its calls.
     """
-    start = rng.randrange(len(_TEXT) - SCHEMA_CHARS)
+    text, chars = (_CJK_TEXT, CJK_SCHEMA_CHARS) if cjk else (_TEXT, SCHEMA_CHARS)
+    start = rng.randrange(len(text) - chars)
     name = f"bulk_{rng.getrandbits(64):x}"
-    return f'{{"name": "{name}", "description": "{_TEXT[start : start + SCHEMA_CHARS]}"}}'
+    return f'{{"name": "{name}", "description": "{text[start : start + chars]}"}}'
 
 
 def request(org: str, agent: str, schemas: tuple[str, ...] = ()) -> Any:
@@ -62,9 +66,10 @@ def request(org: str, agent: str, schemas: tuple[str, ...] = ()) -> Any:
 class NoisyTenant:
     """Keeps `in_flight` large calls open: each one that ends is replaced at once."""
 
-    def __init__(self, stub: Any, in_flight: int) -> None:
+    def __init__(self, stub: Any, in_flight: int, cjk: bool = False) -> None:
         self.stub = stub
         self.in_flight = in_flight
+        self.cjk = cjk
         self.codes: Counter[str] = Counter()
         self._rng = random.Random(7)
         self._lock = threading.Lock()
@@ -81,7 +86,7 @@ class NoisyTenant:
             if self._stopped.is_set():
                 return
             self._open += 1
-            schema = large_schema(self._rng)
+            schema = large_schema(self._rng, self.cjk)
         future = self.stub.AssembleContext.future(
             request(NOISY_ORG, NOISY_AGENT, (schema,)), timeout=10.0
         )

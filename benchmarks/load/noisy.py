@@ -46,6 +46,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "rps": args.rps,
         "deadline_ms": args.deadline_ms,
         "calls": args.calls,
+        "schemas": "cjk" if args.cjk else "ascii",
     }
     with (
         tempfile.TemporaryDirectory() as logs,
@@ -59,7 +60,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         out["loadavg_before"] = os.getloadavg()[0]
         baseline = probe(quiet, args.calls, deadline, args.rps)
         noisy = NoisyTenant(
-            context_pb2_grpc.ContextAssemblyServiceStub(noisy_channel), args.in_flight
+            context_pb2_grpc.ContextAssemblyServiceStub(noisy_channel), args.in_flight, args.cjk
         )
         noisy.start()
         try:
@@ -80,6 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rps", type=float, default=50.0)
     p.add_argument("--deadline-ms", type=float, default=45.0)
     p.add_argument("--in-flight", type=int, default=32, help="noisy org's large calls open")
+    p.add_argument("--cjk", action="store_true", help="CJK schemas: the costliest to count")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     out = run(args)

@@ -72,6 +72,12 @@ _BODY_UNSAFE_CLASS = (
     "\ufe64\ufe65\uff1c\uff1e"
 )
 _BODY_UNSAFE = re.compile(f"[{_BODY_UNSAFE_CLASS}]")
+# The same class cut to ASCII, derived from it (so it follows any change to the
+# class): ASCII text, most tool schemas and much else, is escaped about ten times
+# faster by a small class than by the large one.
+_BODY_UNSAFE_ASCII = re.compile(
+    "[" + "".join(re.escape(chr(c)) for c in range(128) if _BODY_UNSAFE.match(chr(c))) + "]"
+)
 # Attribute values are ids and categories: anything outside a small safe set is
 # escaped, so quotes, spaces and angle brackets can never add an attribute.
 _ATTR_UNSAFE = re.compile(r"[^A-Za-z0-9_.:@+\-]")
@@ -90,15 +96,18 @@ def _ref(m: re.Match[str]) -> str:
 _ESCAPE_SLICE = 8192
 
 
+def _escape_slice(text: str) -> str:
+    return (_BODY_UNSAFE_ASCII if text.isascii() else _BODY_UNSAFE).sub(_ref, text)
+
+
 def escape_body(text: str) -> str:
     """Escape a body so it holds no markup and starts on a clean token boundary."""
     text = text.replace("\r\n", "\n").replace("\r", "\n").strip()
     if len(text) <= _ESCAPE_SLICE:
-        text = _BODY_UNSAFE.sub(_ref, text)
+        text = _escape_slice(text)
     else:
         text = "".join(
-            _BODY_UNSAFE.sub(_ref, text[i : i + _ESCAPE_SLICE])
-            for i in range(0, len(text), _ESCAPE_SLICE)
+            _escape_slice(text[i : i + _ESCAPE_SLICE]) for i in range(0, len(text), _ESCAPE_SLICE)
         )
     if text.startswith("/"):
         text = "&#x2F;" + text[1:]

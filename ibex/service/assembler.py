@@ -18,7 +18,7 @@ from ibex.assembly.pipeline import AssemblyInputs, PipelineConfig, assemble_pure
 from ibex.assembly.structs import AssemblyRequest, AssemblyResult
 from ibex.assembly.tokens import Tokenizers
 from ibex.assembly.validation import RequestLimits, validate_request
-from ibex.service.queues import WorkerThreads
+from ibex.service.queues import WorkerThreads, default_threads
 from ibex.sources.base import DirectiveSource, MemorySource
 from ibex.sources.directive_cache import DirectiveCache
 from ibex.sources.retrieval import RetrievalConfig, retrieve
@@ -60,7 +60,7 @@ class Assembler:
         pipeline: PipelineConfig | None = None,
         backend: str = "",
         offload_chars: int = OFFLOAD_CHARS,
-        offload_threads: int = 2,
+        offload_threads: int | None = None,
     ) -> None:
         self.catalog = catalog
         self.tokenizers = tokenizers
@@ -71,7 +71,7 @@ class Assembler:
         self.pipeline = pipeline or PipelineConfig()
         self.backend = backend
         self.offload_chars = offload_chars
-        self.threads = WorkerThreads(offload_threads)
+        self.threads = WorkerThreads(offload_threads or default_threads())
 
     def check_request(self, request: AssemblyRequest) -> AssemblyRequest:
         """Validate before any I/O: ids, weights, sizes and a known model or window."""

@@ -23,6 +23,7 @@ pipelines, with an estimate of how long a new call would wait for one.
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import time
 from collections import deque
@@ -42,6 +43,22 @@ _EWMA: Final = 0.2  # weight of the newest sample in the service-time estimate
 # (CPython's default is 5 ms: a call needing a few loop wake-ups then lost tens of ms).
 SWITCH_INTERVAL: Final = 0.001
 T = TypeVar("T")
+
+
+def default_threads() -> int:
+    """Worker threads for large pipelines: one core less than the process may use, at
+    most two, at least one.
+
+    The counts run outside the GIL at full speed, so as many busy threads as cores
+    leave the loop thread none of its own: on 2 cores, a second thread took the
+    share of another tenant's 45 ms calls that were OK from 68 % to 18 % (CJK
+    schemas saturating the threads), and finished fewer large calls too.
+    """
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, min(2, cores - 1))
 
 
 def share_the_gil() -> None:

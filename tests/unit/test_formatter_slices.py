@@ -1,4 +1,5 @@
-"""A large body is escaped slice by slice, with exactly the result of one pass."""
+"""A large body is escaped slice by slice, ASCII text by the ASCII cut of the class:
+exactly the result of one pass of the whole class."""
 
 from __future__ import annotations
 
@@ -30,3 +31,15 @@ def test_slicing_never_changes_the_escaped_text() -> None:
     assert len(text) > fmt._ESCAPE_SLICE
     assert escape_body(text) == one_pass(text)
     assert "&#x202E;" in escape_body(text) and "&lt;" in escape_body(text)
+
+
+def test_ascii_text_is_escaped_exactly_as_by_the_whole_class() -> None:
+    every = "".join(chr(c) for c in range(1, 128)) * 3
+    text = f"x{every}x"
+    assert text.isascii()
+    assert escape_body(text) == one_pass(text)
+    big = "a" + every * (fmt._ESCAPE_SLICE // len(every) + 2)
+    assert escape_body(big) == one_pass(big)
+    for c in range(128):  # the derived ASCII class is the whole class on ASCII
+        ch = chr(c)
+        assert bool(fmt._BODY_UNSAFE_ASCII.match(ch)) == bool(fmt._BODY_UNSAFE.match(ch))

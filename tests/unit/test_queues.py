@@ -5,11 +5,20 @@ Pure Trio with a MockClock (autojump): the waits are on Trio's clock only.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import trio
 import trio.testing
 
-from ibex.service.queues import TIMED, UNTIMED, URGENT, FairQueue, WorkerThreads
+from ibex.service.queues import (
+    TIMED,
+    UNTIMED,
+    URGENT,
+    FairQueue,
+    WorkerThreads,
+    default_threads,
+)
 
 
 async def _waiter(
@@ -117,3 +126,9 @@ def test_capacity_and_cap_must_be_positive() -> None:
         FairQueue(0)
     with pytest.raises(ValueError):
         FairQueue(2, per_key=0)
+
+
+def test_worker_threads_leave_the_loop_a_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    for cores, threads in [(1, 1), (2, 1), (3, 2), (16, 2)]:
+        monkeypatch.setattr(os, "sched_getaffinity", lambda _pid, n=cores: set(range(n)))
+        assert default_threads() == threads
