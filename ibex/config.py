@@ -99,6 +99,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     max_in_flight: int = 256
     max_in_flight_bytes: int = 64 * 1024 * 1024
     max_concurrent_assemblies: int = 16
+    max_org_assemblies: int | None = None  # None: half of MAX_CONCURRENT_ASSEMBLIES
+    max_queue_wait: float = 1.0
     max_message_bytes: int = 4 * 1024 * 1024
     max_history_messages: int = 512
     max_text_bytes: int = 1024 * 1024
@@ -344,6 +346,7 @@ def load_settings(
         "TLS_HANDSHAKE_TIMEOUT": "tls_handshake_timeout",
         "MAX_CONNECTION_AGE": "max_connection_age",
         "MAX_CONNECTION_AGE_GRACE": "max_connection_age_grace",
+        "MAX_QUEUE_WAIT": "max_queue_wait",
     }.items():
         if (raw := get(suffix)) is not None:
             kw[field] = parse_duration(PREFIX + suffix, raw, bare_unit="s")
@@ -362,6 +365,7 @@ def load_settings(
         "MAX_IN_FLIGHT": ("max_in_flight", 1, 100_000),
         "MAX_IN_FLIGHT_BYTES": ("max_in_flight_bytes", 1024, 64 * 1024 * 1024 * 1024),
         "MAX_CONCURRENT_ASSEMBLIES": ("max_concurrent_assemblies", 1, 100_000),
+        "MAX_ORG_ASSEMBLIES": ("max_org_assemblies", 1, 100_000),
         "DIRECTIVE_CACHE_ENTRIES": ("directive_cache_entries", 0, 10_000_000),
         "DIRECTIVE_CACHE_BYTES": ("directive_cache_bytes", 0, 4 * 1024 * 1024 * 1024),
         "MAX_MESSAGE_BYTES": ("max_message_bytes", 1024, 256 * 1024 * 1024),

@@ -99,7 +99,7 @@ STATUSES: Final = ("success", "timeout", "error", "skipped")
 STAGES: Final = ("budget", "ranking", "packing", "formatting", "total")
 LEVELS: Final = ("L0", "L1", "L2")
 PACK_PATHS: Final = ("dp", "greedy")
-SHED_REASONS: Final = ("in_flight", "queue", "cpu")
+SHED_REASONS: Final = ("in_flight", "queue", "cpu", "org", "threads")
 RESTART_REASONS: Final = ("exited", "unresponsive")
 FEEDBACK_OUTCOMES: Final = (
     "recorded", "invalid", "rejected", "unavailable", "deadline", "shed", "error",

@@ -32,6 +32,22 @@ is served with whatever time its deadline leaves. What is refused, and why:
   least `saturated` of the time; and a call with less than `min_useful` left
   is never refused as overload (an idle daemon could not serve it either).
 
+- `RESOURCE_EXHAUSTED` (`org`): the call's org already runs its limit of
+  concurrent assemblies (`max_org_concurrent`, well below the slot count) and
+  no slot of its own freed in time. One tenant's calls wait behind each
+  other, never in front of another tenant's: the slot queue passes over a
+  waiter whose org is at its limit.
+- `RESOURCE_EXHAUSTED` (`threads`): the call's own text sends its pipeline to
+  a worker thread (`Assembler.needs_thread`) and the thread queue is long: as
+  many calls as `max_thread_queue` wait already, or the expected wait would
+  leave the call less than `min_useful` of its deadline (for a call without
+  a deadline: more than `max_queue_wait`), or no thread freed in time.
+
+Calls without a deadline wait at most `max_queue_wait` for a thread or a slot
+(then RESOURCE_EXHAUSTED), stand behind every call that has a deadline in
+both queues, and are not counted as work ahead of one by the gates below:
+they can wait, and never make a call with a deadline miss it.
+
 A refusal costs a fraction of an answer (about 0.2 ms under overload, most of
 it h2 parsing the call's frames); a call that cannot be served in time would
 cost a whole answer's CPU and delay every admitted call behind it. The event
@@ -43,16 +59,16 @@ would have made their deadlines.
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
+from typing import NoReturn
 
 import msgspec
-import trio
 
 from ibex.errors import DeadlineError, Overloaded, Unavailable
 from ibex.ops.metrics import Metrics
+from ibex.service.queues import TIMED, UNTIMED, FairQueue, WorkerThreads
 
 _EWMA = 0.2  # weight of the newest sample in the wait and service estimates
 _CPU_WINDOW = 0.025  # seconds of loop-thread CPU accounting per utilisation sample
@@ -77,6 +93,9 @@ class AdmissionConfig(msgspec.Struct, frozen=True):
     read_timeout: float = 5.0
     saturated: float = 0.5
     wait_margin: float = 0.015
+    max_org_concurrent: int = 8  # assemblies one org may run at once
+    max_queue_wait: float = 1.0  # longest wait for a thread or a slot without a deadline
+    max_thread_queue: int = 64  # calls waiting for a worker thread before the next is refused
 
 
 class QueueDelay:
@@ -165,6 +184,11 @@ class Ticket:
         self.deadline = deadline
         self.started = False
 
+    @property
+    def line(self) -> int:
+        """The queue line the call waits in: with a deadline, or behind them without one."""
+        return UNTIMED if self.deadline is None else TIMED
+
     def remaining(self, now: float) -> float | None:
         return None if self.deadline is None else self.deadline - now
 
@@ -179,12 +203,14 @@ class Admission:
         self.in_flight_bytes = 0
         self.pending = 0  # arrived, not yet assembling
         self.gated = 0  # passed the HEADERS gate, handler not yet started
+        self.untimed = 0  # in flight without a deadline: never work ahead of one with a deadline
+        self.thread_waiting = 0  # in flight, queued for a worker thread (no slot, no CPU)
         self.cpu = CpuLoad()
         self.draining = False
         self.idle = asyncio.Event()
         self.idle.set()
         self.queue = QueueDelay(config.queue_target, config.queue_interval)
-        self._slots = trio.Semaphore(config.max_concurrent)
+        self.slots = FairQueue(config.max_concurrent, per_key=config.max_org_concurrent)
 
     def check_open(self) -> None:
         """Before the request is read: refuse at once while draining or at the hard cap."""
@@ -216,7 +242,9 @@ class Admission:
         if remaining is None or remaining < self.config.min_useful:
             return False
         self.cpu.sample(now)
-        ahead = max(0, self.gated) + self.in_flight  # never below zero, whatever miscounts
+        # Calls without a deadline and calls parked in the thread queue are not ahead of
+        # a new call: both are served after it, or paced by the threads, not the loop.
+        ahead = max(0, self.gated) + max(0, self.in_flight - self.untimed - self.thread_waiting)
         latency = self.cpu.latency(ahead, self.config.saturated)
         return latency > remaining - self.config.wait_margin
 
@@ -290,6 +318,7 @@ class Admission:
         self.in_flight += 1
         self.in_flight_bytes += size
         self.pending += 1
+        self.untimed += remaining is None
         self.idle.clear()
         ticket = Ticket(min(arrived, now), None if remaining is None else now + remaining)
         try:
@@ -300,41 +329,119 @@ class Admission:
                 self.pending -= 1
             self.in_flight -= 1
             self.in_flight_bytes -= size
+            self.untimed -= remaining is None
             self.cpu.finished(time.monotonic())
             if self.in_flight == 0:
                 self.idle.set()
 
+    def _wait_limit(self, ticket: Ticket, now: float) -> float:
+        """How long the call may wait in a queue: until `min_answer` before its deadline,
+        or `max_queue_wait` without one."""
+        remaining = ticket.remaining(now)
+        if remaining is None:
+            return self.config.max_queue_wait
+        return remaining - self.config.min_answer
+
     @asynccontextmanager
-    async def slot(self, ticket: Ticket) -> AsyncIterator[None]:
+    async def slot(
+        self, ticket: Ticket, org: str = "", threads: WorkerThreads | None = None
+    ) -> AsyncIterator[bool]:
         """Trio side: wait for an assembly slot within the deadline, then hold it.
 
-        The sojourn (arrival to here, crossing included) feeds the queue detector.
+        With `threads` (the call's own text sends its pipeline to a worker thread),
+        the call first queues for a thread, then takes its slot, and holds both to
+        the end; it yields True when it holds a thread unit. Queue first, then the
+        slot: a call holding a slot while it waits for one of the few threads keeps
+        a slot from every call that needs no thread, and a burst of large calls
+        then holds all of them. Queued before its slot, a large call holds only its
+        request (retrieval runs in the slots, so the memory bound stays), and the
+        slots stay with calls that can run. The thread idles during the call's
+        retrieval: that is the price of not holding a slot idle for much longer.
+
+        `org` is the call's org: it runs at most `max_org_concurrent` assemblies at
+        once. The slot sojourn (from arrival, or from getting its thread, to the
+        slot; crossing included) feeds the queue detector, except for calls without
+        a deadline and calls held back by their own org's limit: their waits say
+        nothing about the queue a call with a deadline would face.
         """
         if ticket.started:
             raise RuntimeError("a ticket takes one slot")
         ticket.started = True
         self.pending -= 1
-        remaining = ticket.remaining(time.monotonic())
-        limit = math.inf if remaining is None else remaining - self.config.min_answer
-        acquired = False
-        try:  # a free slot is taken without a pass through the scheduler
-            self._slots.acquire_nowait()
-            acquired = True
-        except trio.WouldBlock:
-            with trio.move_on_after(max(0.0, limit)):
-                await self._slots.acquire()
-                acquired = True
-        if not acquired:
-            if self.queue.standing:
-                self._shed("queue", "overloaded: no assembly slot within the deadline")
-            raise DeadlineError("no assembly slot free within the deadline")
-        try:
-            now = time.monotonic()
-            self.queue.observe(now - ticket.arrived, now)
-            yield
-        finally:
-            self._slots.release()
+        async with AsyncExitStack() as stack:
+            since = ticket.arrived
+            if threads is not None:
+                await self._thread(ticket, threads)
+                stack.callback(threads.queue.release)
+                since = time.monotonic()
+            line = ticket.line
+            capped = self.slots.key_full(org)
+            if not self.slots.try_acquire(org):
+                acquired = await self.slots.acquire(
+                    org, line, self._wait_limit(ticket, time.monotonic())
+                )
+                if not acquired:
+                    self._no_slot(ticket, org)
+            stack.callback(self.slots.release, org)
+            if line != UNTIMED and not capped:
+                now = time.monotonic()
+                self.queue.observe(now - since, now)
+            yield threads is not None
 
-    def _shed(self, reason: str, message: str) -> None:
+    async def _thread(self, ticket: Ticket, threads: WorkerThreads) -> None:
+        """Queue for a worker thread, or refuse when that queue is too long for the call."""
+        line = ticket.line
+        remaining = ticket.remaining(time.monotonic())
+        expected = threads.expected_wait(line)
+        waiting = threads.queue.waiting()
+        if waiting >= self.config.max_thread_queue:
+            self._shed("threads", f"overloaded: {waiting} calls already wait for a worker thread")
+        if remaining is None and expected > self.config.max_queue_wait:
+            self._shed(
+                "threads",
+                f"overloaded: about {expected * 1000:.0f}ms of worker-thread queue, over the "
+                f"{self.config.max_queue_wait * 1000:.0f}ms a call without a deadline waits",
+            )
+        useful = self.config.min_useful
+        if remaining is not None and expected > 0 and useful <= remaining < expected + useful:
+            # A call with less than min_useful left is never refused as overload: an idle
+            # daemon could not serve it usefully either (it waits and gets its answer or
+            # DEADLINE_EXCEEDED).
+            self._shed(
+                "threads",
+                f"overloaded: about {expected * 1000:.0f}ms of worker-thread queue "
+                f"before a call with {remaining * 1000:.0f}ms left",
+            )
+        self.thread_waiting += 1
+        try:
+            acquired = await threads.queue.acquire(
+                "", line, self._wait_limit(ticket, time.monotonic())
+            )
+        finally:
+            self.thread_waiting -= 1
+        if not acquired:
+            if remaining is not None and remaining < useful:
+                raise DeadlineError("no worker thread free within the deadline")
+            self._shed("threads", "overloaded: no worker thread free within the call's wait")
+
+    def _no_slot(self, ticket: Ticket, org: str) -> NoReturn:
+        """The wait for a slot ended empty: say why (never naming another tenant)."""
+        if self.slots.key_full(org):
+            self._shed(
+                "org",
+                "overloaded: this org already runs its limit of "
+                f"{self.config.max_org_concurrent} concurrent assemblies",
+            )
+        if ticket.deadline is None:
+            self._shed(
+                "queue",
+                "overloaded: no assembly slot within the "
+                f"{self.config.max_queue_wait * 1000:.0f}ms a call without a deadline waits",
+            )
+        if self.queue.standing:
+            self._shed("queue", "overloaded: no assembly slot within the deadline")
+        raise DeadlineError("no assembly slot free within the deadline")
+
+    def _shed(self, reason: str, message: str) -> NoReturn:
         self.metrics.shed(reason)
         raise Overloaded(reason, message)

@@ -12,8 +12,6 @@ import functools
 import logging
 import time
 
-import trio
-
 from ibex.assembly.catalog import Catalog
 from ibex.assembly.formatter import new_nonce
 from ibex.assembly.nonce import NonceKey
@@ -21,6 +19,7 @@ from ibex.assembly.pipeline import AssemblyInputs, PipelineConfig, assemble_pure
 from ibex.assembly.structs import AssemblyRequest, AssemblyResult
 from ibex.assembly.tokens import Tokenizers
 from ibex.assembly.validation import RequestLimits, validate_request
+from ibex.service.queues import WorkerThreads, default_threads
 from ibex.sources.base import DirectiveSource, MemorySource
 from ibex.sources.directive_cache import DirectiveCache
 from ibex.sources.feedback import FeedbackSink
@@ -34,11 +33,15 @@ log = logging.getLogger(__name__)
 OFFLOAD_CHARS = 16 * 1024
 
 
+def _request_chars(request: AssemblyRequest) -> int:
+    """Characters of the request's own text (known before retrieval)."""
+    n = len(request.query) + sum(len(m.content) for m in request.recent_messages)
+    return n + sum(len(t) for t in request.tool_schemas)
+
+
 def _text_chars(inputs: AssemblyInputs) -> int:
     """Characters the pipeline may have to count for these inputs."""
-    request = inputs.request
-    n = len(request.query) + sum(len(m.content) for m in request.recent_messages)
-    n += sum(len(t) for t in request.tool_schemas)
+    n = _request_chars(inputs.request)
     if inputs.directive is not None:
         n += len(inputs.directive.content)
     return n + sum(len(h.content) for h in inputs.hot) + sum(len(h.content) for h in inputs.cold)
@@ -59,7 +62,7 @@ class Assembler:
         pipeline: PipelineConfig | None = None,
         backend: str = "",
         offload_chars: int = OFFLOAD_CHARS,
-        offload_threads: int = 2,
+        offload_threads: int | None = None,
         feedback_sink: FeedbackSink | None = None,
         nonce_key: NonceKey | None = None,
     ) -> None:
@@ -72,7 +75,7 @@ class Assembler:
         self.pipeline = pipeline or PipelineConfig()
         self.backend = backend
         self.offload_chars = offload_chars
-        self._cpu_limiter = trio.CapacityLimiter(offload_threads)
+        self.threads = WorkerThreads(offload_threads or default_threads())
         self.feedback_sink = feedback_sink  # where RecordMemoryFeedback goes; None: UNAVAILABLE
         self.nonce_key = nonce_key
 
@@ -94,6 +97,11 @@ class Assembler:
         resolve_model(self.catalog, request.model, request.available_tokens)
         return request
 
+    def needs_thread(self, request: AssemblyRequest) -> bool:
+        """True when the request's own text already sends its pipeline to a worker thread,
+        so the call can queue for the thread before it takes an assembly slot."""
+        return _request_chars(request) > self.offload_chars
+
     async def assemble(
         self,
         request: AssemblyRequest,
@@ -101,10 +109,13 @@ class Assembler:
         deadline: float | None = None,
         arrived: float | None = None,
         validated: bool = False,
+        thread_held: bool = False,
     ) -> AssemblyResult:
         """Retrieve within the wall (and the caller's deadline), then run the pipeline.
 
         `deadline` and `arrived` (when the call reached the process) are on the Trio clock.
+        `thread_held`: the caller holds a unit of `threads` (admission queued for it
+        before the slot), and the pipeline runs under it in a worker thread.
         """
         if not validated:
             request = self.check_request(request)
@@ -126,24 +137,24 @@ class Assembler:
             now=time.time(),
             retrieval_ms=got.elapsed_ms,
         )
-        if _text_chars(inputs) <= self.offload_chars:
-            result = assemble_pure(
-                inputs, catalog=self.catalog, tokenizers=self.tokenizers, config=self.pipeline
-            )
+        run = functools.partial(
+            assemble_pure,
+            inputs,
+            catalog=self.catalog,
+            tokenizers=self.tokenizers,
+            config=self.pipeline,
+        )
+        if thread_held:
+            result = await self.threads.run_held(run)
+        elif _text_chars(inputs) <= self.offload_chars:
+            result = run()
         else:
             # Counting this much text would hold the loop (a 1 MB CJK text is ~130 ms of
             # tiktoken): do it in a worker thread, where tiktoken releases the GIL, so
-            # other calls keep their deadlines. The limiter bounds the threads.
-            result = await trio.to_thread.run_sync(
-                functools.partial(
-                    assemble_pure,
-                    inputs,
-                    catalog=self.catalog,
-                    tokenizers=self.tokenizers,
-                    config=self.pipeline,
-                ),
-                limiter=self._cpu_limiter,
-            )
+            # other calls keep their deadlines. Only the retrieved memories made this
+            # call large (a large request queued for its thread before its slot): it
+            # waits in the urgent line, since it holds a slot while it waits.
+            result = await self.threads.run(run)
         filtered = result.pack.tenant_filtered
         if filtered:
             log.warning(

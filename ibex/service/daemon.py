@@ -50,6 +50,7 @@ from ibex.service.grpc_shim import (
 )
 from ibex.service.handlers import ContextService, EdgeConfig, method_label
 from ibex.service.precise_wakeup import precise_wakeups
+from ibex.service.queues import share_the_gil
 from ibex.service.reflection import with_reflection
 
 log = logging.getLogger(__name__)
@@ -157,6 +158,7 @@ class Daemon:
         answer_expired_deadlines()
         lighten_h2()
         batch_ready_callbacks()
+        share_the_gil()
         notifier = notifier or Notifier.from_env()
         shutdown = shutdown if shutdown is not None else trio.Event()
         async with trio_asyncio.open_loop() as loop, self._open_assembler() as assembler:

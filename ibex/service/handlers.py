@@ -231,14 +231,19 @@ class ContextService:
         await stream.send_message(convert.response_to_proto(result))
 
     async def _assemble_in_trio(self, request: AssemblyRequest, ticket: Ticket) -> AssemblyResult:
-        async with self.admission.slot(ticket):
+        threads = self.assembler.threads if self.assembler.needs_thread(request) else None
+        async with self.admission.slot(ticket, request.org_id, threads) as thread_held:
             now, trio_now = time.monotonic(), trio.current_time()
             remaining = ticket.remaining(now)
             deadline = None if remaining is None else trio_now + remaining
             arrived = trio_now - (now - ticket.arrived)
             with bind_request(request.request_id, request.trace_id):
                 return await self.assembler.assemble(
-                    request, deadline=deadline, arrived=arrived, validated=True
+                    request,
+                    deadline=deadline,
+                    arrived=arrived,
+                    validated=True,
+                    thread_held=thread_held,
                 )
 
     # --- SearchMemories ------------------------------------------------------
@@ -307,7 +312,7 @@ class ContextService:
         if source is None:
             raise SourceError("memory search failed: no memory source configured")
         retrieval = self.assembler.retrieval
-        async with self.admission.slot(ticket):
+        async with self.admission.slot(ticket, org_id):
             timeout = retrieval.cold_timeout
             remaining = ticket.remaining(time.monotonic())
             if remaining is not None:

@@ -92,6 +92,10 @@ def admission_config(settings: Settings) -> AdmissionConfig:
         queue_target=settings.queue_target,
         queue_interval=settings.queue_interval,
         read_timeout=settings.request_read_timeout,
+        max_org_concurrent=settings.max_org_assemblies
+        or max(1, settings.max_concurrent_assemblies // 2),
+        max_queue_wait=settings.max_queue_wait,
+        max_thread_queue=max(1, settings.max_in_flight // 4),
     )
 
 

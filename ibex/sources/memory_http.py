@@ -32,17 +32,20 @@ Every call checks and raises RuntimeError instead.
 
 from __future__ import annotations
 
+import functools
 import ssl
 import types
-from typing import Literal, Self
+from typing import Final, Literal, Self
 from urllib.parse import quote
 
 import msgspec
 import sniffio
+import trio
 
 from ibex.assembly.feedback import Feedback, ScoreUpdate
 from ibex.assembly.structs import MemoryHit
 from ibex.sources.base import SourceError
+from ibex.sources.cpu import niced
 from ibex.sources.feedback import (
     FEEDBACK_MAX_RESPONSE_BYTES,
     FEEDBACK_PATH,
@@ -59,6 +62,13 @@ SEARCH_PATH = "/v1/memories/search"
 # content cap) is about 3.3 MiB; anything longer is not an answer to our request.
 DEFAULT_MAX_RESPONSE_BYTES = 4 * 1024 * 1024
 USER_AGENT = "ibex-context"
+# Answers longer than this are decoded in a worker thread. msgspec holds the GIL
+# while it runs, so the thread does not make one decode call interruptible; but a
+# large answer is decoded result by result (sources.wire), and between two results
+# the loop gets the GIL back (within the switch interval) instead of waiting for
+# the whole answer: a 4 MB answer of `\u4e2d` escapes held the loop about 20 ms.
+OFF_LOOP_BYTES: Final = 64 * 1024
+DECODE_THREADS: Final = 2  # large answers decoded at once per process
 
 
 class _SearchBody(msgspec.Struct):
@@ -122,6 +132,7 @@ class MemoryHttpSource:
         self._ssl_context = ssl_context
         self._pools: dict[Branch, HttpPool] = {}
         self._feedback_pool: HttpPool | None = None
+        self._decode_limiter = trio.CapacityLimiter(DECODE_THREADS)
 
     def __repr__(self) -> str:  # never show the token
         state = "open" if self._pools else "closed"
@@ -255,8 +266,22 @@ class MemoryHttpSource:
             raise SourceError(f"{branch}: {exc}") from None
         if not 200 <= response.status < 300:
             raise SourceError(f"{branch}: HTTP {response.status}")
-        return decode_hits(
-            response.body, branch, limit=limit, max_content_bytes=self._max_content_bytes
+        decode = functools.partial(
+            decode_hits,
+            response.body,
+            branch,
+            limit=limit,
+            max_content_bytes=self._max_content_bytes,
+        )
+        if len(response.body) <= OFF_LOOP_BYTES:
+            return decode()
+        # Abandoned on cancel: a branch cut at its timeout ends then, not when the
+        # decode does; the limiter stays held until the thread has finished, so
+        # abandoned decodes are bounded too.
+        return await trio.to_thread.run_sync(
+            functools.partial(niced, decode),
+            limiter=self._decode_limiter,
+            abandon_on_cancel=True,
         )
 
     def _open_pool(self, branch: Branch) -> HttpPool:

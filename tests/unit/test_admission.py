@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
 import trio
+import trio.testing
 
 from ibex.errors import DeadlineError, Overloaded, Unavailable
 from ibex.ops.metrics import Metrics
 from ibex.service.admission import Admission, AdmissionConfig, CpuLoad, QueueDelay
 from ibex.service.handlers import METHODS, ContextService, method_label
+from ibex.service.queues import WorkerThreads
 
 CONFIG = AdmissionConfig(
     max_in_flight=4,
@@ -446,3 +449,205 @@ def test_the_standing_queue_refuses_when_exactly_min_useful_would_be_left() -> N
     a.queue.standing, a.queue.estimate, a.pending = True, 0.5, 1
     assert not a.standing_queue_refuses(0.75)  # 0.75 - 0.5 == 0.25: enough
     assert a.standing_queue_refuses(0.625)
+
+
+# -- fairness: per-org cap, calls without a deadline, the worker-thread queue -----------------
+
+ORG_A, ORG_B = "org-a", "org-b"
+
+
+def fair(**overrides: object) -> Admission:
+    base = {"max_in_flight": 64, "max_concurrent": 4, "max_org_concurrent": 2}
+    return admission(AdmissionConfig(**{**base, **overrides}))  # type: ignore[arg-type]
+
+
+async def _hold(a: Admission, org: str, remaining: float | None, release: trio.Event) -> None:
+    with a.admitted(time.monotonic(), remaining) as ticket:
+        async with a.slot(ticket, org):
+            await release.wait()
+
+
+async def test_one_org_never_holds_every_slot_and_its_refusal_names_only_its_limit(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    a = fair()
+    release = trio.Event()
+    async with trio.open_nursery() as nursery:
+        for _ in range(2):
+            nursery.start_soon(_hold, a, ORG_A, 5.0, release)
+        await trio.sleep(0.001)
+        assert a.slots.by_key == {ORG_A: 2} and a.slots.held == 2
+        # Org A's third call waits for one of its own slots and is refused when none frees.
+        with pytest.raises(Overloaded) as info, a.admitted(time.monotonic(), 0.045) as ticket:
+            async with a.slot(ticket, ORG_A):
+                pass
+        assert info.value.reason == "org" and info.value.status == "RESOURCE_EXHAUSTED"
+        assert "limit of 2 concurrent assemblies" in str(info.value)
+        assert ORG_B not in str(info.value)
+        # Org B still finds slots at once, although org A has a call waiting.
+        with a.admitted(time.monotonic(), 0.045) as ticket:
+            async with a.slot(ticket, ORG_B):
+                assert a.slots.by_key == {ORG_A: 2, ORG_B: 1}
+        release.set()
+    assert shed(a, "org") == 1 and a.slots.held == 0 and a.in_flight == 0
+    # The org's wait says nothing about the queue a call with a deadline faces.
+    assert not a.queue.standing
+
+
+async def test_a_call_of_a_capped_org_gets_its_slot_when_one_of_its_own_frees(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    a = fair()
+    release = trio.Event()
+    async with trio.open_nursery() as nursery:
+        for _ in range(2):
+            nursery.start_soon(_hold, a, ORG_A, 5.0, release)
+        await trio.sleep(0.001)
+
+        async def third() -> None:
+            with a.admitted(time.monotonic(), 5.0) as ticket:
+                async with a.slot(ticket, ORG_A):
+                    assert a.slots.by_key[ORG_A] <= 2
+
+        nursery.start_soon(third)
+        await trio.sleep(1.0)
+        assert a.slots.waiting() == 1
+        release.set()
+    assert a.slots.held == 0 and shed(a, "org") == 0
+
+
+async def test_calls_without_a_deadline_wait_behind_calls_with_one(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    a = fair(max_concurrent=1, max_org_concurrent=1)
+    release = trio.Event()
+    order: list[str] = []
+
+    async def call(name: str, org: str, remaining: float | None) -> None:
+        with a.admitted(time.monotonic(), remaining) as ticket:
+            async with a.slot(ticket, org):
+                order.append(name)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_hold, a, ORG_A, 5.0, release)
+        await trio.sleep(0.001)
+        nursery.start_soon(call, "untimed", ORG_B, None)
+        await trio.sleep(0.001)
+        nursery.start_soon(call, "timed", "org-c", 5.0)
+        await trio.sleep(0.001)
+        assert a.untimed == 1
+        release.set()
+    assert order == ["timed", "untimed"]
+    assert a.untimed == 0
+
+
+async def test_a_call_without_a_deadline_waits_at_most_max_queue_wait(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    a = fair(max_concurrent=1, max_queue_wait=0.5)
+    release = trio.Event()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_hold, a, ORG_A, 50.0, release)
+        await trio.sleep(0.001)
+        t0 = trio.current_time()
+        with pytest.raises(Overloaded) as info, a.admitted(time.monotonic(), None) as ticket:
+            async with a.slot(ticket, ORG_B):
+                pass
+        assert trio.current_time() - t0 == pytest.approx(0.5)
+        assert info.value.reason == "queue" and "without a deadline" in str(info.value)
+        release.set()
+    assert not a.queue.standing  # its long wait is no standing queue for calls with deadlines
+
+
+def test_calls_without_a_deadline_are_not_work_ahead_at_the_cpu_gate() -> None:
+    a = admission(AdmissionConfig(max_in_flight=64, wait_margin=0.005))
+    _saturated(a, 0.004)
+    with contextlib.ExitStack() as stack:
+        for _ in range(20):  # 20 untimed calls in flight: 21 x 4 ms would be 84 ms
+            stack.enter_context(a.admitted(time.monotonic(), None))
+        assert a.gate("/svc/AssembleContext", 0.045) is None
+        a.left_gate()
+        stack.enter_context(a.admitted(time.monotonic(), 1.0))
+        for _ in range(10):  # 10 calls with deadlines are work ahead: 11 x 4 ms > 40 ms
+            stack.enter_context(a.admitted(time.monotonic(), 1.0))
+        assert a.gate("/svc/AssembleContext", 0.045) is not None
+    assert a.untimed == 0
+
+
+async def test_a_large_call_queues_for_its_thread_before_it_takes_a_slot(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    a = fair(max_concurrent=2, max_org_concurrent=2)
+    threads = WorkerThreads(1)
+    assert threads.queue.try_acquire()  # the only thread is busy
+    held: list[bool] = []
+
+    async def large() -> None:
+        with a.admitted(time.monotonic(), 5.0) as ticket:
+            async with a.slot(ticket, ORG_A, threads) as thread_held:
+                assert threads.queue.held == 1 and a.slots.by_key == {ORG_A: 1}
+                held.append(thread_held)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(large)
+        await trio.sleep(0.5)
+        # Waiting for the thread, it holds no slot: both slots serve calls that can run.
+        assert a.thread_waiting == 1 and a.slots.held == 0
+        for _ in range(2):
+            with a.admitted(time.monotonic(), 0.045) as ticket:
+                async with a.slot(ticket, ORG_A) as thread_held:
+                    assert not thread_held
+        threads.queue.release()
+    assert held == [True]
+    assert threads.queue.held == 0 and a.slots.held == 0 and a.thread_waiting == 0
+    # Its wait was for the thread, not for a slot: no sojourn of 0.5 s reached the detector.
+    assert a.queue.estimate < 0.1
+
+
+async def test_a_long_thread_queue_refuses_and_says_which_queue(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    a = fair(max_thread_queue=1, max_queue_wait=0.5)
+    threads = WorkerThreads(1)
+    threads.service = 0.040
+    assert threads.queue.try_acquire()
+
+    async def refused(remaining: float | None) -> Overloaded:
+        """Refused at once: no time passes (the clock would jump while it waited)."""
+        t0 = trio.current_time()
+        with pytest.raises(Overloaded) as info, a.admitted(time.monotonic(), remaining) as ticket:
+            async with a.slot(ticket, ORG_A, threads):
+                pass
+        assert trio.current_time() == t0
+        return info.value
+
+    # 45 ms left, about 40 ms of queue: less than min_useful (20 ms) would be left.
+    exc = await refused(0.045)
+    assert exc.reason == "threads" and "worker-thread queue" in str(exc)
+    assert a.slots.held == 0 and a.thread_waiting == 0
+    # Less than min_useful left: never refused as overload, it waits and misses its deadline.
+    with pytest.raises(DeadlineError), a.admitted(time.monotonic(), 0.015) as ticket:
+        async with a.slot(ticket, ORG_A, threads):
+            pass
+    # A call with room waits (and gets the thread once it frees).
+    async with trio.open_nursery() as nursery:
+
+        async def patient() -> None:
+            with a.admitted(time.monotonic(), 5.0) as ticket:
+                async with a.slot(ticket, ORG_A, threads):
+                    pass
+
+        nursery.start_soon(patient)
+        await trio.sleep(0.01)
+        assert a.thread_waiting == 1
+        # The queue is at its count bound now: the next one is refused whatever its time.
+        exc = await refused(5.0)
+        assert "1 calls already wait for a worker thread" in str(exc)
+        threads.queue.release()
+    # Without a deadline: refused once the expected wait passes MAX_QUEUE_WAIT.
+    assert threads.queue.try_acquire()
+    threads.service = 1.0
+    exc = await refused(None)
+    assert exc.reason == "threads" and "without a deadline" in str(exc)
+    threads.queue.release()
+    assert shed(a, "threads") == 3 and a.in_flight == 0 and a.pending == 0

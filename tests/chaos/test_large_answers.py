@@ -1,0 +1,120 @@
+"""A huge memory answer is decoded off the loop: other calls keep their branches (issue 20, row 9).
+
+Real redis-server, the loopback memory stand-in, one in-process assembler (the
+daemon's shape). The memory service answers every hot and cold call with
+about 4 MB of JSON made of `\\u4e2d` escapes, the costliest bytes to decode.
+Several such calls run while another caller reads only its directive. Before
+the change each answer was decoded on the loop, in one go: the loop stood
+still for tens of milliseconds per answer, back to back, and the other
+caller's directive branch ran out of time. Now the answers are decoded in
+worker threads, result by result, and the loop gets the GIL back between
+results: the directive branch succeeds.
+
+Statuses and progress, no timings. The directive timeout is 100 ms, twenty
+times the default, for a shared 2-core machine. Before the change the quiet
+caller finished 2 calls while the eight big ones ran, one of them with its
+directive timed out; now it finishes its 30 calls. A stall of the machine
+may still cost one of them its directive (`MIN_SUCCESS_SHARE`), as in the
+other chaos tests. (The big calls' own directive branches are not asserted:
+they start together with eight 4 MB downloads into the same loop.)
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import trio
+
+from ibex.assembly.structs import AssemblyResult
+from tests.integration.test_assemble_real import (
+    TENANTS,
+    make_request,
+    open_stack,
+    seed_directive,
+    statuses,
+)
+from tests.memory_server import (
+    FakeMemoryServer,
+    memory_server_fixture,  # noqa: F401
+)
+from tests.redis_server import RedisServer
+
+BIG_CALLS = 8
+QUIET_CALLS = 30
+MIN_QUIET_CALLS = 10  # the quiet caller keeps running while the answers are decoded
+MIN_SUCCESS_SHARE = 0.9
+TIMEOUTS = {
+    "DIRECTIVE_TIMEOUT_MS": "100",
+    "HOT_TIMEOUT_MS": "5000",
+    "COLD_TIMEOUT_MS": "5000",
+    "TIMEOUT": "6s",
+    "DEADLINE_MS": "6000",
+}
+
+
+def escaped_answer(org: str, agent: str, results: int = 20, chars: int = 33_000) -> bytes:
+    """About 4 MB: `results` memories of `chars` CJK characters, every one a `\\u` escape."""
+    items = [
+        {
+            "memory": {
+                "id": str(uuid.UUID(int=i + 1, version=4)),
+                "org_id": org,
+                "agent_id": agent,
+                "content": "中" * chars,
+                "category": "factual",
+                "confidence": 0.5,
+            },
+            "similarity": 0.5,
+            "rank": i + 1,
+            "source": "big",
+        }
+        for i in range(results)
+    ]
+    return json.dumps({"data": {"results": items}}).encode()  # ensure_ascii: \u4e2d
+
+
+async def test_huge_escaped_answers_leave_another_callers_directive_in_time(
+    redis_server: RedisServer, memory_server: FakeMemoryServer
+) -> None:
+    org, agent = TENANTS["a"]
+    body = escaped_answer(org, agent)
+    assert 3_500_000 < len(body) < 4 * 1024 * 1024  # under the answer cap: decoded, not refused
+    memory_server.hot.body = memory_server.cold.body = body
+    seed_directive(redis_server, "b")
+    big: list[AssemblyResult] = []
+    quiet: list[dict[str, str]] = []
+    async with open_stack(redis_server, memory_server, TIMEOUTS) as assembler:
+        # Warm: connections open, tokenizers loaded, the first decode's imports done.
+        await assembler.assemble(make_request("b", skip_hot_memories=True, skip_cold_memories=True))
+        await assembler.assemble(make_request("a"))
+        big_done = trio.Event()
+
+        async def big_call() -> None:
+            big.append(await assembler.assemble(make_request("a")))
+            if len(big) == BIG_CALLS:
+                big_done.set()
+
+        with trio.fail_after(120):
+            async with trio.open_nursery() as nursery:
+                for _ in range(BIG_CALLS):
+                    nursery.start_soon(big_call)
+                for _ in range(QUIET_CALLS):
+                    if big_done.is_set():
+                        break
+                    result = await assembler.assemble(
+                        make_request("b", skip_hot_memories=True, skip_cold_memories=True)
+                    )
+                    quiet.append(statuses(result))
+    # The big answers were really decoded: every memory is over the content cap, so the
+    # branches succeed with all of them excluded (never an error, never a timeout).
+    print("big", [statuses(r) for r in big], "quiet", quiet)
+    # The big answers were really decoded: every memory is over the content cap, so the
+    # memory branches succeed with all of them excluded (never an error, never a timeout).
+    assert len(big) == BIG_CALLS
+    for result in big:
+        assert statuses(result)["hot"] == statuses(result)["cold"] == "success"
+        assert result.memories_included == 0
+    assert len(quiet) >= MIN_QUIET_CALLS, f"the quiet caller stood still: {quiet}"
+    ok = sum(s["directive"] == "success" for s in quiet)
+    assert ok >= MIN_SUCCESS_SHARE * len(quiet), quiet
