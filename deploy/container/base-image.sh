@@ -12,6 +12,7 @@ shift
 mirror="${DEBIAN_MIRROR:-http://deb.debian.org/debian}"
 root="$(mktemp -d /tmp/ibex-base.XXXXXX)"
 trap 'rm -rf "$root"' EXIT
+chmod 0755 "$root"  # it becomes the image's /: mktemp's 0700 would lock out non-root users
 debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates \
     bookworm "$root" "$mirror" >/dev/null
 # A base layer carries no package caches or lists: the image build installs nothing with apt.

@@ -119,6 +119,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         problems = check(args.root)
         for problem in problems:
             print(problem, file=sys.stderr)
+        if not problems:
+            print("lock: uv.lock and the requirements*.lock exports match pyproject.toml")
         return 1 if problems else 0
     refresh(args.root, args.upgrade)
     return 0
