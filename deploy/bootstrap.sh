@@ -1,6 +1,8 @@
 #!/bin/sh
-# Fresh-machine entry point: makes .venv, installs the project with its dev
-# extras and `just` (rust-just from PyPI) into it, then runs `just <recipe>`.
+# Fresh-machine entry point: makes .venv, installs the locked dependencies
+# (requirements.lock: runtime and every extra, dev included, with `just` from
+# rust-just, all pinned by hash), then the project itself without
+# dependencies, and runs `just <recipe>`.
 set -eu
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
@@ -16,9 +18,9 @@ if [ ! -x .venv/bin/python ]; then
     fi
 fi
 stamp=.venv/.ibex-installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-    .venv/bin/python -m pip install --quiet --upgrade pip
-    .venv/bin/python -m pip install --quiet -e '.[dev]'
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ requirements.lock -nt "$stamp" ]; then
+    .venv/bin/python -m pip install --quiet --require-hashes -r requirements.lock
+    .venv/bin/python -m pip install --quiet --no-deps -e .
     touch "$stamp"
 fi
 export PATH="$PWD/.venv/bin:$PATH"

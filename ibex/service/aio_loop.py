@@ -28,6 +28,9 @@ from typing import Any
 import trio
 import trio_asyncio._base as _base
 
+from ibex.versions import require
+
+require("trio-asyncio")
 log = logging.getLogger(__name__)
 
 _Loop = _base.BaseTrioEventLoop

@@ -43,6 +43,9 @@ from hyperframe.frame import Frame, GoAwayFrame
 
 from ibex.errors import InputError, TooLargeError, Unimplemented
 from ibex.service.connections import Connections
+from ibex.versions import require
+
+require("grpclib", "h2", "hpack", "hyperframe")
 
 MAX_STREAM_ID = 2**31 - 1
 GOAWAY_PING = b"ibex-bye"  # 8 bytes of PING payload marking the drain's heads-up

@@ -83,6 +83,9 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ibex.assembly.structs import Directive, InjectionMode
 from ibex.sources.base import SourceError
+from ibex.versions import require
+
+require("redis")
 
 __all__ = ["RedisDirectiveSource", "decode_directive", "directive_key"]
 
