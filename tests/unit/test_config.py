@@ -240,3 +240,12 @@ def test_connection_settings() -> None:
         load_settings({"IBEX_CONTEXT_MAX_CONNECTION_AGE": "0"})
     with pytest.raises(ConfigError, match="IBEX_CONTEXT_MAX_CONNECTIONS"):
         load_settings({"IBEX_CONTEXT_MAX_CONNECTIONS": "0"})
+
+
+def test_directive_cache_max_age() -> None:
+    assert load_settings({}).directive_cache_max_age == 2.0
+    got = load_settings({"IBEX_CONTEXT_DIRECTIVE_CACHE_MAX_AGE": "500ms"})
+    assert got.directive_cache_max_age == 0.5
+    assert load_settings({"IBEX_CONTEXT_DIRECTIVE_CACHE_MAX_AGE": "3"}).directive_cache_max_age == 3
+    with pytest.raises(ConfigError, match="IBEX_CONTEXT_DIRECTIVE_CACHE_MAX_AGE"):
+        load_settings({"IBEX_CONTEXT_DIRECTIVE_CACHE_MAX_AGE": "0"})
