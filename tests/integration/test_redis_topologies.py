@@ -10,6 +10,7 @@ branch recovers by itself.
 from __future__ import annotations
 
 import collections
+import gc
 import random
 import uuid
 from collections.abc import Callable
@@ -201,6 +202,57 @@ async def test_sentinel_passwords_and_db_from_the_settings(
         setup.stop()
 
 
+async def fake_sentinel(
+    received: list[bytes], *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """A plain TCP listener posing as a sentinel: records what each client sends first."""
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    task_status.started(listeners[0].socket.getsockname()[1])
+
+    async def handle(stream: trio.SocketStream) -> None:
+        data = b""
+        with trio.move_on_after(1.0):
+            while len(data) < 4096 and (chunk := await stream.receive_some(4096)):
+                data += chunk
+                if b"\r\n" in data and not data.startswith(b"\x16"):
+                    break  # a whole RESP line in clear is enough to judge
+        received.append(data)
+        await stream.aclose()
+
+    await trio.serve_listeners(handle, listeners)
+
+
+@pytest.mark.parametrize("scheme", ["rediss", "redis"])
+async def test_sentinels_are_asked_over_tls_when_the_data_nodes_are(
+    scheme: str, trio_asyncio_loop: trio_asyncio.TrioEventLoop
+) -> None:
+    """With a `rediss://` URL the sentinel connection starts with a TLS handshake: the
+    sentinel password never crosses the wire in clear. (With `redis://` it does: the
+    fake sentinel would have seen it, which shows the check can fail.)"""
+    received: list[bytes] = []
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(fake_sentinel, received)
+        source = RedisDirectiveSource.sentinel(
+            [("127.0.0.1", port)],
+            MASTER_NAME,
+            url=f"{scheme}://:data-pw@192.0.2.1:1/0",
+            sentinel_password="sentinel-secret",
+            **TIMEOUTS,
+        )
+        try:
+            with pytest.raises(SourceError):
+                await source.get_directive(*TENANTS[0])
+        finally:
+            await source.aclose()
+        nursery.cancel_scope.cancel()
+    assert received
+    if scheme == "rediss":
+        assert all(r.startswith(b"\x16\x03") for r in received)  # TLS handshake records
+        assert not any(b"sentinel-secret" in r or b"AUTH" in r for r in received)
+    else:
+        assert any(b"AUTH" in r and b"sentinel-secret" in r for r in received)
+
+
 # -- Cluster -----------------------------------------------------------------------------------
 
 
@@ -285,3 +337,95 @@ async def test_guarded_connection_closes_on_a_cancelled_read_without_redis_py_he
             await trio_asyncio.aio_as_trio(get_cut_off)()
     assert scope.cancelled_caught
     assert not conn.is_connected  # the unread reply went with the socket
+
+
+# The directive branch's cancel scope, widened from 5 ms for a loaded 2-core machine: the
+# mechanism (a caller's deadline cutting a GET off) is the same.
+BRANCH = 0.1
+# From this long after a master stops, every read of a healthy master's key succeeds.
+SETTLE = 3.0
+# How long reads go on after the stop.
+WATCH = 6.5
+
+
+@dataclass
+class Read:
+    at: float  # seconds since the stop (negative before it)
+    tenant: int
+    outcome: str  # "ok", "timeout", "error" or "wrong"
+
+
+async def branch_reader(
+    source: RedisDirectiveSource, reads: list[Read], stopped: list[float], seed: int
+) -> None:
+    """One read at a time, each under the branch's cancel scope, as the daemon does them."""
+    rng = random.Random(seed)
+    while True:
+        i = rng.randrange(len(TENANTS))
+        with trio.move_on_after(BRANCH) as scope:
+            try:
+                got = await source.get_directive(*TENANTS[i])
+                outcome = "ok" if got is not None and got.content == content(i) else "wrong"
+            except SourceError:
+                outcome = "error"
+        if scope.cancelled_caught:
+            outcome = "timeout"
+        at = trio.current_time() - stopped[0] if stopped else -1.0
+        reads.append(Read(at, i, outcome))
+        await trio.sleep(0.01)
+
+
+@pytest.mark.parametrize("how", ["stop", "kill"])
+async def test_a_stopped_cluster_master_fails_only_its_own_keys(
+    how: str, tmp_path: Path, trio_asyncio_loop: trio_asyncio.TrioEventLoop
+) -> None:
+    """Three masters, no replicas; the seed master is stopped (SIGSTOP: connections hang)
+    or killed (refused) under traffic. Reads of keys on the two others keep succeeding:
+    from SETTLE seconds after the stop, every one of them does. Reads of the dead
+    master's keys end within their branch as errors or timeouts, never as answers."""
+    setup = await trio.to_thread.run_sync(ClusterSetup, tmp_path)
+    try:
+        for i, key in enumerate(KEYS):
+            await trio.to_thread.run_sync(setup.client.set, key, envelope(i))
+        owners = await trio.to_thread.run_sync(setup.owners, KEYS)
+        dead = setup.nodes[0]  # the seed node the source was built from
+        victims = {i for i, key in enumerate(KEYS) if owners[key] is dead}
+        assert victims and len(victims) < len(KEYS)
+        source = RedisDirectiveSource.cluster(setup.seed_url, **TIMEOUTS)
+        reads: list[Read] = []
+        stopped: list[float] = []
+        # A full collection of this test process's heap (pytest's, mostly) holds the loop
+        # for hundreds of milliseconds on a loaded 2-core machine: every read then in
+        # flight would time out for reasons that have nothing to do with Redis.
+        gc.disable()
+        try:
+            async with trio.open_nursery() as nursery:
+                for k in range(READERS):
+                    nursery.start_soon(branch_reader, source, reads, stopped, 200 + k)
+
+                await trio.sleep(1.0)
+                assert any(r.outcome == "ok" for r in reads)
+                assert all(r.outcome == "ok" for r in reads[len(reads) // 2 :])  # warmed up
+                if how == "stop":
+                    dead.pause()
+                else:
+                    await trio.to_thread.run_sync(dead.kill)
+                stopped.append(trio.current_time())
+                await trio.sleep(WATCH)
+                nursery.cancel_scope.cancel()
+        finally:
+            gc.enable()
+            if how == "stop":
+                dead.resume()
+            await source.aclose()
+        after = [r for r in reads if r.at >= 0]
+        healthy_late = [r for r in after if r.tenant not in victims and r.at >= SETTLE]
+        failed = collections.Counter(r.outcome for r in healthy_late if r.outcome != "ok")
+        assert len(healthy_late) >= 50, len(healthy_late)
+        bad = [(round(r.at, 2), r.outcome) for r in healthy_late if r.outcome != "ok"]
+        assert not failed, f"{sum(failed.values())} of {len(healthy_late)} failed: {bad}"
+        victim_reads = [r for r in after if r.tenant in victims and r.at > 2 * BRANCH]
+        assert victim_reads and all(r.outcome in ("error", "timeout") for r in victim_reads)
+        assert not [r for r in reads if r.outcome == "wrong"]
+    finally:
+        setup.stop()
