@@ -32,8 +32,12 @@ Sentinel uses redis-py's `SentinelConnectionPool`, a `ConnectionPool` whose
 connections ask the sentinels for the master when they connect, so the same
 lease (and its close-before-release) applies; after a failover the sentinels
 kill the old master's client connections, the pool reconnects to the new
-master and directives flow again within seconds. Cluster routes each GET by
-its key's slot (MOVED/ASK and topology refreshes are redis-py's); its node
+master and directives flow again within seconds. With a `rediss://` URL the
+sentinels are asked over TLS too (same CA and client certificate): the
+sentinel password never crosses the wire in clear, and only a sentinel with a
+trusted certificate can name the master. Cluster routes each GET by its key's
+slot (MOVED/ASK are redis-py's); topology refreshes run off the request path
+(`_IsolatedCluster`), so a dead master fails only the keys it holds. Its node
 connections are pooled inside `ClusterNode`, out of reach of a lease, so every
 connection it makes is a `_CloseOnInterrupt` subclass: a read or write that
 ends without a whole reply (cancellation, timeout, I/O error) closes the
