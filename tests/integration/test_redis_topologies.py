@@ -469,10 +469,11 @@ async def stall_watch(stalls: list[tuple[float, float]]) -> None:
 async def test_a_stopped_cluster_master_fails_only_its_own_keys(
     tmp_path: Path, trio_asyncio_loop: trio_asyncio.TrioEventLoop
 ) -> None:
-    """Three masters, no replicas; the seed master is stopped (SIGSTOP: connections hang,
-    the harder case; a killed master refuses at once) under traffic. Reads of keys on the two others keep succeeding:
-    from SETTLE seconds after the stop, every one of them does. Reads of the dead
-    master's keys end within their branch as errors or timeouts, never as answers."""
+    """Three masters, no replicas; the seed master is stopped under traffic (SIGSTOP:
+    connections hang, the harder case; a killed master refuses at once). Reads of keys
+    on the two others keep succeeding: from SETTLE seconds after the stop, every one of
+    them does. Reads of the dead master's keys end within their branch as errors or
+    timeouts, never as answers."""
     setup = await trio.to_thread.run_sync(ClusterSetup, tmp_path)
     try:
         for i, key in enumerate(KEYS):
