@@ -17,7 +17,7 @@ import signal
 import ssl
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpclib.server
 import msgspec
@@ -45,6 +45,9 @@ from ibex.service.grpc_shim import (
 )
 from ibex.service.handlers import ContextService, EdgeConfig, method_label
 from ibex.service.reflection import with_reflection
+
+if TYPE_CHECKING:
+    from ibex.ops.spans import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +79,7 @@ class Daemon:
         metrics: Metrics | None = None,
         ssl_context: Callable[[], ssl.SSLContext | None] = lambda: None,
         startup_warning: Callable[[], str | None] = lambda: None,
+        tracing: Callable[[], Tracing | None] = lambda: None,
     ) -> None:
         self.config = config
         self.metrics = metrics if metrics is not None else Metrics()
@@ -85,6 +89,8 @@ class Daemon:
         self._open_assembler = open_assembler
         self._ssl_context = ssl_context
         self._startup_warning = startup_warning
+        self._make_tracing = tracing
+        self.tracing: Tracing | None = None
         self.health_status = ServiceStatus()
         self.connections = Connections(config.connections)
         self.loop_errors = LoopErrorHandler()
@@ -98,6 +104,7 @@ class Daemon:
             metrics=self.metrics,
             authenticator=self.auth,
             config=self.edge,
+            tracing=self.tracing,
         )
         health = Health({service: [self.health_status]})
         server = grpclib.server.Server(with_reflection([service, health], self.auth))
@@ -120,7 +127,13 @@ class Daemon:
         starts, so a stop during start-up is a clean, logged exit too.
         """
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            await self._serve(task_status, notifier, shutdown, sock, signals)
+            self.tracing = self._make_tracing()
+            try:
+                await self._serve(task_status, notifier, shutdown, sock, signals)
+            finally:
+                if self.tracing is not None:
+                    # Export what is queued: the last calls' spans leave with the process.
+                    self.tracing.shutdown()
 
     async def _serve(
         self,

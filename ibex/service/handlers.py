@@ -15,7 +15,7 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpclib.const
 import grpclib.server
@@ -41,6 +41,9 @@ from ibex.service.auth import Authenticator, check_principal
 from ibex.service.grpc_shim import arrival, handler_started, recv_bounded, request_complete
 from ibex.service.status import grpc_error
 
+if TYPE_CHECKING:
+    from ibex.ops.spans import CallTrace, Tracing
+
 log = logging.getLogger(__name__)
 
 SERVICE = "ibex.context.v1.ContextAssemblyService"
@@ -48,6 +51,8 @@ _PREFIX = f"/{SERVICE}/"
 SEARCH_DEFAULT_LIMIT = 10
 
 Handler = Callable[[grpclib.server.Stream[Any, Any]], Awaitable[None]]
+# A method's handler: the stream and, when tracing is on, the call's trace.
+Method = Callable[[grpclib.server.Stream[Any, Any], "CallTrace | None"], Awaitable[None]]
 METHODS = frozenset({"AssembleContext", "SearchMemories", "RecordMemoryFeedback"})
 
 
@@ -76,16 +81,18 @@ class ContextService:
         metrics: Metrics,
         authenticator: Authenticator,
         config: EdgeConfig | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.assembler = assembler
         self.admission = admission
         self.metrics = metrics
         self.auth = authenticator
         self.config = config or EdgeConfig()
+        self.tracing = tracing
 
     def __mapping__(self) -> dict[str, grpclib.const.Handler]:
         unary = grpclib.const.Cardinality.UNARY_UNARY
-        rpcs: list[tuple[str, Handler, Any, Any]] = [
+        rpcs: list[tuple[str, Method, Any, Any]] = [
             (
                 "AssembleContext",
                 self.assemble_context,
@@ -110,18 +117,21 @@ class ContextService:
             for name, fn, req, resp in rpcs
         }
 
-    def _wrap(self, method: str, handler: Handler) -> Handler:
-        """Admission, authentication, the one error-to-status mapping, accounting."""
+    def _wrap(self, method: str, handler: Method) -> Handler:
+        """Admission, authentication, the one error-to-status mapping, accounting, the span."""
 
         async def run(stream: grpclib.server.Stream[Any, Any]) -> None:
             handler_started(stream)
             t0 = time.perf_counter()
             code = "OK"
+            call = None
+            if self.tracing is not None:
+                call = self.tracing.call(SERVICE, method, stream.metadata, t0)
             try:
                 self.admission.check_open()
                 peer_cert = stream.peer.cert() if self.auth.mtls else None
                 self.auth.authenticate(stream.metadata or {}, peer_cert)
-                await handler(stream)
+                await handler(stream, call)
                 if _cancel_swallowed():
                     raise asyncio.CancelledError
             except IbexError as exc:
@@ -154,6 +164,8 @@ class ContextService:
                 raise GRPCError(Status.INTERNAL, "internal error") from None
             finally:
                 self.metrics.observe_request(method, code, time.perf_counter() - t0)
+                if call is not None:
+                    _finish_trace(call, code)
 
         return run
 
@@ -176,13 +188,19 @@ class ContextService:
                 f"request: not received within {self.admission.config.read_timeout:g}s"
             ) from None
 
-    async def assemble_context(self, stream: grpclib.server.Stream[Any, Any]) -> None:
+    async def assemble_context(
+        self, stream: grpclib.server.Stream[Any, Any], call: CallTrace | None = None
+    ) -> None:
         msg, size = await self._receive(stream)
+        # The trace the log lines carry: the RPC span's when traced, else the request's field.
+        trace_id = "" if call is None else call.open(msg.trace_id, msg.span_id)
         with self.admission.admitted(*_timing(stream), size) as ticket:
             request = self.assembler.check_request(convert.request_from_proto(msg))
             principal = msg.principal_context if msg.HasField("principal_context") else None
             check_principal(principal, request.org_id, request.agent_id)
-            result = await trio_asyncio.trio_as_aio(self._assemble_in_trio)(request, ticket)
+            result = await trio_asyncio.trio_as_aio(self._assemble_in_trio)(
+                request, ticket, trace_id, call
+            )
             await self._send_assembly(stream, result)
 
     async def _send_assembly(
@@ -197,20 +215,24 @@ class ContextService:
         )
         await stream.send_message(convert.response_to_proto(result))
 
-    async def _assemble_in_trio(self, request: AssemblyRequest, ticket: Ticket) -> AssemblyResult:
+    async def _assemble_in_trio(
+        self, request: AssemblyRequest, ticket: Ticket, trace_id: str, call: CallTrace | None
+    ) -> AssemblyResult:
         async with self.admission.slot(ticket):
             now, trio_now = time.monotonic(), trio.current_time()
             remaining = ticket.remaining(now)
             deadline = None if remaining is None else trio_now + remaining
             arrived = trio_now - (now - ticket.arrived)
-            with bind_request(request.request_id, request.trace_id):
+            with bind_request(request.request_id, trace_id or request.trace_id):
                 return await self.assembler.assemble(
-                    request, deadline=deadline, arrived=arrived, validated=True
+                    request, deadline=deadline, arrived=arrived, validated=True, trace=call
                 )
 
     # --- SearchMemories ------------------------------------------------------
 
-    async def search_memories(self, stream: grpclib.server.Stream[Any, Any]) -> None:
+    async def search_memories(
+        self, stream: grpclib.server.Stream[Any, Any], call: CallTrace | None = None
+    ) -> None:
         msg, size = await self._receive(stream)
         with self.admission.admitted(*_timing(stream), size) as ticket:
             flt = self._search_filter(msg)
@@ -294,11 +316,21 @@ class ContextService:
 
     # --- RecordMemoryFeedback ------------------------------------------------
 
-    async def record_memory_feedback(self, stream: grpclib.server.Stream[Any, Any]) -> None:
+    async def record_memory_feedback(
+        self, stream: grpclib.server.Stream[Any, Any], call: CallTrace | None = None
+    ) -> None:
         await self._receive(stream)
         raise UnimplementedError(
             "RecordMemoryFeedback: the memory service offers no feedback endpoint yet"
         )
+
+
+def _finish_trace(call: CallTrace, code: str) -> None:
+    """End the call's span; a tracing fault is logged, never turned into the call's status."""
+    try:
+        call.finish(code)
+    except Exception:
+        log.exception("trace_failed")
 
 
 def _cancel_swallowed() -> bool:
