@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import http.server
 import io
+import itertools
 import json
 import logging
 import threading
@@ -20,19 +21,23 @@ from typing import Any
 
 import grpc
 import pytest
-
-pytest.importorskip("opentelemetry.sdk.trace")
-
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (  # noqa: E402
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
 )
-from opentelemetry.proto.trace.v1.trace_pb2 import Span  # noqa: E402
+from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
-from ibex.ops.logs import JsonFormatter  # noqa: E402
-from tests.grpcio_stubs import context_pb2, context_pb2_grpc  # noqa: E402
+from ibex.ops.logs import JsonFormatter
+from tests.grpcio_stubs import context_pb2, context_pb2_grpc
 
-from .grpc_harness import AGENT, ORG, SERVICE, RunningDaemon, in_thread, running_daemon  # noqa: E402
+from .grpc_harness import (
+    AGENT,
+    ORG,
+    SERVICE,
+    RunningDaemon,
+    in_thread,
+    running_daemon,
+)
 
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT = "00f067aa0ba902b7"
@@ -75,7 +80,9 @@ class Receiver:
                 pass
 
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread = threading.Thread(
+            target=self.server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True
+        )
 
     @property
     def endpoint(self) -> str:
@@ -124,11 +131,14 @@ def json_logs() -> Iterator[io.StringIO]:
     handler = logging.StreamHandler(out)
     handler.setFormatter(JsonFormatter())
     logger = logging.getLogger("ibex")
+    level = logger.level
+    logger.setLevel(logging.INFO)
     logger.addHandler(handler)
     try:
         yield out
     finally:
         logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def assemble(d: RunningDaemon, metadata: list[tuple[str, str]] | None = None, **fields: Any) -> Any:
@@ -152,6 +162,7 @@ def by_trace(spans: list[tuple[dict[str, Any], Span]], trace: str) -> list[Span]
 async def test_traceparent_gives_one_rpc_span_with_branch_and_stage_children(
     otel_env: pytest.MonkeyPatch, receiver: Receiver
 ) -> None:
+    otel_env.setenv("OTEL_BSP_SCHEDULE_DELAY", "600000")  # spans leave only at the exit flush
     with json_logs() as logs:
         async with running_daemon() as d:
             assert d.daemon.tracing is not None
@@ -163,6 +174,7 @@ async def test_traceparent_gives_one_rpc_span_with_branch_and_stage_children(
                 trace_id=FIELD_TRACE,
                 span_id=FIELD_SPAN,
             )
+            assert receiver.received() == []
     received = receiver.received()
     assert receiver.paths and set(receiver.paths) == {"/v1/traces"}
     assert set(receiver.content_types) == {"application/x-protobuf"}
@@ -202,7 +214,7 @@ async def test_traceparent_gives_one_rpc_span_with_branch_and_stage_children(
     )
     assert [s.name for s in stages] == [f"stage.{n}" for n in STAGES]
     assert [attrs(s)["ibex.stage"] for s in stages] == STAGES
-    for before, after in zip(stages, stages[1:], strict=False):  # laps are back to back
+    for before, after in itertools.pairwise(stages):  # laps are back to back
         assert abs(after.start_time_unix_nano - before.end_time_unix_nano) <= 1000
     # Retrieval comes before the pipeline.
     assert max(s.end_time_unix_nano for s in branches.values()) <= stages[0].start_time_unix_nano
@@ -211,11 +223,14 @@ async def test_traceparent_gives_one_rpc_span_with_branch_and_stage_children(
     lines = [json.loads(line) for line in logs.getvalue().splitlines()]
     dropped = [line for line in lines if line["event"] == "tenant_filter_dropped"]
     assert dropped and all(line["trace_id"] == TRACE for line in dropped)
+    (on,) = [line for line in lines if line["event"] == "tracing_on"]
+    assert on["endpoint"] == receiver.endpoint
 
 
 async def test_request_fields_parent_the_span_without_traceparent(
     otel_env: pytest.MonkeyPatch, receiver: Receiver
 ) -> None:
+    otel_env.setenv("OTEL_SERVICE_NAME", "ibex-canary")
     async with running_daemon() as d:
         await in_thread(assemble, d, None, trace_id=FIELD_TRACE, span_id=FIELD_SPAN)
         # An invalid traceparent is ignored: the fields still parent the call.
@@ -229,6 +244,7 @@ async def test_request_fields_parent_the_span_without_traceparent(
         # Neither: a new root.
         await in_thread(assemble, d)
     received = receiver.received()
+    assert {r["service.name"] for r, _ in received} == {"ibex-canary"}  # OTEL_SERVICE_NAME wins
     rpcs = [s for _, s in received if s.kind == Span.SPAN_KIND_SERVER]
     assert len(rpcs) == 3
     fielded, invalid, root = rpcs
