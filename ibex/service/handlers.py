@@ -137,7 +137,9 @@ class ContextService:
             except IbexError as exc:
                 code = exc.status
                 if isinstance(exc, DeadlineError):
-                    log.info("deadline_missed", extra={"method": method, "detail": str(exc)})
+                    log.info(
+                        "deadline_missed", extra={**_call_fields(method, call), "detail": str(exc)}
+                    )
                 raise grpc_error(exc) from None
             except GRPCError as exc:
                 code = exc.status.name
@@ -148,19 +150,22 @@ class ContextService:
                 code = "CANCELLED"
                 if stream.deadline is not None and stream.deadline.time_remaining() <= 0:
                     code = "DEADLINE_EXCEEDED"
-                    log.info("deadline_missed", extra={"method": method, "detail": "cancelled"})
+                    log.info(
+                        "deadline_missed",
+                        extra={**_call_fields(method, call), "detail": "cancelled"},
+                    )
                 raise
             except StreamClosedError:
                 # The caller reset the stream (gave up, usually at its deadline) while
                 # the answer was being made: nobody to answer, and not our failure.
                 code = "CANCELLED"
-                log.info("caller_gone", extra={"method": method})
+                log.info("caller_gone", extra={**_call_fields(method, call)})
                 if _cancel_swallowed():  # grpclib saw the reset too: end as it expects
                     raise asyncio.CancelledError from None
                 raise GRPCError(Status.CANCELLED, "the caller reset the stream") from None
             except Exception:
                 code = "INTERNAL"
-                log.exception("handler_failed", extra={"method": method})
+                log.exception("handler_failed", extra={**_call_fields(method, call)})
                 raise GRPCError(Status.INTERNAL, "internal error") from None
             finally:
                 self.metrics.observe_request(method, code, time.perf_counter() - t0)
@@ -323,6 +328,11 @@ class ContextService:
         raise UnimplementedError(
             "RecordMemoryFeedback: the memory service offers no feedback endpoint yet"
         )
+
+
+def _call_fields(method: str, call: CallTrace | None) -> dict[str, str]:
+    """A call's own log fields: its method and, when traced, its trace id."""
+    return {"method": method} if call is None else {"method": method, "trace_id": call.open()}
 
 
 def _finish_trace(call: CallTrace, code: str) -> None:
