@@ -206,6 +206,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                 "cpu_ms_per_answer_all": [r["daemon_cpu_ms_per_answer"] for r in rs],
                 "answers_per_s": statistics.median(r["achieved_rps"] for r in rs),
                 "p50_ms": statistics.median(r["p50_ms"] for r in rs),
+                "p50_ms_all": [r["p50_ms"] for r in rs],
                 "p99_ms": statistics.median(r["p99_ms"] for r in rs),
                 "errors": sum(r["error_count"] for r in rs),
                 "samples": len(rs),
