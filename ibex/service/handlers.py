@@ -203,8 +203,9 @@ class ContextService:
             request = self.assembler.check_request(convert.request_from_proto(msg))
             principal = msg.principal_context if msg.HasField("principal_context") else None
             check_principal(principal, request.org_id, request.agent_id)
+            traced = () if call is None else (trace_id, call)
             result = await trio_asyncio.trio_as_aio(self._assemble_in_trio)(
-                request, ticket, trace_id, call
+                request, ticket, *traced
             )
             await self._send_assembly(stream, result)
 
@@ -221,7 +222,11 @@ class ContextService:
         await stream.send_message(convert.response_to_proto(result))
 
     async def _assemble_in_trio(
-        self, request: AssemblyRequest, ticket: Ticket, trace_id: str, call: CallTrace | None
+        self,
+        request: AssemblyRequest,
+        ticket: Ticket,
+        trace_id: str = "",
+        call: CallTrace | None = None,
     ) -> AssemblyResult:
         async with self.admission.slot(ticket):
             now, trio_now = time.monotonic(), trio.current_time()
