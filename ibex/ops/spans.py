@@ -16,7 +16,7 @@ from opentelemetry.context import Context
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.trace import (
     NonRecordingSpan,
     Span,
@@ -77,10 +77,11 @@ def _resource() -> Resource:
 class Tracing:
     """The process's tracer provider (SDK sampler, OTLP/HTTP exporter, batch processor)."""
 
-    def __init__(self) -> None:
+    def __init__(self, exporter: SpanExporter | None = None) -> None:
         # The SDK reads OTEL_TRACES_SAMPLER(_ARG), OTEL_BSP_* and OTEL_EXPORTER_OTLP_* here.
         self.provider = TracerProvider(resource=_resource(), shutdown_on_exit=False)
-        self.provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+        exporter = OTLPSpanExporter() if exporter is None else exporter
+        self.provider.add_span_processor(BatchSpanProcessor(exporter))
         self.tracer = self.provider.get_tracer("ibex", __version__)
         self.propagator = TraceContextTextMapPropagator()
 

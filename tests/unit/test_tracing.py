@@ -5,7 +5,9 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
+import time
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import trio
@@ -138,3 +140,82 @@ def test_the_serving_path_does_not_import_the_sdk_unless_tracing_is_on() -> None
         [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60
     )
     assert out.stdout.strip() == "[]"
+
+
+@pytest.fixture
+def traced() -> Any:
+    """A real `Tracing` exporting to memory; its batch processor is flushed before reading."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from ibex.ops.spans import Tracing
+
+    memory = InMemorySpanExporter()
+    tracing = Tracing(exporter=memory)
+
+    def finished() -> list[Any]:
+        tracing.provider.force_flush()
+        return list(memory.get_finished_spans())
+
+    yield tracing, SimpleNamespace(get_finished_spans=finished)
+    tracing.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("code", "number", "error"),
+    [
+        ("OK", 0, False),
+        ("INVALID_ARGUMENT", 3, False),
+        ("RESOURCE_EXHAUSTED", 8, False),
+        ("PERMISSION_DENIED", 7, False),
+        ("DEADLINE_EXCEEDED", 4, True),
+        ("INTERNAL", 13, True),
+        ("UNIMPLEMENTED", 12, True),
+    ],
+)
+def test_rpc_span_status(traced: Any, code: str, number: int, error: bool) -> None:
+    from opentelemetry.trace import StatusCode
+
+    tracing, memory = traced
+    start = time.perf_counter()
+    call = tracing.call("svc.S", "M", {}, start)
+    call.branch("cold", "timeout", 20.0, "no answer within 20ms", start, start + 0.02)
+    call.finish(code)
+    spans = {s.name: s for s in memory.get_finished_spans()}
+    rpc = spans["svc.S/M"]
+    assert rpc.attributes["rpc.grpc.status_code"] == number
+    assert (rpc.status.status_code is StatusCode.ERROR) is error
+    cold = spans["branch.cold"]
+    assert cold.status.status_code is StatusCode.ERROR
+    assert cold.attributes["ibex.branch.detail"] == "no answer within 20ms"
+    assert cold.parent.span_id == rpc.context.span_id
+    assert cold.end_time - cold.start_time == pytest.approx(20_000_000, abs=1000)
+
+
+@pytest.mark.parametrize(
+    ("trace_id", "span_id"),
+    [
+        ("0" * 32, "b7ad6b7169203331"),  # all-zero trace id: invalid
+        ("0af7651916cd43dd8448eb211c80319c", "0" * 16),  # all-zero span id: invalid
+        ("0af7651916cd43dd8448eb211c80319", "b7ad6b7169203331"),  # 31 digits
+        ("0af7651916cd43dd8448eb211c80319g", "b7ad6b7169203331"),  # not hex
+        ("0af7651916cd43dd8448eb211c80319c", ""),  # no span id
+    ],
+)
+def test_invalid_request_ids_start_a_new_trace(traced: Any, trace_id: str, span_id: str) -> None:
+    tracing, memory = traced
+    call = tracing.call("svc.S", "M", {}, time.perf_counter())
+    effective = call.open(trace_id, span_id)
+    call.finish("OK")
+    (rpc,) = memory.get_finished_spans()
+    assert rpc.parent is None and format(rpc.context.trace_id, "032x") == effective != trace_id
+
+
+def test_request_ids_in_upper_case_are_the_same_trace(traced: Any) -> None:
+    tracing, memory = traced
+    call = tracing.call("svc.S", "M", {}, time.perf_counter())
+    assert call.open("0AF7651916CD43DD8448EB211C80319C", "B7AD6B7169203331") == (
+        "0af7651916cd43dd8448eb211c80319c"
+    )
+    call.finish("OK")
+    (rpc,) = memory.get_finished_spans()
+    assert rpc.parent.span_id == 0xB7AD6B7169203331 and rpc.parent.is_remote
