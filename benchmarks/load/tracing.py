@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import http.server
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -137,7 +138,7 @@ def checkout(rev: str, into: Path) -> None:
 
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
     loads = ("closed", str(args.rate))
-    modes = ["off", "on"] + (["base"] if args.base_root else [])
+    modes = [m for m in args.modes.split(",") if m != "base" or args.base_root]
     rows: dict[str, dict[str, list[dict[str, Any]]]] = {m: {r: [] for r in loads} for m in modes}
     speed: list[float] = []
     with contextlib.ExitStack() as stack_exit:
@@ -148,11 +149,12 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
             "OTEL_TRACES_SAMPLER": "traceidratio",
             "OTEL_TRACES_SAMPLER_ARG": "1.0",
         }
-        daemons: dict[str, Any] = {
-            "off": stack_exit.enter_context(stack.daemon(1)),
-            "on": stack_exit.enter_context(stack.daemon(1, **on_env)),
-        }
-        if args.base_root:
+        daemons: dict[str, Any] = {}
+        if "off" in modes:
+            daemons["off"] = stack_exit.enter_context(stack.daemon(1))
+        if "on" in modes:
+            daemons["on"] = stack_exit.enter_context(stack.daemon(1, **on_env))
+        if "base" in modes:
             port = free_port()
             base = BaseDaemon(stack.env(port), args.base_root, port)
             stack_exit.callback(base.stop)
@@ -169,9 +171,11 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
             await asyncio.sleep(6.0)  # OTEL_BSP_SCHEDULE_DELAY (5 s): warm-up spans arrive
             spans0 = sink_counts(url)["spans"]
             calls_on = 0
-            for _ in range(args.repeats):
+            for repeat in range(args.repeats):
                 for load in loads:
-                    for m in modes:
+                    # Alternate the order each repeat: a mode is not always measured right
+                    # after the same other one (the `on` daemon's last batch leaves later).
+                    for m in modes if repeat % 2 == 0 else modes[::-1]:
                         salt += 1
                         speed.append(reference_cpu_ms())
                         cpu0 = daemons[m].cpu()
@@ -216,6 +220,83 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+# One process: `n` assemblies of the bundled local sample through `Assembler.assemble`
+# (retrieval nursery, pipeline), CPU ms per assembly. `on` hands each a real call trace
+# (SDK spans, sampled) whose exporter drops the batches: the event loop's share only.
+_INPROC = """
+import logging, sys, time, trio
+from ibex.assembly.structs import AssemblyRequest
+from ibex.config import Settings
+from ibex.service.root import open_assembler
+from ibex.sources.local_file import SAMPLE_AGENT_ID, SAMPLE_ORG_ID
+
+mode, n = sys.argv[1], int(sys.argv[2])
+logging.disable(logging.WARNING)  # the sample's foreign hit is logged on every call
+
+async def main():
+    tracing = None
+    if mode == "on":
+        from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+        from ibex.ops.spans import Tracing
+
+        class Drop(SpanExporter):
+            def export(self, spans):
+                return SpanExportResult.SUCCESS
+
+        tracing = Tracing(exporter=Drop())
+    async with open_assembler(Settings()) as assembler:
+        async def one(i):
+            request = AssemblyRequest(
+                agent_id=SAMPLE_AGENT_ID, org_id=SAMPLE_ORG_ID, model="gpt-4o",
+                query=f"how do I deploy the billing service, take {i}?", request_id=f"r{i}",
+            )
+            if tracing is None:
+                await assembler.assemble(request)
+                return
+            call = tracing.call("svc", "AssembleContext", {}, time.perf_counter())
+            call.open()
+            await assembler.assemble(request, trace=call)
+            call.finish("OK")
+
+        for i in range(200):
+            await one(-i)
+        t0 = time.process_time()
+        for i in range(n):
+            await one(i)
+        print((time.process_time() - t0) * 1000.0 / n)
+    if tracing is not None:
+        tracing.shutdown()
+
+trio.run(main)
+"""
+
+
+def inproc(args: argparse.Namespace) -> dict[str, Any]:
+    """CPU per in-process assembly, base / off / on alternated in fresh processes."""
+    trees = {"off": ROOT, "on": ROOT}
+    if args.base_root:
+        trees["base"] = args.base_root
+    modes = [m for m in ("base", "off", "on") if m in trees]
+    runs: dict[str, list[float]] = {m: [] for m in modes}
+    for repeat in range(args.repeats):
+        for m in modes if repeat % 2 == 0 else modes[::-1]:
+            out = subprocess.run(
+                [sys.executable, "-c", _INPROC, m, str(args.inproc)],
+                cwd=trees[m],
+                env={**os.environ, "PYTHONPATH": str(trees[m])},
+                capture_output=True,
+                text=True,
+                check=True,
+            )
+            runs[m].append(round(float(out.stdout.split()[-1]), 4))
+    result: dict[str, Any] = {
+        "command": " ".join(["python -m benchmarks.load.tracing", *sys.argv[1:]])
+    }
+    for m in modes:
+        result[m] = {"cpu_ms_per_assembly": statistics.median(runs[m]), "all": runs[m]}
+    return result
+
+
 def _key(load: str) -> str:
     return "closed" if load == "closed" else f"{load}rps"
 
@@ -224,7 +305,7 @@ def table(out: dict[str, Any]) -> str:
     modes = [m for m in ("base", "off", "on") if f"{m}_closed" in out]
     lines = [
         f"{'tracing':<8} {'load':>7} {'CPU ms/answer':>14} {'answers/s':>9} {'p50 ms':>7} "
-        f"{'p99 ms':>7} {'errors':>6}  (medians of {out['off_closed']['samples']})"
+        f"{'p99 ms':>7} {'errors':>6}  (medians of {out[f'{modes[0]}_closed']['samples']})"
     ]
     loads = out["loads"]
     for load in loads:
@@ -236,9 +317,14 @@ def table(out: dict[str, Any]) -> str:
                 f"{r['p50_ms']:>7.1f} {r['p99_ms']:>7.1f} {r['errors']:>6}"
             )
     for load in loads:
-        off = out[f"off_{_key(load)}"]["cpu_ms_per_answer"]
-        on = out[f"on_{_key(load)}"]["cpu_ms_per_answer"]
-        lines.append(f"{_key(load)}: sampling every call adds {on - off:.3f} ms CPU per answer")
+        cpu = {m: out[f"{m}_{_key(load)}"]["cpu_ms_per_answer"] for m in modes}
+        if "off" in cpu and "on" in cpu:
+            lines.append(
+                f"{_key(load)}: sampling every call adds {cpu['on'] - cpu['off']:.3f} ms CPU "
+                "per answer"
+            )
+        if "off" in cpu and "base" in cpu:
+            lines.append(f"{_key(load)}: off - base = {cpu['off'] - cpu['base']:+.3f} ms")
     lines.append(f"spans exported per traced call: {out['spans_per_traced_call']}")
     lines.append(f"reference work, ms of CPU (lower is faster): {out['machine_speed']}")
     return "\n".join(lines)
@@ -250,6 +336,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--seconds", type=float, default=4.0)
     p.add_argument("--rate", type=int, default=50, help="open-loop calls per second")
+    p.add_argument("--modes", default="off,on,base", help="which daemons (base needs --base)")
+    p.add_argument(
+        "--inproc",
+        type=int,
+        metavar="N",
+        help="instead: N in-process assemblies per run (no gRPC, no export), base/off/on",
+    )
     p.add_argument("--base", metavar="REV", help="also measure the daemon at this git revision")
     p.add_argument("--sink", type=int, metavar="PORT", help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, default=RESULTS)
@@ -264,8 +357,13 @@ def main(argv: list[str] | None = None) -> None:
         if args.base:
             args.base_root = Path(tmp)
             checkout(args.base, args.base_root)
-        out = asyncio.run(measure(args))
-    print(table(out))
+        if args.inproc:
+            out = inproc(args)
+            print(json.dumps(out, indent=1))
+            args.out = args.out.with_name("load.tracing.inproc.json")
+        else:
+            out = asyncio.run(measure(args))
+            print(table(out))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {args.out}")
