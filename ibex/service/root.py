@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import ssl
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 
 import trio
 
@@ -198,6 +198,7 @@ async def open_assembler(
     http: MemoryHttpSource | None = None
     feedback_sink: FeedbackSink | None = None
     redis: RedisDirectiveSource | None = None
+    background = AsyncExitStack()  # the memory source with its nursery (drains of cut calls)
     backend: list[str] = []
     if not settings.redis_configured and settings.memory_base_url is None:
         local = LocalFileSource.load(
@@ -214,7 +215,7 @@ async def open_assembler(
                 directive_source = DirectiveCache(redis, directive_cache_config(settings))
         if settings.memory_base_url is not None:
             http = memory_http_source(settings)
-            await http.open()
+            await background.enter_async_context(http)
             memory_source = feedback_sink = http
             backend.append("memory-http")
     try:
@@ -232,10 +233,9 @@ async def open_assembler(
         )
     finally:
         with trio.CancelScope(shield=True):
-            if http is not None:
-                await http.aclose()
             if redis is not None:
                 await redis.aclose()
+        await background.aclose()  # the source closes shielded, then its nursery ends
 
 
 def server_ssl_context(settings: Settings) -> ssl.SSLContext | None:
