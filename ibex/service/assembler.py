@@ -1,4 +1,4 @@
-"""In-process assembly: validation, concurrent retrieval, then the pure pipeline.
+"""In-process assembly and search: validation, retrieval, then the pure core.
 
 An `Assembler` holds what one assembly needs (catalog, tokenizers, sources and
 each layer's small config) and is shared by every request of a process. It is
@@ -12,18 +12,18 @@ import functools
 import logging
 import time
 
+from ibex.assembly.candidates import MAX_MEMORIES_HARD_CAP, SearchFilter, SearchResult, rank_search
 from ibex.assembly.catalog import Catalog
 from ibex.assembly.formatter import new_nonce
 from ibex.assembly.nonce import NonceKey
 from ibex.assembly.pipeline import AssemblyInputs, PipelineConfig, assemble_pure, resolve_model
-from ibex.assembly.structs import AssemblyRequest, AssemblyResult
+from ibex.assembly.structs import AssemblyRequest, AssemblyResult, SearchRequest
 from ibex.assembly.tokens import Tokenizers
-from ibex.assembly.validation import RequestLimits, validate_request
+from ibex.assembly.validation import RequestLimits, validate_request, validate_search
 from ibex.service.queues import WorkerThreads, default_threads
 from ibex.sources.base import DirectiveSource, MemorySource
-from ibex.sources.directive_cache import DirectiveCache
 from ibex.sources.feedback import FeedbackSink
-from ibex.sources.retrieval import RetrievalConfig, retrieve
+from ibex.sources.retrieval import RetrievalConfig, retrieve, search
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,12 @@ def _text_chars(inputs: AssemblyInputs) -> int:
     return n + sum(len(h.content) for h in inputs.hot) + sum(len(h.content) for h in inputs.cold)
 
 
+def _log_tenant_filtered(count: int, **ids: str) -> None:
+    """Hits of another tenant were dropped: the memory service answered out of scope."""
+    if count:
+        log.warning("tenant_filter_dropped", extra={"count": count, **ids})
+
+
 class Assembler:
     """Holds the process-wide pieces one assembly needs; safe to share across requests."""
 
@@ -55,7 +61,7 @@ class Assembler:
         *,
         catalog: Catalog,
         tokenizers: Tokenizers,
-        directive_source: DirectiveSource | DirectiveCache | None,
+        directive_source: DirectiveSource | None,
         memory_source: MemorySource | None,
         limits: RequestLimits | None = None,
         retrieval: RetrievalConfig | None = None,
@@ -155,15 +161,34 @@ class Assembler:
             # call large (a large request queued for its thread before its slot): it
             # waits in the urgent line, since it holds a slot while it waits.
             result = await self.threads.run(run)
-        filtered = result.pack.tenant_filtered
-        if filtered:
-            log.warning(
-                "tenant_filter_dropped",
-                extra={
-                    "count": filtered,
-                    "org_id": request.org_id,
-                    "agent_id": request.agent_id,
-                    "request_id": request.request_id,
-                },
-            )
+        _log_tenant_filtered(
+            result.pack.tenant_filtered,
+            org_id=request.org_id,
+            agent_id=request.agent_id,
+            request_id=request.request_id,
+        )
         return result
+
+    def check_search(self, request: SearchRequest) -> SearchFilter:
+        """Validate a SearchMemories request before any I/O."""
+        return validate_search(request, self.limits)
+
+    async def search(self, flt: SearchFilter, *, deadline: float | None = None) -> SearchResult:
+        """One semantic search within the cold timeout (and the caller's deadline, on the
+        Trio clock), then the tenant filter, the filters and the default score.
+
+        With filters that narrow after the fetch, the source is asked for the cap.
+        """
+        fetch = MAX_MEMORIES_HARD_CAP if flt.narrows else flt.limit
+        hits = await search(
+            self.memory_source,
+            flt.org_id,
+            flt.agent_id,
+            flt.query,
+            limit=fetch,
+            config=self.retrieval,
+            deadline=deadline,
+        )
+        found = rank_search(hits, flt, time.time())
+        _log_tenant_filtered(found.tenant_filtered, org_id=flt.org_id)
+        return found

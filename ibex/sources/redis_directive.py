@@ -452,8 +452,12 @@ class RedisDirectiveSource:
         source._setup(None, client, None, 0, max_value_bytes)
         return source
 
-    async def get_directive(self, org_id: str, agent_id: str) -> Directive | None:
-        """The directive, or None when the key is missing. Trio-async; cancel freely."""
+    async def get_directive(
+        self, org_id: str, agent_id: str, version: str = ""
+    ) -> Directive | None:
+        """The directive, or None when the key is missing. Trio-async; cancel freely.
+
+        Always reads the key: `version` (what the caller expects) is not needed here."""
         if self._closed:
             raise SourceError("redis directive source is closed")
         key = directive_key(org_id, agent_id)

@@ -21,9 +21,13 @@ class Store:
     def __init__(self) -> None:
         self.values: dict[tuple[str, str], Directive | None] = {}
         self.calls = 0
+        self.versions: list[str] = []
 
-    async def get_directive(self, org_id: str, agent_id: str) -> Directive | None:
+    async def get_directive(
+        self, org_id: str, agent_id: str, version: str = ""
+    ) -> Directive | None:
         self.calls += 1
+        self.versions.append(version)
         return self.values.get((org_id, agent_id))
 
     async def aclose(self) -> None:

@@ -96,7 +96,9 @@ class FakeSources:
         finally:
             self.cleaned_up.add(branch)
 
-    async def get_directive(self, org_id: str, agent_id: str) -> Directive | None:
+    async def get_directive(
+        self, org_id: str, agent_id: str, version: str = ""
+    ) -> Directive | None:
         answer = await self._answer("directive", org_id, agent_id)
         assert answer is None or isinstance(answer, Directive)
         return answer
