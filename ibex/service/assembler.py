@@ -20,6 +20,7 @@ from ibex.assembly.pipeline import AssemblyInputs, PipelineConfig, assemble_pure
 from ibex.assembly.structs import AssemblyRequest, AssemblyResult, SearchRequest
 from ibex.assembly.tokens import Tokenizers
 from ibex.assembly.validation import RequestLimits, validate_request, validate_search
+from ibex.errors import SourceError
 from ibex.service.queues import WorkerThreads, default_threads
 from ibex.sources.base import DirectiveSource, MemorySource
 from ibex.sources.feedback import FeedbackSink
@@ -170,8 +171,16 @@ class Assembler:
         return result
 
     def check_search(self, request: SearchRequest) -> SearchFilter:
-        """Validate a SearchMemories request before any I/O."""
-        return validate_search(request, self.limits)
+        """Validate a SearchMemories request before any I/O (and before it waits for a
+        slot: without a memory source it fails at once)."""
+        flt = validate_search(request, self.limits)
+        self._searchable()
+        return flt
+
+    def _searchable(self) -> MemorySource:
+        if self.memory_source is None:
+            raise SourceError("memory search failed: no memory source configured")
+        return self.memory_source
 
     async def search(self, flt: SearchFilter, *, deadline: float | None = None) -> SearchResult:
         """One semantic search within the cold timeout (and the caller's deadline, on the
@@ -181,7 +190,7 @@ class Assembler:
         """
         fetch = MAX_MEMORIES_HARD_CAP if flt.narrows else flt.limit
         hits = await search(
-            self.memory_source,
+            self._searchable(),
             flt.org_id,
             flt.agent_id,
             flt.query,

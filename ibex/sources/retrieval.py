@@ -102,7 +102,7 @@ def before_deadline(config: RetrievalConfig, deadline: float | None, now: float)
 
 
 async def search(
-    memory_source: MemorySource | None,
+    memory_source: MemorySource,
     org_id: str,
     agent_id: str,
     query: str,
@@ -116,8 +116,6 @@ async def search(
     Unlike a branch, a failure is the call's failure: SourceError names why.
     `deadline` is on the Trio clock.
     """
-    if memory_source is None:
-        raise SourceError("memory search failed: no memory source configured")
     timeout = max(
         0.0, min(config.cold_timeout, before_deadline(config, deadline, trio.current_time()))
     )

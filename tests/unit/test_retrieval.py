@@ -859,8 +859,6 @@ async def test_search_asks_the_cold_search_and_names_its_failures(
     with pytest.raises(SourceError) as info:
         await search(broken, ORG, AGENT, "q", limit=5, config=DEFAULTS)
     assert str(info.value) == "memory search failed: HTTP 503"
-    with pytest.raises(SourceError, match="no memory source configured"):
-        await search(None, ORG, AGENT, "q", limit=5, config=DEFAULTS)
 
 
 async def test_assembler_search_on_the_local_sample(
@@ -885,3 +883,10 @@ async def test_assembler_search_on_the_local_sample(
     (record,) = [r for r in caplog.records if r.getMessage() == "tenant_filter_dropped"]
     assert record.count == found.tenant_filtered >= 1  # type: ignore[attr-defined]
     assert record.org_id == SAMPLE_ORG_ID  # type: ignore[attr-defined]
+
+
+async def test_a_search_without_a_memory_source_fails_before_any_io() -> None:
+    async with open_assembler(Settings()) as assembler:
+        assembler.memory_source = None
+        with pytest.raises(SourceError, match=r"^memory search failed: no memory source"):
+            assembler.check_search(SearchRequest(SAMPLE_ORG_ID, SAMPLE_AGENT_ID, "deploy"))
