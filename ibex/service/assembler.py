@@ -11,19 +11,31 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from typing import TYPE_CHECKING
+
+import trio
 
 from ibex.assembly.catalog import Catalog
 from ibex.assembly.formatter import new_nonce
 from ibex.assembly.nonce import NonceKey
-from ibex.assembly.pipeline import AssemblyInputs, PipelineConfig, assemble_pure, resolve_model
-from ibex.assembly.structs import AssemblyRequest, AssemblyResult
+from ibex.assembly.pipeline import (
+    AssemblyInputs,
+    PipelineConfig,
+    StageTimer,
+    assemble_pure,
+    resolve_model,
+)
+from ibex.assembly.structs import AssemblyRequest, AssemblyResult, BranchSource
 from ibex.assembly.tokens import Tokenizers
 from ibex.assembly.validation import RequestLimits, validate_request
 from ibex.service.queues import WorkerThreads, default_threads
 from ibex.sources.base import DirectiveSource, MemorySource
 from ibex.sources.directive_cache import DirectiveCache
 from ibex.sources.feedback import FeedbackSink
-from ibex.sources.retrieval import RetrievalConfig, retrieve
+from ibex.sources.retrieval import RetrievalConfig, Retrieved, retrieve
+
+if TYPE_CHECKING:
+    from ibex.ops.spans import CallTrace
 
 log = logging.getLogger(__name__)
 
@@ -110,15 +122,21 @@ class Assembler:
         arrived: float | None = None,
         validated: bool = False,
         thread_held: bool = False,
+        trace: CallTrace | None = None,
     ) -> AssemblyResult:
         """Retrieve within the wall (and the caller's deadline), then run the pipeline.
 
         `deadline` and `arrived` (when the call reached the process) are on the Trio clock.
         `thread_held`: the caller holds a unit of `threads` (admission queued for it
         before the slot), and the pipeline runs under it in a worker thread.
+        A `trace` receives each branch's and stage's times once the answer is made.
         """
         if not validated:
             request = self.check_request(request)
+        starts: dict[BranchSource, float] | None = None
+        timer: StageTimer | None = None
+        if trace is not None:
+            starts, timer = {}, StageTimer()
         got = await retrieve(
             request,
             directive_source=self.directive_source,
@@ -126,6 +144,7 @@ class Assembler:
             config=self.retrieval,
             deadline=deadline,
             arrived=arrived,
+            branch_starts=starts,
         )
         inputs = AssemblyInputs(
             request=request,
@@ -143,6 +162,7 @@ class Assembler:
             catalog=self.catalog,
             tokenizers=self.tokenizers,
             config=self.pipeline,
+            timer=timer,
         )
         if thread_held:
             result = await self.threads.run_held(run)
@@ -155,6 +175,9 @@ class Assembler:
             # call large (a large request queued for its thread before its slot): it
             # waits in the urgent line, since it holds a slot while it waits.
             result = await self.threads.run(run)
+        if trace is not None:
+            assert starts is not None and timer is not None
+            _record(trace, got, starts, timer, result)
         filtered = result.pack.tenant_filtered
         if filtered:
             log.warning(
@@ -167,3 +190,26 @@ class Assembler:
                 },
             )
         return result
+
+
+def _record(
+    trace: CallTrace,
+    got: Retrieved,
+    starts: dict[BranchSource, float],
+    timer: StageTimer,
+    result: AssemblyResult,
+) -> None:
+    """Hand a traced call its branch and stage times, all on the perf_counter clock.
+
+    A branch that never started (answered from the cache, skipped) starts and ends
+    when retrieval did; one cut by the request wall ends where retrieval ended.
+    """
+    to_perf = time.perf_counter() - trio.current_time()
+    retrieval_end = got.started + got.elapsed_ms / 1000.0
+    for b in got.branches:
+        start = starts.get(b.source, got.started)
+        end = min(start + b.latency_ms / 1000.0, retrieval_end)
+        trace.branch(b.source, b.status, b.latency_ms, b.detail, start + to_perf, end + to_perf)
+    for name, start, end in timer.spans():
+        trace.stage(name, start, end)
+    trace.attributes["ibex.degradation_level"] = result.degradation_level

@@ -17,7 +17,7 @@ import signal
 import ssl
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpclib.server
 import msgspec
@@ -44,6 +44,9 @@ from ibex.service.patches import install_patches, precise_wakeups
 from ibex.service.protocol import bound_port, listen_also, stop_accepting, track_connections
 from ibex.service.queues import share_the_gil
 from ibex.service.reflection import with_reflection
+
+if TYPE_CHECKING:
+    from ibex.ops.spans import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +78,7 @@ class Daemon:
         metrics: Metrics | None = None,
         ssl_context: Callable[[], ssl.SSLContext | None] = lambda: None,
         startup_warning: Callable[[], str | None] = lambda: None,
+        tracing: Callable[[], Tracing | None] = lambda: None,
     ) -> None:
         self.config = config
         self.metrics = metrics if metrics is not None else Metrics()
@@ -84,6 +88,8 @@ class Daemon:
         self._open_assembler = open_assembler
         self._ssl_context = ssl_context
         self._startup_warning = startup_warning
+        self._make_tracing = tracing
+        self.tracing: Tracing | None = None
         self.health_status = ServiceStatus()
         self.connections = Connections(config.connections)
         self.loop_errors = LoopErrorHandler()
@@ -97,6 +103,7 @@ class Daemon:
             metrics=self.metrics,
             authenticator=self.auth,
             config=self.edge,
+            tracing=self.tracing,
         )
         # Health and reflection read their requests as the service does (bounded, timed,
         # counted): they answer before any authentication.
@@ -136,7 +143,13 @@ class Daemon:
             trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals,
             precise_wakeups(),
         ):
-            await self._serve(task_status, notifier, shutdown, sock, signals)
+            self.tracing = self._make_tracing()
+            try:
+                await self._serve(task_status, notifier, shutdown, sock, signals)
+            finally:
+                if self.tracing is not None:
+                    # Export what is queued: the last calls' spans leave with the process.
+                    self.tracing.shutdown()
 
     async def _serve(
         self,

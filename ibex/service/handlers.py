@@ -16,7 +16,7 @@ import math
 import time
 import weakref
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpclib.const
 import grpclib.server
@@ -57,6 +57,9 @@ from ibex.service.stream_reads import (
 )
 from ibex.sources.feedback import FeedbackRejected, Sent, send_feedback
 
+if TYPE_CHECKING:
+    from ibex.ops.spans import CallTrace, Tracing
+
 log = logging.getLogger(__name__)
 
 SERVICE = "ibex.context.v1.ContextAssemblyService"
@@ -70,6 +73,8 @@ Handler = Callable[[grpclib.server.Stream[Any, Any]], Awaitable[None]]
 _RESERVED: weakref.WeakKeyDictionary[grpclib.server.Stream[Any, Any], int] = (
     weakref.WeakKeyDictionary()
 )
+# A method's handler: the stream and, when tracing is on, the call's trace.
+Method = Callable[[grpclib.server.Stream[Any, Any], "CallTrace | None"], Awaitable[None]]
 METHODS = frozenset({"AssembleContext", "SearchMemories", "RecordMemoryFeedback"})
 
 
@@ -100,16 +105,18 @@ class ContextService:
         metrics: Metrics,
         authenticator: Authenticator,
         config: EdgeConfig | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.assembler = assembler
         self.admission = admission
         self.metrics = metrics
         self.auth = authenticator
         self.config = config or EdgeConfig()
+        self.tracing = tracing
 
     def __mapping__(self) -> dict[str, grpclib.const.Handler]:
         unary = grpclib.const.Cardinality.UNARY_UNARY
-        rpcs: list[tuple[str, Handler, Any, Any]] = [
+        rpcs: list[tuple[str, Method, Any, Any]] = [
             (
                 "AssembleContext",
                 self.assemble_context,
@@ -134,25 +141,30 @@ class ContextService:
             for name, fn, req, resp in rpcs
         }
 
-    def _wrap(self, method: str, handler: Handler) -> Handler:
-        """Admission, authentication, the one error-to-status mapping, accounting."""
+    def _wrap(self, method: str, handler: Method) -> Handler:
+        """Admission, authentication, the one error-to-status mapping, accounting, the span."""
 
         async def run(stream: grpclib.server.Stream[Any, Any]) -> None:
             handler_started(stream)
             t0 = time.perf_counter()
             code = "OK"
+            call = None
+            if self.tracing is not None:
+                call = self.tracing.call(SERVICE, method, stream.metadata, t0)
             try:
                 self.admission.check_open()
                 peer_cert = stream.peer.cert() if self.auth.mtls else None
                 self.auth.authenticate(stream.metadata or {}, peer_cert)
                 caller_authenticated(stream)
-                await handler(stream)
+                await handler(stream, call)
                 if _cancel_swallowed():
                     raise asyncio.CancelledError
             except IbexError as exc:
                 code = exc.status
                 if isinstance(exc, DeadlineError):
-                    log.info("deadline_missed", extra={"method": method, "detail": str(exc)})
+                    log.info(
+                        "deadline_missed", extra={**_call_fields(method, call), "detail": str(exc)}
+                    )
                 raise grpc_error(exc) from None
             except GRPCError as exc:
                 code = exc.status.name
@@ -163,23 +175,28 @@ class ContextService:
                 code = "CANCELLED"
                 if stream.deadline is not None and stream.deadline.time_remaining() <= 0:
                     code = "DEADLINE_EXCEEDED"
-                    log.info("deadline_missed", extra={"method": method, "detail": "cancelled"})
+                    log.info(
+                        "deadline_missed",
+                        extra={**_call_fields(method, call), "detail": "cancelled"},
+                    )
                 raise
             except StreamClosedError:
                 # The caller reset the stream (gave up, usually at its deadline) while
                 # the answer was being made: nobody to answer, and not our failure.
                 code = "CANCELLED"
-                log.info("caller_gone", extra={"method": method})
+                log.info("caller_gone", extra={**_call_fields(method, call)})
                 if _cancel_swallowed():  # grpclib saw the reset too: end as it expects
                     raise asyncio.CancelledError from None
                 raise GRPCError(Status.CANCELLED, "the caller reset the stream") from None
             except Exception:
                 code = "INTERNAL"
-                log.exception("handler_failed", extra={"method": method})
+                log.exception("handler_failed", extra={**_call_fields(method, call)})
                 raise GRPCError(Status.INTERNAL, "internal error") from None
             finally:
                 self.admission.release_bytes(_RESERVED.pop(stream, 0))
                 self.metrics.observe_request(method, code, time.perf_counter() - t0)
+                if call is not None:
+                    _finish_trace(call, code)
 
         return run
 
@@ -209,13 +226,20 @@ class ContextService:
                 f"request: not received within {self.admission.config.read_timeout:g}s"
             ) from None
 
-    async def assemble_context(self, stream: grpclib.server.Stream[Any, Any]) -> None:
+    async def assemble_context(
+        self, stream: grpclib.server.Stream[Any, Any], call: CallTrace | None = None
+    ) -> None:
         msg, _ = await self._receive(stream)  # its bytes are counted by `_receive`
+        # The trace the log lines carry: the RPC span's when traced, else the request's field.
+        trace_id = "" if call is None else call.open(msg.trace_id, msg.span_id)
         with self.admission.admitted(*_timing(stream)) as ticket:
             request = self.assembler.check_request(convert.request_from_proto(msg))
             principal = msg.principal_context if msg.HasField("principal_context") else None
             check_principal(principal, request.org_id, request.agent_id)
-            result = await trio_asyncio.trio_as_aio(self._assemble_in_trio)(request, ticket)
+            traced = () if call is None else (trace_id, call)
+            result = await trio_asyncio.trio_as_aio(self._assemble_in_trio)(
+                request, ticket, *traced
+            )
             await self._send_assembly(stream, result)
 
     async def _send_assembly(
@@ -230,25 +254,34 @@ class ContextService:
         )
         await stream.send_message(convert.response_to_proto(result))
 
-    async def _assemble_in_trio(self, request: AssemblyRequest, ticket: Ticket) -> AssemblyResult:
+    async def _assemble_in_trio(
+        self,
+        request: AssemblyRequest,
+        ticket: Ticket,
+        trace_id: str = "",
+        call: CallTrace | None = None,
+    ) -> AssemblyResult:
         threads = self.assembler.threads if self.assembler.needs_thread(request) else None
         async with self.admission.slot(ticket, request.org_id, threads) as thread_held:
             now, trio_now = time.monotonic(), trio.current_time()
             remaining = ticket.remaining(now)
             deadline = None if remaining is None else trio_now + remaining
             arrived = trio_now - (now - ticket.arrived)
-            with bind_request(request.request_id, request.trace_id):
+            with bind_request(request.request_id, trace_id or request.trace_id):
                 return await self.assembler.assemble(
                     request,
                     deadline=deadline,
                     arrived=arrived,
                     validated=True,
                     thread_held=thread_held,
+                    trace=call,
                 )
 
     # --- SearchMemories ------------------------------------------------------
 
-    async def search_memories(self, stream: grpclib.server.Stream[Any, Any]) -> None:
+    async def search_memories(
+        self, stream: grpclib.server.Stream[Any, Any], call: CallTrace | None = None
+    ) -> None:
         msg, _ = await self._receive(stream)  # its bytes are counted by `_receive`
         with self.admission.admitted(*_timing(stream)) as ticket:
             flt = self._search_filter(msg)
@@ -332,7 +365,9 @@ class ContextService:
 
     # --- RecordMemoryFeedback ------------------------------------------------
 
-    async def record_memory_feedback(self, stream: grpclib.server.Stream[Any, Any]) -> None:
+    async def record_memory_feedback(
+        self, stream: grpclib.server.Stream[Any, Any], call: CallTrace | None = None
+    ) -> None:
         """Validate, then forward to the memory service (one retry, same idempotency key).
 
         `success` is true only when the memory service confirmed; `updates` are
@@ -342,8 +377,8 @@ class ContextService:
         """
         outcome = "error"
         try:
-            msg, size = await self._receive(stream)
-            with self.admission.admitted(*_timing(stream), size) as ticket:
+            msg, _ = await self._receive(stream)  # its bytes are counted by `_receive`
+            with self.admission.admitted(*_timing(stream)) as ticket:
                 fb = validate_feedback(
                     org_id=msg.org_id,
                     memory_ids=msg.memory_ids,
@@ -394,6 +429,19 @@ class ContextService:
                 headroom=FEEDBACK_HEADROOM,
                 on_retry=self.metrics.feedback_retries.inc,
             )
+
+
+def _call_fields(method: str, call: CallTrace | None) -> dict[str, str]:
+    """A call's own log fields: its method and, when traced, its trace id."""
+    return {"method": method} if call is None else {"method": method, "trace_id": call.open()}
+
+
+def _finish_trace(call: CallTrace, code: str) -> None:
+    """End the call's span; a tracing fault is logged, never turned into the call's status."""
+    try:
+        call.finish(code)
+    except Exception:
+        log.exception("trace_failed")
 
 
 def _cancel_swallowed() -> bool:

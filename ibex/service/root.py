@@ -28,6 +28,7 @@ from ibex.assembly.validation import RequestLimits
 from ibex.config import Settings
 from ibex.errors import ConfigError
 from ibex.ops.metrics import Metrics
+from ibex.ops.tracing import setup_tracing
 from ibex.service.admission import AdmissionConfig
 from ibex.service.assembler import Assembler
 from ibex.service.auth import Authenticator, is_loopback, split_addr
@@ -335,4 +336,5 @@ def make_daemon(
         metrics=metrics,
         ssl_context=lambda: server_ssl_context(settings),
         startup_warning=lambda: check_bind_policy(settings),
+        tracing=setup_tracing,  # OTEL_* variables, read by the SDK (see ibex.ops.tracing)
     )

@@ -63,6 +63,7 @@ class Retrieved(msgspec.Struct, frozen=True):
     cold: tuple[MemoryHit, ...]
     branches: tuple[BranchOutcome, ...]
     elapsed_ms: float
+    started: float = 0.0  # when retrieval began, on the Trio clock (for trace spans)
 
 
 class _Branch(msgspec.Struct, frozen=True):
@@ -153,10 +154,15 @@ def _branches(
 
 
 async def _run_branch(
-    row: _Branch, outcomes: dict[BranchSource, BranchOutcome], values: dict[BranchSource, Any]
+    row: _Branch,
+    outcomes: dict[BranchSource, BranchOutcome],
+    values: dict[BranchSource, Any],
+    starts: dict[BranchSource, float] | None = None,
 ) -> None:
     assert row.call is not None
     t0 = trio.current_time()
+    if starts is not None:
+        starts[row.source] = t0
     status: BranchStatus = "success"
     detail = ""
     with trio.move_on_after(row.timeout) as scope:
@@ -187,8 +193,13 @@ async def retrieve(
     config: RetrievalConfig,
     deadline: float | None = None,
     arrived: float | None = None,
+    branch_starts: dict[BranchSource, float] | None = None,
 ) -> Retrieved:
-    """Run the branch table concurrently within the request's wall (see `request_wall`)."""
+    """Run the branch table concurrently within the request's wall (see `request_wall`).
+
+    `branch_starts`, when given (a traced call), receives each started branch's start
+    time on the Trio clock.
+    """
     outcomes: dict[BranchSource, BranchOutcome] = {}
     values: dict[BranchSource, Any] = {}
     started = trio.current_time()
@@ -206,12 +217,12 @@ async def retrieve(
     with trio.move_on_after(wall):
         async with trio.open_nursery() as nursery:
             for row in calls[:-1]:
-                nursery.start_soon(_run_branch, row, outcomes, values)
+                nursery.start_soon(_run_branch, row, outcomes, values, branch_starts)
             if calls:
                 # The last branch (cold, usually the slowest) runs in this task: its answer
                 # then wakes the request directly instead of a branch task that wakes the
                 # request, one task and one task step less per answer.
-                await _run_branch(calls[-1], outcomes, values)
+                await _run_branch(calls[-1], outcomes, values, branch_starts)
 
     elapsed = (trio.current_time() - started) * 1000.0
     for source in BRANCH_ORDER:
@@ -237,4 +248,5 @@ async def retrieve(
         cold=tuple(values.get("cold", ())),
         branches=tuple(outcomes[s] for s in BRANCH_ORDER),
         elapsed_ms=elapsed,
+        started=started,
     )

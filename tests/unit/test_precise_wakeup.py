@@ -2,7 +2,7 @@
 
 No timing is asserted as a speed: these pin when the timer is armed, that a wait
 never ends early, that stale expiries never reach Trio, and that everything is
-undone at exit. The lateness itself is measured by `python -m benchmarks.wakeups`.
+undone at exit. The lateness itself is measured by `python -m benchmarks.timer_lateness`.
 """
 
 from __future__ import annotations

@@ -729,3 +729,23 @@ async def test_a_cache_hit_starts_no_task_and_a_version_it_lacks_goes_to_the_sou
     assert got.directive == Directive("Two.", version_id=v2)
     assert got.branches[0].detail == ""
     assert fake.calls["directive"] == 2
+
+
+async def test_a_traced_call_gets_when_retrieval_and_each_started_branch_began(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """What a trace's branch spans are placed by: untraced calls record nothing extra."""
+    fake = FakeSources({"directive": Plan(1 * MS), "cold": Plan(20 * MS)})
+    starts: dict[str, float] = {}
+    before = trio.current_time()
+    got = await retrieve(
+        request(options=AssemblyOptions(skip_hot_memories=True)),
+        directive_source=fake,
+        memory_source=fake,
+        config=DEFAULTS,
+        branch_starts=starts,  # type: ignore[arg-type]
+    )
+    assert got.started == before
+    assert starts == {"directive": before, "cold": before}  # hot was skipped: never started
+    untraced, _ = await fetch(fake)
+    assert untraced.started == before + 0.020
