@@ -43,14 +43,14 @@ from ibex.service import wire as pb
 from ibex.service.admission import Admission, Ticket
 from ibex.service.assembler import Assembler
 from ibex.service.auth import Authenticator, check_principal
-from ibex.service.grpc_shim import (
+from ibex.service.status import grpc_error
+from ibex.service.stream_reads import (
     arrival,
     caller_authenticated,
     handler_started,
     recv_bounded,
     request_complete,
 )
-from ibex.service.status import grpc_error
 from ibex.sources.feedback import FeedbackRejected, Sent, send_feedback
 
 if TYPE_CHECKING:
