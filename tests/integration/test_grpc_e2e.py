@@ -12,12 +12,14 @@ from __future__ import annotations
 import json
 import re
 import time
+import unittest.mock
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
+import trio
 import trio_asyncio
 from google.protobuf.timestamp_pb2 import Timestamp
 
@@ -648,3 +650,61 @@ async def test_a_memory_id_that_is_not_a_uuid_is_a_branch_error_over_grpc() -> N
     assert resp.degradation_level == "L2"
     assert "ODD ID MEMORY TEXT" not in resp.assembled_context
     assert not resp.memories_used
+
+
+def _answers(daemon: RunningDaemon, method: str) -> tuple[float, float]:
+    """`ibex_answer_seconds{method}`: (count, sum) in the daemon's registry."""
+    registry = daemon.daemon.metrics.registry
+    labels = {"method": method}
+    count = registry.get_sample_value("ibex_answer_seconds_count", labels) or 0.0
+    total = registry.get_sample_value("ibex_answer_seconds_sum", labels) or 0.0
+    return count, total
+
+
+async def _answers_seen(daemon: RunningDaemon, method: str, count: int) -> tuple[float, float]:
+    """The metric once `count` answers are in: it is observed right after the last byte is
+    handed to the socket, which can be a moment after the client thread has the answer."""
+    with trio.fail_after(5):
+        while _answers(daemon, method)[0] < count:  # noqa: ASYNC110 (no event for it)
+            await trio.sleep(0.005)
+    return _answers(daemon, method)
+
+
+async def test_the_servers_time_per_answer_is_a_histogram(daemon: RunningDaemon) -> None:
+    """HEADERS read to last byte written: one observation, inside the client's wall time."""
+    assert _answers(daemon, "AssembleContext") == (0.0, 0.0)
+
+    def call() -> float:
+        with daemon.channel() as channel:
+            stub = context_pb2_grpc.ContextAssemblyServiceStub(channel)
+            started = time.monotonic()
+            stub.AssembleContext(grpcio_request(), timeout=5)
+            return time.monotonic() - started
+
+    wall = await in_thread(call)
+    count, seconds = await _answers_seen(daemon, "AssembleContext", 1)
+    assert count == 1
+    assert 0 < seconds < wall
+    # the region just past the retrieval wall (40 ms) is in 1 ms buckets
+    registry = daemon.daemon.metrics.registry
+    for ms in range(38, 51):
+        le = {"method": "AssembleContext", "le": str(ms / 1000)}
+        assert registry.get_sample_value("ibex_answer_seconds_bucket", le) is not None
+
+
+async def test_a_call_refused_at_the_gate_is_answered_and_timed(daemon: RunningDaemon) -> None:
+    state = daemon.daemon.state
+    with unittest.mock.patch.object(state, "standing_queue_refuses", lambda remaining: True):
+
+        def call() -> grpc.StatusCode:
+            with daemon.channel() as channel:
+                stub = context_pb2_grpc.ContextAssemblyServiceStub(channel)
+                with pytest.raises(grpc.RpcError) as info:
+                    stub.AssembleContext(grpcio_request(), timeout=5)
+                return info.value.code()
+
+        assert await in_thread(call) == grpc.StatusCode.RESOURCE_EXHAUSTED
+    registry = daemon.daemon.metrics.registry
+    assert registry.get_sample_value("ibex_shed_requests_total", {"reason": "queue"}) == 1
+    count, seconds = await _answers_seen(daemon, "AssembleContext", 1)
+    assert count == 1 and seconds > 0
