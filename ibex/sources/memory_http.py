@@ -155,7 +155,7 @@ class MemoryHttpSource:
         """Create the connection pools. Must run inside Trio.
 
         `nursery` (which must outlive `aclose()`) runs the drains that keep a
-        cancelled call's connection open; without it such connections are closed.
+        cancelled read's connection open; without it such connections are closed.
         """
         _require_trio()
         if self._pools:
@@ -164,7 +164,8 @@ class MemoryHttpSource:
             branch: self._new_pool(self._max_response_bytes, nursery) for branch in BRANCHES
         }
         # Feedback has a pool of its own: a slow write never holds a read's connection.
-        self._feedback_pool = self._new_pool(FEEDBACK_MAX_RESPONSE_BYTES, nursery)
+        # It is not drained: its calls are cut only when the write itself is late.
+        self._feedback_pool = self._new_pool(FEEDBACK_MAX_RESPONSE_BYTES, None)
 
     def _new_pool(self, max_response_bytes: int, nursery: trio.Nursery | None) -> HttpPool:
         return HttpPool(
