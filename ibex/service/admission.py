@@ -250,7 +250,10 @@ class Admission:
     ) -> None:
         """Raise the first refusal of `policies` (handler side)."""
         facts = self._facts
-        facts.stage, facts.method, facts.remaining, facts.size = stage, "", remaining, size
+        facts.stage = stage
+        facts.method = ""
+        facts.remaining = remaining
+        facts.size = size
         for policy in policies:
             refusal = policy.verdict(facts, self, now)
             if refusal is not None:
@@ -264,12 +267,12 @@ class Admission:
             return DeadlineError(refusal.message)
         return Unavailable(refusal.message)
 
-    def check_open(self) -> None:
+    def check_open(self, now: float | None = None) -> None:
         """Before the request is read: refuse at once while draining or at the hard cap."""
         if self.draining:
             raise Unavailable("server is draining; retry elsewhere")
         if self._open:
-            self._ask(self._open, "open", None, 0, time.monotonic())
+            self._ask(self._open, "open", None, 0, time.monotonic() if now is None else now)
 
     def gate(self, method: str, remaining: float | None) -> str | None:
         """Asked as a call's HEADERS arrive, before any per-call work (`grpc_shim`).
@@ -280,7 +283,10 @@ class Admission:
         constant: HPACK then sends each as an index into its table, not a new string.
         """
         facts = self._facts
-        facts.stage, facts.method, facts.remaining, facts.size = "headers", method, remaining, 0
+        facts.stage = "headers"  # one store each: a tuple assignment would build a tuple
+        facts.method = method
+        facts.remaining = remaining
+        facts.size = 0
         now = time.monotonic()
         for policy in self._headers:
             refusal = policy.verdict(facts, self, now)
@@ -314,7 +320,7 @@ class Admission:
         `size` the request message's bytes, unless `reserve_bytes` counted them already.
         """
         now = time.monotonic()
-        self.check_open()
+        self.check_open(now)
         self._ask(self._arrival, "arrival", remaining, size, now)
         self.in_flight += 1
         self.in_flight_bytes += size

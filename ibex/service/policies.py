@@ -175,25 +175,22 @@ class StandingQueue:
     def __init__(self, min_useful: float) -> None:
         self.min_useful = min_useful
 
-    def refuses(self, load: Admission, remaining: float | None) -> bool:
-        return (
-            remaining is not None
-            and load.queue.standing
-            and load.pending > 0
-            and remaining - load.queue.estimate < self.min_useful
-        )
-
     def verdict(self, call: CallFacts, load: Admission, now: float) -> Refusal | None:
         remaining = call.remaining
-        if not self.refuses(load, remaining):
+        queue = load.queue
+        if (
+            remaining is None
+            or not queue.standing
+            or load.pending <= 0
+            or remaining - queue.estimate >= self.min_useful
+        ):
             return None
         if call.stage == "headers":
             return QUEUE_REFUSAL
-        assert remaining is not None  # refusing implies a deadline
         return Refusal(
             "queue",
             _RE,
-            f"overloaded: about {load.queue.estimate * 1000:.0f}ms of queue "
+            f"overloaded: about {queue.estimate * 1000:.0f}ms of queue "
             f"before a call with {remaining * 1000:.0f}ms left",
         )
 
