@@ -43,6 +43,11 @@ is served with whatever time its deadline leaves. What is refused, and why:
   leave the call less than `min_useful` of its deadline (for a call without
   a deadline: more than `max_queue_wait`), or no thread freed in time.
 
+The refusals decided from a call's facts alone (the in-flight and byte caps,
+`min_answer`, the CPU and standing-queue rules) are policy objects
+(`ibex.service.policies`), asked in the order listed there; the waits for a
+thread or a slot, with the `org` and `threads` refusals, stay here.
+
 Calls without a deadline wait at most `max_queue_wait` for a thread or a slot
 (then RESOURCE_EXHAUSTED), stand behind every call that has a deadline in
 both queues, and are not counted as work ahead of one by the gates below:
