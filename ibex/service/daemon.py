@@ -31,7 +31,6 @@ from ibex.assembly.tokens import Tokenizers
 from ibex.ops.metrics import Metrics
 from ibex.ops.sdnotify import Notifier, run_watchdog
 from ibex.service.admission import Admission, AdmissionConfig
-from ibex.service.aio_loop import batch_ready_callbacks
 from ibex.service.assembler import Assembler
 from ibex.service.auth import Authenticator
 from ibex.service.bounded import (
@@ -40,17 +39,10 @@ from ibex.service.bounded import (
     BoundedReads,
 )
 from ibex.service.connections import Connections, ConnectionsConfig, LoopErrorHandler
-from ibex.service.grpc_shim import (
-    answer_expired_deadlines,
-    bound_port,
-    lighten_h2,
-    listen_also,
-    stop_accepting,
-    track_connections,
-)
 from ibex.service.handlers import ContextService, EdgeConfig, method_label
+from ibex.service.patches import install_patches, precise_wakeups
 from ibex.service.policies import AdmissionPolicy
-from ibex.service.precise_wakeup import precise_wakeups
+from ibex.service.protocol import bound_port, listen_also, stop_accepting, track_connections
 from ibex.service.queues import share_the_gil
 from ibex.service.reflection import with_reflection
 
@@ -144,8 +136,11 @@ class Daemon:
 
         Signals are caught from the first line: one that arrives while the
         catalog and tokenizers load is kept and honoured as soon as serving
-        starts, so a stop during start-up is a clean, logged exit too.
+        starts, so a stop during start-up is a clean, logged exit too. Patches of
+        third-party internals are installed first (`install_patches`: a package
+        outside its supported range stops start-up here).
         """
+        install_patches()
         with (
             trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals,
             precise_wakeups(),
@@ -170,9 +165,6 @@ class Daemon:
         if warning:
             log.warning("insecure_bind", extra={"detail": warning})
         ssl_ctx = self._ssl_context()
-        answer_expired_deadlines()
-        lighten_h2()
-        batch_ready_callbacks()
         share_the_gil()
         notifier = notifier or Notifier.from_env()
         shutdown = shutdown if shutdown is not None else trio.Event()
