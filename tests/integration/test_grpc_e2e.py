@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import re
 import time
-import unittest.mock
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -27,8 +26,12 @@ from ibex.assembly.formatter import CATEGORY_ORDER, escape_body
 from ibex.assembly.tokens import Tokenizers
 from ibex.client import ContextClient
 from ibex.service import wire
+from ibex.service.admission import Admission
+from ibex.service.daemon import Daemon
+from ibex.service.policies import default_policies
 from tests.grpcio_stubs import context_pb2, context_pb2_grpc, principal_context_pb2
 from tests.memory_server import make_memories, running_memory_server
+from tests.unit.test_policies import Maintenance
 
 from .grpc_harness import (
     AGENT,
@@ -692,9 +695,15 @@ async def test_the_servers_time_per_answer_is_a_histogram(daemon: RunningDaemon)
         assert registry.get_sample_value("ibex_answer_seconds_bucket", le) is not None
 
 
-async def test_a_call_refused_at_the_gate_is_answered_and_timed(daemon: RunningDaemon) -> None:
-    state = daemon.daemon.state
-    with unittest.mock.patch.object(state, "standing_queue_refuses", lambda remaining: True):
+async def test_a_call_refused_at_the_gate_is_answered_and_timed() -> None:
+    gate = Maintenance("AssembleContext")  # refuses at HEADERS while on
+    gate.on = True
+
+    def prepare(d: Daemon) -> None:
+        config = d.admission.config
+        d.admission = Admission(config, d.metrics, (gate, *default_policies(config)))
+
+    async with running_daemon(prepare=prepare) as daemon:
 
         def call() -> grpc.StatusCode:
             with daemon.channel() as channel:
@@ -704,7 +713,8 @@ async def test_a_call_refused_at_the_gate_is_answered_and_timed(daemon: RunningD
                 return info.value.code()
 
         assert await in_thread(call) == grpc.StatusCode.RESOURCE_EXHAUSTED
-    registry = daemon.daemon.metrics.registry
-    assert registry.get_sample_value("ibex_shed_requests_total", {"reason": "queue"}) == 1
-    count, seconds = await _answers_seen(daemon, "AssembleContext", 1)
-    assert count == 1 and seconds > 0
+        registry = daemon.daemon.metrics.registry
+        shed = registry.get_sample_value("ibex_shed_requests_total", {"reason": "maintenance"})
+        assert shed == 1
+        count, seconds = await _answers_seen(daemon, "AssembleContext", 1)
+        assert count == 1 and seconds > 0
