@@ -321,17 +321,14 @@ class XmlTagFormat(Format):
 #: The default format (`PipelineConfig.format`), and the client's fallback history.
 XML_TAGS = XmlTagFormat()
 
-# The default format's sections and body cache, under the names callers know.
+# The default format's sections and body pieces, under the names tests and tools know.
 body_piece = XML_TAGS.body_piece
 body_piece_uncached = XML_TAGS.body_piece_uncached
-cached_body_piece = XML_TAGS.cached_body_piece
-remember_body_pieces = XML_TAGS.remember_body_pieces
 body_cache_info = XML_TAGS.body_cache_info
 memory_open = XML_TAGS.memory_open
 directive_section = XML_TAGS.directive_section
 history_section = XML_TAGS.history_section
 memory_block = XML_TAGS.memory_block
-memories_section = XML_TAGS.memories_section
 tools_section = XML_TAGS.tools_section
 render_pieces = XML_TAGS.render_pieces
 render = XML_TAGS.render
