@@ -1,4 +1,4 @@
-"""In-process assembly: validation, concurrent retrieval, then the pure pipeline.
+"""In-process assembly and search: validation, retrieval, then the pure core.
 
 An `Assembler` holds what one assembly needs (catalog, tokenizers, sources and
 each layer's small config) and is shared by every request of a process. It is
@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from ibex.assembly.candidates import MAX_MEMORIES_HARD_CAP, SearchFilter, SearchResult, rank_search
 from ibex.assembly.catalog import Catalog
 from ibex.assembly.formatter import new_nonce
 from ibex.assembly.nonce import NonceKey
@@ -25,14 +26,14 @@ from ibex.assembly.pipeline import (
     assemble_pure,
     resolve_model,
 )
-from ibex.assembly.structs import AssemblyRequest, AssemblyResult, BranchSource
+from ibex.assembly.structs import AssemblyRequest, AssemblyResult, BranchSource, SearchRequest
 from ibex.assembly.tokens import Tokenizers
-from ibex.assembly.validation import RequestLimits, validate_request
+from ibex.assembly.validation import RequestLimits, validate_request, validate_search
+from ibex.errors import SourceError
 from ibex.service.queues import WorkerThreads, default_threads
 from ibex.sources.base import DirectiveSource, MemorySource
-from ibex.sources.directive_cache import DirectiveCache
 from ibex.sources.feedback import FeedbackSink
-from ibex.sources.retrieval import RetrievalConfig, Retrieved, retrieve
+from ibex.sources.retrieval import RetrievalConfig, Retrieved, retrieve, search
 
 if TYPE_CHECKING:
     from ibex.ops.spans import CallTrace
@@ -59,6 +60,12 @@ def _text_chars(inputs: AssemblyInputs) -> int:
     return n + sum(len(h.content) for h in inputs.hot) + sum(len(h.content) for h in inputs.cold)
 
 
+def _log_tenant_filtered(count: int, **ids: str) -> None:
+    """Hits of another tenant were dropped: the memory service answered out of scope."""
+    if count:
+        log.warning("tenant_filter_dropped", extra={"count": count, **ids})
+
+
 class Assembler:
     """Holds the process-wide pieces one assembly needs; safe to share across requests."""
 
@@ -67,7 +74,7 @@ class Assembler:
         *,
         catalog: Catalog,
         tokenizers: Tokenizers,
-        directive_source: DirectiveSource | DirectiveCache | None,
+        directive_source: DirectiveSource | None,
         memory_source: MemorySource | None,
         limits: RequestLimits | None = None,
         retrieval: RetrievalConfig | None = None,
@@ -178,18 +185,45 @@ class Assembler:
         if trace is not None:
             assert starts is not None and timer is not None
             _record(trace, got, starts, timer, result)
-        filtered = result.pack.tenant_filtered
-        if filtered:
-            log.warning(
-                "tenant_filter_dropped",
-                extra={
-                    "count": filtered,
-                    "org_id": request.org_id,
-                    "agent_id": request.agent_id,
-                    "request_id": request.request_id,
-                },
-            )
+        _log_tenant_filtered(
+            result.pack.tenant_filtered,
+            org_id=request.org_id,
+            agent_id=request.agent_id,
+            request_id=request.request_id,
+        )
         return result
+
+    def check_search(self, request: SearchRequest) -> SearchFilter:
+        """Validate a SearchMemories request before any I/O (and before it waits for a
+        slot: without a memory source it fails at once)."""
+        flt = validate_search(request, self.limits)
+        self._searchable()
+        return flt
+
+    def _searchable(self) -> MemorySource:
+        if self.memory_source is None:
+            raise SourceError("memory search failed: no memory source configured")
+        return self.memory_source
+
+    async def search(self, flt: SearchFilter, *, deadline: float | None = None) -> SearchResult:
+        """One semantic search within the cold timeout (and the caller's deadline, on the
+        Trio clock), then the tenant filter, the filters and the default score.
+
+        With filters that narrow after the fetch, the source is asked for the cap.
+        """
+        fetch = MAX_MEMORIES_HARD_CAP if flt.narrows else flt.limit
+        hits = await search(
+            self._searchable(),
+            flt.org_id,
+            flt.agent_id,
+            flt.query,
+            limit=fetch,
+            config=self.retrieval,
+            deadline=deadline,
+        )
+        found = rank_search(hits, flt, time.time())
+        _log_tenant_filtered(found.tenant_filtered, org_id=flt.org_id)
+        return found
 
 
 def _record(

@@ -15,7 +15,7 @@ import gc
 import logging
 import signal
 import ssl
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +31,6 @@ from ibex.assembly.tokens import Tokenizers
 from ibex.ops.metrics import Metrics
 from ibex.ops.sdnotify import Notifier, run_watchdog
 from ibex.service.admission import Admission, AdmissionConfig
-from ibex.service.aio_loop import batch_ready_callbacks
 from ibex.service.assembler import Assembler
 from ibex.service.auth import Authenticator
 from ibex.service.bounded import (
@@ -40,16 +39,10 @@ from ibex.service.bounded import (
     BoundedReads,
 )
 from ibex.service.connections import Connections, ConnectionsConfig, LoopErrorHandler
-from ibex.service.grpc_shim import (
-    answer_expired_deadlines,
-    bound_port,
-    lighten_h2,
-    listen_also,
-    stop_accepting,
-    track_connections,
-)
 from ibex.service.handlers import ContextService, EdgeConfig, method_label
-from ibex.service.precise_wakeup import precise_wakeups
+from ibex.service.patches import install_patches, precise_wakeups
+from ibex.service.policies import AdmissionPolicy
+from ibex.service.protocol import bound_port, listen_also, stop_accepting, track_connections
 from ibex.service.queues import share_the_gil
 from ibex.service.reflection import with_reflection
 
@@ -82,6 +75,7 @@ class Daemon:
         open_assembler: Callable[[], AbstractAsyncContextManager[Assembler]],
         authenticator: Authenticator,
         admission: AdmissionConfig | None = None,
+        policies: Sequence[AdmissionPolicy] | None = None,
         edge: EdgeConfig | None = None,
         metrics: Metrics | None = None,
         ssl_context: Callable[[], ssl.SSLContext | None] = lambda: None,
@@ -90,7 +84,7 @@ class Daemon:
     ) -> None:
         self.config = config
         self.metrics = metrics if metrics is not None else Metrics()
-        self.state = Admission(admission or AdmissionConfig(), self.metrics)
+        self.admission = Admission(admission or AdmissionConfig(), self.metrics, policies)
         self.edge = edge or EdgeConfig()
         self.auth = authenticator
         self._open_assembler = open_assembler
@@ -107,7 +101,7 @@ class Daemon:
     def build_server(self, assembler: Assembler) -> grpclib.server.Server:
         service = ContextService(
             assembler,
-            admission=self.state,
+            admission=self.admission,
             metrics=self.metrics,
             authenticator=self.auth,
             config=self.edge,
@@ -118,11 +112,11 @@ class Daemon:
         health = BoundedReads(
             Health({service: [self.health_status]}),
             limit=HEALTH_MAX_MESSAGE_BYTES,
-            admission=self.state,
+            admission=self.admission,
         )
         _, _, *reflection = with_reflection([service, health], self.auth)
         reflection = [
-            BoundedReads(r, limit=REFLECTION_MAX_MESSAGE_BYTES, admission=self.state)
+            BoundedReads(r, limit=REFLECTION_MAX_MESSAGE_BYTES, admission=self.admission)
             for r in reflection
         ]
         server = grpclib.server.Server([service, health, *reflection])
@@ -142,8 +136,11 @@ class Daemon:
 
         Signals are caught from the first line: one that arrives while the
         catalog and tokenizers load is kept and honoured as soon as serving
-        starts, so a stop during start-up is a clean, logged exit too.
+        starts, so a stop during start-up is a clean, logged exit too. Patches of
+        third-party internals are installed first (`install_patches`: a package
+        outside its supported range stops start-up here).
         """
+        install_patches()
         with (
             trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals,
             precise_wakeups(),
@@ -168,9 +165,6 @@ class Daemon:
         if warning:
             log.warning("insecure_bind", extra={"detail": warning})
         ssl_ctx = self._ssl_context()
-        answer_expired_deadlines()
-        lighten_h2()
-        batch_ready_callbacks()
         share_the_gil()
         notifier = notifier or Notifier.from_env()
         shutdown = shutdown if shutdown is not None else trio.Event()
@@ -186,7 +180,7 @@ class Daemon:
                 server,
                 self.connections,
                 gate=self._gate,
-                gate_left=self.state.left_gate,
+                gate_left=self.admission.left_gate,
                 ssl=ssl_ctx,
             )
             # Start-up objects (catalog, rank tables, modules) live for the process:
@@ -227,7 +221,7 @@ class Daemon:
                 notifier.status("draining")
                 await self.drain(server)
                 nursery.cancel_scope.cancel()
-            log.info("stopped", extra={"in_flight": self.state.in_flight})
+            log.info("stopped", extra={"in_flight": self.admission.in_flight})
 
     def _gate(self, path: str, remaining: float | None) -> str | None:
         """Admission's HEADERS gate, for the service's own methods only.
@@ -237,7 +231,7 @@ class Daemon:
         are answered UNIMPLEMENTED by grpclib. All of them pass (still counted).
         """
         method = method_label(path)
-        return self.state.gate(method, None if method == "other" else remaining)
+        return self.admission.gate(method, None if method == "other" else remaining)
 
     async def drain(self, server: grpclib.server.Server) -> None:
         """Stop listening, GOAWAY every connection, wait for in-flight calls, then close.
@@ -249,19 +243,22 @@ class Daemon:
         self.health_status.set(False)
         log.info(
             "draining",
-            extra={"in_flight": self.state.in_flight, "connections": self.connections.count},
+            extra={"in_flight": self.admission.in_flight, "connections": self.connections.count},
         )
         stop_accepting(server)
         self.connections.goaway_all(self.config.drain_grace)
         with trio.move_on_after(self.config.drain_grace) as scope:
             await self.connections.wait_closed()
-            await trio_asyncio.aio_as_trio(self.state.idle.wait)()
+            await trio_asyncio.aio_as_trio(self.admission.idle.wait)()
         if scope.cancelled_caught:
             log.warning(
                 "drain_grace_expired",
-                extra={"in_flight": self.state.in_flight, "connections": self.connections.count},
+                extra={
+                    "in_flight": self.admission.in_flight,
+                    "connections": self.connections.count,
+                },
             )
-        self.state.draining = True
+        self.admission.draining = True
         server.close()
         await trio_asyncio.aio_as_trio(server.wait_closed)()
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 import weakref
 from collections.abc import Awaitable, Callable
@@ -27,17 +26,14 @@ from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 from h2.exceptions import StreamClosedError
 
-from ibex.assembly.candidates import MAX_MEMORIES_HARD_CAP, SearchFilter, rank_search
+from ibex.assembly.candidates import SearchFilter, SearchResult
 from ibex.assembly.feedback import Feedback, validate_feedback
-from ibex.assembly.structs import AssemblyRequest, AssemblyResult, MemoryHit
-from ibex.assembly.validation import canonical_uuid
+from ibex.assembly.structs import AssemblyRequest, AssemblyResult
 from ibex.errors import (
     DeadlineError,
     IbexError,
     InputError,
-    OverLimitError,
     Overloaded,
-    SourceError,
     Unavailable,
 )
 from ibex.ops.logs import bind_request
@@ -47,14 +43,14 @@ from ibex.service import wire as pb
 from ibex.service.admission import Admission, Ticket
 from ibex.service.assembler import Assembler
 from ibex.service.auth import Authenticator, check_principal
-from ibex.service.grpc_shim import (
+from ibex.service.status import grpc_error
+from ibex.service.stream_reads import (
     arrival,
     caller_authenticated,
     handler_started,
     recv_bounded,
     request_complete,
 )
-from ibex.service.status import grpc_error
 from ibex.sources.feedback import FeedbackRejected, Sent, send_feedback
 
 if TYPE_CHECKING:
@@ -64,7 +60,6 @@ log = logging.getLogger(__name__)
 
 SERVICE = "ibex.context.v1.ContextAssemblyService"
 _PREFIX = f"/{SERVICE}/"
-SEARCH_DEFAULT_LIMIT = 10
 # Kept back from a feedback call's deadline to encode and send the answer.
 FEEDBACK_HEADROOM = 0.002
 
@@ -89,7 +84,6 @@ class EdgeConfig(msgspec.Struct, frozen=True):
     """What the handlers need beyond the assembler; defaults live here only."""
 
     max_message_bytes: int = 4 * 1024 * 1024
-    max_text_bytes: int = 1024 * 1024
     # RecordMemoryFeedback's time for both attempts when the caller sets no deadline.
     feedback_timeout: float = 2.0
 
@@ -284,84 +278,15 @@ class ContextService:
     ) -> None:
         msg, _ = await self._receive(stream)  # its bytes are counted by `_receive`
         with self.admission.admitted(*_timing(stream)) as ticket:
-            flt = self._search_filter(msg)
-            fetch = MAX_MEMORIES_HARD_CAP if flt.narrows else flt.limit
+            flt = self.assembler.check_search(convert.search_from_proto(msg))
             t0 = time.perf_counter()
-            hits = await trio_asyncio.trio_as_aio(self._search_in_trio)(
-                flt.org_id, flt.agent_id, msg.query, fetch, ticket
-            )
-            found = rank_search(hits, flt, time.time())
-            if found.tenant_filtered:
-                log.warning(
-                    "tenant_filter_dropped",
-                    extra={"count": found.tenant_filtered, "org_id": flt.org_id},
-                )
-            memories = [
-                pb.Memory(
-                    id=h.hit.memory_id,
-                    content=h.hit.content,
-                    category=h.hit.category,
-                    confidence=h.hit.confidence,
-                    composite_score=h.score,
-                    retrieval_count=h.hit.access_count or 0,
-                    created_at=h.hit.created_at or "",
-                )
-                for h in found.hits
-            ]
-            await stream.send_message(
-                pb.SearchMemoriesResponse(
-                    memories=memories,
-                    total_candidates=found.own_candidates,
-                    search_time_ms=int((time.perf_counter() - t0) * 1000),
-                )
-            )
+            found = await trio_asyncio.trio_as_aio(self._search_in_trio)(flt, ticket)
+            elapsed_ms = int((time.perf_counter() - t0) * 1000)
+            await stream.send_message(convert.search_to_proto(found, elapsed_ms))
 
-    def _search_filter(self, msg: Any) -> SearchFilter:
-        org_id = canonical_uuid("org_id", msg.org_id)
-        agent_id = canonical_uuid("agent_id", msg.agent_id)
-        if not msg.query.strip():
-            raise InputError("query", "is required")
-        if len(msg.query.encode()) > self.config.max_text_bytes:
-            raise OverLimitError("query", f"exceeds {self.config.max_text_bytes} bytes")
-        if (
-            msg.limit < 0
-            or not math.isfinite(msg.min_similarity)
-            or not (0.0 <= msg.min_similarity <= 1.0)
-        ):
-            raise InputError("limit", "must be >= 0 and min_similarity in [0, 1]")
-        return SearchFilter(
-            org_id=org_id,
-            agent_id=agent_id,
-            limit=min(msg.limit or SEARCH_DEFAULT_LIMIT, MAX_MEMORIES_HARD_CAP),
-            min_similarity=msg.min_similarity,
-            categories=frozenset(msg.categories),
-            tags=frozenset(msg.tags),
-        )
-
-    async def _search_in_trio(
-        self, org_id: str, agent_id: str, query: str, limit: int, ticket: Ticket
-    ) -> list[MemoryHit]:
-        source = self.assembler.memory_source
-        if source is None:
-            raise SourceError("memory search failed: no memory source configured")
-        retrieval = self.assembler.retrieval
-        async with self.admission.slot(ticket, org_id):
-            timeout = retrieval.cold_timeout
-            remaining = ticket.remaining(time.monotonic())
-            if remaining is not None:
-                timeout = min(timeout, max(0.0, remaining - retrieval.pipeline_headroom))
-            with trio.move_on_after(timeout):
-                try:
-                    return await source.cold(
-                        org_id,
-                        agent_id,
-                        query,
-                        limit=limit,
-                        min_confidence=retrieval.min_confidence,
-                    )
-                except SourceError as exc:
-                    raise SourceError(f"memory search failed: {exc}") from None
-            raise SourceError(f"memory search failed: no answer within {timeout * 1000:.0f}ms")
+    async def _search_in_trio(self, flt: SearchFilter, ticket: Ticket) -> SearchResult:
+        async with self.admission.slot(ticket, flt.org_id):
+            return await self.assembler.search(flt, deadline=_trio_deadline(ticket))
 
     # --- RecordMemoryFeedback ------------------------------------------------
 
@@ -418,13 +343,11 @@ class ContextService:
         sink = self.assembler.feedback_sink
         if sink is None:
             raise Unavailable("feedback: no memory service configured")
-        remaining = ticket.remaining(time.monotonic())
-        deadline = None if remaining is None else trio.current_time() + remaining
         with bind_request(trace_id=fb.trace_id):
             return await send_feedback(
                 sink,
                 fb,
-                deadline=deadline,
+                deadline=_trio_deadline(ticket),
                 default_timeout=self.config.feedback_timeout,
                 headroom=FEEDBACK_HEADROOM,
                 on_retry=self.metrics.feedback_retries.inc,
@@ -455,6 +378,12 @@ def _cancel_swallowed() -> bool:
     """
     task = asyncio.current_task()
     return task is not None and task.cancelling() > 0
+
+
+def _trio_deadline(ticket: Ticket) -> float | None:
+    """The caller's deadline on the Trio clock (None without one)."""
+    remaining = ticket.remaining(time.monotonic())
+    return None if remaining is None else trio.current_time() + remaining
 
 
 def _timing(stream: grpclib.server.Stream[Any, Any]) -> tuple[float, float | None]:

@@ -101,9 +101,7 @@ def admission_config(settings: Settings) -> AdmissionConfig:
 
 
 def edge_config(settings: Settings) -> EdgeConfig:
-    return EdgeConfig(
-        max_message_bytes=settings.max_message_bytes, max_text_bytes=settings.max_text_bytes
-    )
+    return EdgeConfig(max_message_bytes=settings.max_message_bytes)
 
 
 def directive_cache_config(settings: Settings) -> DirectiveCacheConfig:
@@ -183,6 +181,12 @@ def redis_directive_source(settings: Settings) -> tuple[RedisDirectiveSource, st
     return RedisDirectiveSource(settings.redis_url), "redis"
 
 
+def uses_local_sample(settings: Settings) -> bool:
+    """The backend choice: the bundled local sample serves directives and memories when
+    neither Redis nor a memory-service URL is set (the daemon and `ibex check` agree)."""
+    return not settings.redis_configured and settings.memory_base_url is None
+
+
 @asynccontextmanager
 async def open_assembler(
     settings: Settings,
@@ -193,13 +197,13 @@ async def open_assembler(
     """Open the configured sources for the life of the block (one pool per process)."""
     if catalog is None or tokenizers is None:
         catalog, tokenizers = load_static(settings)
-    directive_source: DirectiveSource | DirectiveCache | None = None
+    directive_source: DirectiveSource | None = None
     memory_source: MemorySource | None = None
     http: MemoryHttpSource | None = None
     feedback_sink: FeedbackSink | None = None
     redis: RedisDirectiveSource | None = None
     backend: list[str] = []
-    if not settings.redis_configured and settings.memory_base_url is None:
+    if uses_local_sample(settings):
         local = LocalFileSource.load(
             settings.local_source_path, max_content_bytes=settings.memory_max_content_bytes
         )

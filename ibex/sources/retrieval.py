@@ -29,8 +29,7 @@ from ibex.assembly.structs import (
     MemoryHit,
 )
 from ibex.errors import SourceError
-from ibex.sources.base import Answer, DirectiveSource, MemorySource
-from ibex.sources.directive_cache import DirectiveCache
+from ibex.sources.base import Answer, DirectiveSource, MemorySource, cached_directive
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +72,7 @@ class _Branch(msgspec.Struct, frozen=True):
     timeout: float
     call: Callable[[], Awaitable[Any]] | None
     skipped: str = ""
-    ready: Answer | None = None  # answered already (the directive cache): no task to run
+    ready: Answer | None = None  # answered already (a source's `cached`): no task to run
 
 
 def request_wall(
@@ -92,14 +91,48 @@ def request_wall(
     wall = config.wall
     if arrived is not None and arrived < now:
         wall = max(wall - (now - arrived), min(wall, config.hot_timeout))
-    if deadline is not None and math.isfinite(deadline):
-        wall = min(wall, deadline - now - config.pipeline_headroom)
-    return max(0.0, wall)
+    return max(0.0, min(wall, before_deadline(config, deadline, now)))
+
+
+def before_deadline(config: RetrievalConfig, deadline: float | None, now: float) -> float:
+    """Seconds from `now` to the caller's deadline less the pipeline headroom (the time
+    kept back to build and send the answer); inf without a deadline. May be negative."""
+    if deadline is None or not math.isfinite(deadline):
+        return math.inf
+    return deadline - now - config.pipeline_headroom
+
+
+async def search(
+    memory_source: MemorySource,
+    org_id: str,
+    agent_id: str,
+    query: str,
+    *,
+    limit: int,
+    config: RetrievalConfig,
+    deadline: float | None = None,
+) -> list[MemoryHit]:
+    """SearchMemories' one semantic search, within the cold timeout and the deadline.
+
+    Unlike a branch, a failure is the call's failure: SourceError names why.
+    `deadline` is on the Trio clock.
+    """
+    timeout = max(
+        0.0, min(config.cold_timeout, before_deadline(config, deadline, trio.current_time()))
+    )
+    with trio.move_on_after(timeout):
+        try:
+            return await memory_source.cold(
+                org_id, agent_id, query, limit=limit, min_confidence=config.min_confidence
+            )
+        except SourceError as exc:
+            raise SourceError(f"memory search failed: {exc}") from None
+    raise SourceError(f"memory search failed: no answer within {timeout * 1000:.0f}ms")
 
 
 def _branches(
     request: AssemblyRequest,
-    directive_source: DirectiveSource | DirectiveCache | None,
+    directive_source: DirectiveSource | None,
     memory_source: MemorySource | None,
     config: RetrievalConfig,
 ) -> list[_Branch]:
@@ -108,20 +141,12 @@ def _branches(
     if directive_source is None:
         rows.append(_Branch("directive", 0.0, None, "no directive source configured"))
     else:
-        src = directive_source
-        version = request.directive_version_id
-        if isinstance(src, DirectiveCache):
-            hit = src.cached(org, agent, version)
-            call: Callable[[], Awaitable[Any]] | None = (
-                None if hit is not None else (lambda: src.fetch(org, agent, version))
-            )
-            rows.append(_Branch("directive", config.directive_timeout, call, ready=hit))
-        else:
-            rows.append(
-                _Branch(
-                    "directive", config.directive_timeout, lambda: src.get_directive(org, agent)
-                )
-            )
+        src, version = directive_source, request.directive_version_id
+        hit = cached_directive(src, org, agent, version)
+        call: Callable[[], Awaitable[Any]] | None = (
+            None if hit is not None else (lambda: _directive(src, org, agent, version))
+        )
+        rows.append(_Branch("directive", config.directive_timeout, call, ready=hit))
     mem, floor = memory_source, config.min_confidence
     if mem is None:
         rows.append(_Branch("hot", 0.0, None, "no memory source configured"))
@@ -151,6 +176,13 @@ def _branches(
             )
         )
     return rows
+
+
+async def _directive(src: DirectiveSource, org: str, agent: str, version: str) -> Answer:
+    """The directive branch's call. The source's in-memory answer is asked for again
+    when the branch starts: another request may have filled it meanwhile."""
+    hit = cached_directive(src, org, agent, version)
+    return hit if hit is not None else Answer(await src.get_directive(org, agent, version))
 
 
 async def _run_branch(
@@ -188,7 +220,7 @@ async def _run_branch(
 async def retrieve(
     request: AssemblyRequest,
     *,
-    directive_source: DirectiveSource | DirectiveCache | None,
+    directive_source: DirectiveSource | None,
     memory_source: MemorySource | None,
     config: RetrievalConfig,
     deadline: float | None = None,
