@@ -30,7 +30,7 @@ def test_bad_durations_name_the_variable(raw: str) -> None:
 
 def test_defaults_match_the_contract() -> None:
     s = load_settings({})
-    assert (s.timeout, s.deadline, s.wall) == (0.045, 0.040, 0.040)
+    assert (s.timeout, s.deadline) == (0.045, 0.040)
     assert (s.directive_timeout, s.hot_timeout, s.cold_timeout) == (0.005, 0.015, 0.045)
     assert s.grpc_addr == "127.0.0.1:9092"
     assert (s.packer_dp_cell_ceiling, s.packer_max_consecutive_skips) == (437570, 5)
