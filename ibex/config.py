@@ -554,15 +554,15 @@ def _check_redis(kw: Mapping[str, Any]) -> None:
             )
 
 
-def known_variables(env: Mapping[str, str] | None = None) -> frozenset[str]:
-    """Every `IBEX_CONTEXT_*` name the daemon or the CLI reads (`env` is not consulted)."""
+def known_variables() -> frozenset[str]:
+    """Every `IBEX_CONTEXT_*` name the daemon or the CLI reads."""
     return frozenset(PREFIX + s for s in (*EXTRA_KNOWN, *(row.suffix for row in TABLE.values())))
 
 
 def unknown_variables(env: Mapping[str, str] | None = None) -> list[tuple[str, str | None]]:
     """`IBEX_CONTEXT_*` variables nothing reads (likely typos), each with the closest known name."""
     env = os.environ if env is None else env
-    known = known_variables(env)
+    known = known_variables()
     out: list[tuple[str, str | None]] = []
     for name in sorted(env):
         if name.startswith(PREFIX) and name not in known:

@@ -81,7 +81,8 @@ GATE_QUEUE_MESSAGE = "overloaded: a standing queue leaves this call too little t
 
 
 class AdmissionConfig(msgspec.Struct, frozen=True):
-    """Admission limits (seconds); defaults live here only."""
+    """Admission limits (seconds). The daemon's values come from the settings table, whose
+    defaults equal these (pinned by test_config_table.py)."""
 
     max_in_flight: int = 256
     max_in_flight_bytes: int = 64 * 1024 * 1024

@@ -181,7 +181,7 @@ def test_every_documented_variable_is_read_under_its_exact_name() -> None:
     """The example file is the operators' list: each name in it must be one the parser
     actually reads at run time (a renamed or misspelt key would silently keep its default)."""
     active, commented = env_example_assignments()
-    missing = (set(active) | set(commented)) - config.known_variables({})
+    missing = (set(active) | set(commented)) - config.known_variables()
     assert missing == set()
 
 
