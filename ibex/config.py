@@ -227,6 +227,16 @@ def ints(lo: int, hi: int) -> Parse:
     return functools.partial(_int, lo=lo, hi=hi)
 
 
+def floats(lo: float, hi: float) -> Parse:
+    """A finite number in [lo, hi]."""
+    return functools.partial(_float, lo=lo, hi=hi)
+
+
+def urls(*schemes: str) -> Parse:
+    """A URL with one of `schemes`."""
+    return functools.partial(_url, schemes=schemes)
+
+
 # Durations: a bare number is milliseconds (`MS`) or seconds (`SECONDS`); both take a unit.
 MS: Parse = functools.partial(parse_duration, bare_unit="ms")
 SECONDS: Parse = functools.partial(parse_duration, bare_unit="s")
@@ -250,14 +260,15 @@ class Var(msgspec.Struct, frozen=True):
 
 
 def var(suffix: str, parse: Parse, *to: str, secret: bool = False) -> Var:
+    """A row: IBEX_CONTEXT_`suffix`, parsed by `parse`, setting the layer fields `to`."""
     return Var(suffix, parse, to, secret)
 
 
 class Settings(msgspec.Struct, frozen=True, kw_only=True):
     """Effective configuration, one field per variable. Durations are seconds (floats).
 
-    A default that equals a layer config's own default is pinned to it by
-    tests/unit/test_config.py (layers build their configs without Settings in tests).
+    A targeted field's default equals the layer config's own (pinned by
+    tests/unit/test_config_table.py): a layer built alone behaves as the daemon.
     """
 
     # retrieval
@@ -279,7 +290,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         float,
         var(
             "MIN_CONFIDENCE",
-            functools.partial(_float, lo=0.0, hi=1.0),
+            floats(0.0, 1.0),
             "RetrievalConfig.min_confidence",
         ),
     ] = 0.0
@@ -320,9 +331,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         4 * MiB
     )
     # directives: Redis and the cache in front of it
-    redis_url: Annotated[
-        str | None, var("REDIS_URL", functools.partial(_url, schemes=("redis", "rediss", "unix")))
-    ] = None
+    redis_url: Annotated[str | None, var("REDIS_URL", urls("redis", "rediss", "unix"))] = None
     directive_cache_entries: Annotated[
         int, var("DIRECTIVE_CACHE_ENTRIES", ints(0, 10_000_000), "DirectiveCacheConfig.max_entries")
     ] = 10_000
@@ -449,11 +458,16 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         """Directives come from Redis (one endpoint, Sentinel or Cluster)."""
         return self.redis_url is not None or bool(self.redis_sentinels)
 
+    def worker_port(self, index: int) -> int | None:
+        """Worker `index`'s own port, WORKER_PORT_BASE + index (None when the base is unset).
+
+        A worker process knows its slot but not the supervisor's worker count."""
+        return None if self.worker_port_base is None else self.worker_port_base + index
+
     def worker_ports(self) -> tuple[int, ...]:
-        """Worker i's own port, WORKER_PORT_BASE + i (empty when the base is unset)."""
-        if self.worker_port_base is None:
-            return ()
-        return tuple(self.worker_port_base + i for i in range(self.workers))
+        """Every worker's own port (empty when the base is unset)."""
+        ports = (self.worker_port(i) for i in range(self.workers))
+        return tuple(p for p in ports if p is not None)
 
     def check_worker_ports(self) -> None:
         """ConfigError when the per-worker ports leave the port range or hit another port."""

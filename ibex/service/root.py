@@ -277,14 +277,14 @@ def make_daemon(
     process, index 0, on the base itself) so clients can balance per call.
     """
     host, port = split_addr(settings.grpc_addr)
-    ports = settings.worker_ports()
+    own = settings.worker_port(worker_index or 0)
     config = layer_config(
         DaemonConfig,
         settings,
         host=host,
         port=port,
         reuse_port=reuse_port,
-        own_ports=(ports[worker_index or 0],) if ports else (),
+        own_ports=() if own is None else (own,),
         worker=worker_index,
         connections=connections_config(settings),
     )

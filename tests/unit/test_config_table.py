@@ -98,3 +98,13 @@ def test_a_rejected_value_names_its_variable(setting: str) -> None:
         row.parse(name, "no-such\x00value:x")
     except ConfigError as exc:
         assert str(exc).startswith(name)
+
+
+def test_a_worker_finds_its_port_from_its_slot_alone() -> None:
+    """A worker process sees the supervisor's `--workers` only through its slot: its own
+    port is WORKER_PORT_BASE + slot even when its settings say one worker."""
+    settings = Settings(worker_port_base=9100)
+    assert settings.workers == 1
+    assert settings.worker_port(3) == 9103
+    assert Settings().worker_port(0) is None
+    assert Settings(worker_port_base=9100, workers=3).worker_ports() == (9100, 9101, 9102)
