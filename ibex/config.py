@@ -380,13 +380,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         var("MAX_HISTORY_MESSAGES", ints(0, 100_000), "RequestLimits.max_history_messages"),
     ] = 512
     max_text_bytes: Annotated[
-        int,
-        var(
-            "MAX_TEXT_BYTES",
-            ints(1, 64 * MiB),
-            "RequestLimits.max_text_bytes",
-            "EdgeConfig.max_text_bytes",
-        ),
+        int, var("MAX_TEXT_BYTES", ints(1, 64 * MiB), "RequestLimits.max_text_bytes")
     ] = MiB
     max_tool_schemas: Annotated[
         int, var("MAX_TOOL_SCHEMAS", ints(0, 10_000), "RequestLimits.max_tool_schemas")
