@@ -1,7 +1,7 @@
 """An in-process directive cache: a DirectiveSource that wraps another, validated by version.
 
-The Redis GET and its two loop crossings cost about 370 µs per answer
-(issue 10's profile), for a value that changes rarely. The caller names the
+A Redis GET costs two loop crossings and a round trip on every answer, for a
+value that changes rarely. The caller names the
 version it expects (`directive_version_id`): a cached envelope with that
 version is exactly what Redis would return, so it is served without a round
 trip, but only for `max_age` seconds after it was read: the proxy revokes a

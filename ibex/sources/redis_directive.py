@@ -20,9 +20,8 @@ lease below closes the connection on any BaseException *before* releasing it.
 A cancellation must also stop the GET: redis-py writes every command under
 `asyncio.wait_for`, which before Python 3.12 returns the write's result and
 drops the cancellation when both land in the same loop step (CPython
-gh-86296). Under load that happened to about one cancelled reconnect in ten:
-the GET then waited for the reply of a sleeping server, 140 ms past its 5 ms
-branch. redis-py's connection module therefore gets `wait_for` as Python 3.12
+gh-86296): the GET would then wait for the reply of a sleeping server long
+past its branch's budget. redis-py's connection module therefore gets `wait_for` as Python 3.12
 has it, on top of `asyncio.timeout` (`ibex.sources.redis_patches`, installed at start-up).
 
 Topologies: one endpoint (`RedisDirectiveSource(url)`), Redis Sentinel
