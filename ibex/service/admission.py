@@ -95,7 +95,8 @@ _CPU_EWMA = 0.5  # weight of the newest window in the utilisation and CPU-per-ca
 
 
 class AdmissionConfig(msgspec.Struct, frozen=True):
-    """Admission limits (seconds); defaults live here only."""
+    """Admission limits (seconds). The daemon's values come from the settings table, whose
+    defaults equal these (pinned by test_config_table.py)."""
 
     max_in_flight: int = 256
     max_in_flight_bytes: int = 64 * 1024 * 1024
