@@ -38,7 +38,7 @@ import trio_asyncio
 from ibex.assembly.structs import AssemblyResult
 from ibex.service.root import Assembler
 from ibex.sources.memory_http import MemoryHttpSource
-from ibex.sources.redis_directive import RedisDirectiveSource
+from ibex.sources.redis_directive import RedisDirectiveSource, _PoolReader
 from tests.integration.test_assemble_real import (
     POOL_SIZE,
     TENANTS,
@@ -164,7 +164,9 @@ class Chaos:
         # The server may have closed a connection the pool has not noticed yet
         # (reset), so its count may be lower, never higher.
         assert await self.memory.settle_open_connections(live) <= live
-        redis_pool = self.directive_source._pool
+        reader = self.directive_source._reader
+        assert isinstance(reader, _PoolReader)
+        redis_pool = reader.pool
         assert not redis_pool._in_use_connections
         assert not asyncio.all_tasks(trio_asyncio.current_loop.get())
         # Each loop socket watcher belongs to a pooled Redis socket that is still open.

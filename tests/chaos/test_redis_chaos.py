@@ -19,7 +19,12 @@ import trio
 import trio_asyncio
 
 from ibex.sources.base import SourceError
-from ibex.sources.redis_directive import RedisDirectiveSource, directive_key
+from ibex.sources.redis_directive import (
+    RedisDirectiveSource,
+    RedisOptions,
+    _PoolReader,
+    directive_key,
+)
 from tests.redis_server import RedisServer
 
 TENANTS = {
@@ -47,7 +52,7 @@ async def source(
     redis_server: RedisServer, trio_asyncio_loop: trio_asyncio.TrioEventLoop
 ) -> AsyncIterator[RedisDirectiveSource]:
     seed(redis_server)
-    src = RedisDirectiveSource(redis_server.url, max_connections=1)
+    src = RedisDirectiveSource(redis_server.url, RedisOptions(max_connections=1))
     try:
         yield src
     finally:
@@ -155,7 +160,9 @@ async def test_kill_during_an_in_flight_get_fails_fast(
 ) -> None:
     """A reset mid-reply ends the call at once, not at the (here long) socket timeout."""
     seed(redis_server)
-    source = RedisDirectiveSource(redis_server.url, socket_timeout=10.0, max_connections=1)
+    source = RedisDirectiveSource(
+        redis_server.url, RedisOptions(socket_timeout=10.0, max_connections=1)
+    )
     errors: list[SourceError] = []
 
     async def in_flight() -> None:
@@ -191,8 +198,9 @@ async def test_a_stray_cancellation_from_dropping_stale_connections_stays_inside
     any failure of those disconnects, including an asyncio.CancelledError belonging to one
     of them (seen in a sentinel failover); it must not leave the GET as a cancellation."""
     assert await content_of(source, "a") == "directive of tenant a"
-    pool = source._pool
-    assert pool is not None
+    reader = source._reader
+    assert isinstance(reader, _PoolReader)
+    pool = reader.pool
     real = pool.disconnect
     calls: list[bool] = []
 

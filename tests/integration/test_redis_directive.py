@@ -13,7 +13,7 @@ import trio_asyncio
 from ibex.assembly.structs import Directive
 from ibex.sources.base import Answer, DirectiveSource, SourceError
 from ibex.sources.directive_cache import DirectiveCache, DirectiveCacheConfig
-from ibex.sources.redis_directive import RedisDirectiveSource, directive_key
+from ibex.sources.redis_directive import RedisDirectiveSource, RedisOptions, directive_key
 from tests.redis_server import RedisServer
 
 ORG = "0b6f8f1e-5c3a-4f51-9a8e-0d6f1c2b3a4d"
@@ -141,7 +141,7 @@ async def test_oversize_value_is_a_source_error(
     redis_server: RedisServer, trio_asyncio_loop: trio_asyncio.TrioEventLoop
 ) -> None:
     redis_server.set(KEY, envelope(content="x" * 2000))
-    src = RedisDirectiveSource(redis_server.url, max_value_bytes=1000)
+    src = RedisDirectiveSource(redis_server.url, RedisOptions(max_value_bytes=1000))
     try:
         with pytest.raises(SourceError, match="exceeds"):
             await src.get_directive(ORG, AGENT)
@@ -167,7 +167,9 @@ async def test_tenants_get_their_own_directive_concurrently(
 ) -> None:
     # Isolation, not time, is under test: generous backstops so 60 concurrent first
     # connects on a loaded machine cannot turn into timeouts.
-    source = RedisDirectiveSource(redis_server.url, connect_timeout=5.0, socket_timeout=5.0)
+    source = RedisDirectiveSource(
+        redis_server.url, RedisOptions(connect_timeout=5.0, socket_timeout=5.0)
+    )
     tenants = [(str(uuid.uuid4()), str(uuid.uuid4())) for _ in range(20)]
     for org, agent in tenants:
         redis_server.set(directive_key(org, agent), envelope(content=f"for {org}/{agent}"))
@@ -211,7 +213,7 @@ async def test_pool_exhaustion_is_a_source_error_not_a_wait(
     redis_server: RedisServer, trio_asyncio_loop: trio_asyncio.TrioEventLoop
 ) -> None:
     redis_server.set(KEY, envelope())
-    src = RedisDirectiveSource(redis_server.url, max_connections=1)
+    src = RedisDirectiveSource(redis_server.url, RedisOptions(max_connections=1))
     errors: list[str] = []
 
     async def one() -> None:
@@ -238,11 +240,11 @@ async def test_tls_url_verifies_the_server(
     redis_tls_server.set(KEY, envelope())
     # Verification, not time, is under test: a TLS handshake on a loaded machine can pass
     # the 100 ms production backstop, which would read as a timeout instead.
-    slow_ok = {"connect_timeout": 5.0, "socket_timeout": 5.0}
+    slow_ok = RedisOptions(connect_timeout=5.0, socket_timeout=5.0)
     src = RedisDirectiveSource(
-        redis_tls_server.tls_url, ssl_ca_certs=str(redis_tls_server.ca_path), **slow_ok
+        redis_tls_server.tls_url, slow_ok, ssl_ca_certs=str(redis_tls_server.ca_path)
     )
-    untrusted = RedisDirectiveSource(redis_tls_server.tls_url, **slow_ok)
+    untrusted = RedisDirectiveSource(redis_tls_server.tls_url, slow_ok)
     try:
         got = await src.get_directive(ORG, AGENT)
         assert got is not None

@@ -29,12 +29,8 @@ import trio_asyncio
 from ibex.config import load_settings
 from ibex.service.root import redis_directive_source
 from ibex.sources.base import SourceError
-from ibex.sources.redis_directive import (
-    RedisDirectiveSource,
-    _CloseOnInterrupt,
-    _GuardedConnection,
-    directive_key,
-)
+from ibex.sources.redis_cluster import ClusterReader, _CloseOnInterrupt, _GuardedConnection
+from ibex.sources.redis_directive import RedisDirectiveSource, RedisOptions, directive_key
 from tests.redis_server import RedisServer, _free_port
 from tests.redis_topology import MASTER_NAME, ClusterSetup, SentinelSetup, admin, wait_until
 
@@ -45,7 +41,7 @@ TENANTS = [
 KEYS = [directive_key(org, agent) for org, agent in TENANTS]
 READERS = 8
 # Loopback on a loaded 2-core machine: the source's 0.1 s backstops are for production.
-TIMEOUTS = {"connect_timeout": 2.0, "socket_timeout": 2.0}
+TIMEOUTS = RedisOptions(connect_timeout=2.0, socket_timeout=2.0)
 # A liveness guard, not a speed assertion: "recovers by itself within a few seconds".
 RECOVERY = 20.0
 
@@ -125,7 +121,7 @@ async def test_sentinel_failover_during_traffic(
     try:
         for i, key in enumerate(KEYS):
             await trio.to_thread.run_sync(setup.set, key, envelope(i))
-        source = RedisDirectiveSource.sentinel(setup.sentinels, MASTER_NAME, **TIMEOUTS)
+        source = RedisDirectiveSource.sentinel(setup.sentinels, MASTER_NAME, options=TIMEOUTS)
         tally = Tally()
         try:
             async with trio.open_nursery() as nursery:
@@ -169,7 +165,9 @@ async def test_sentinel_passwords_and_db_from_the_settings(
         url = "redis://:data-pw@192.0.2.1:1/3"  # TEST-NET host: never dialled
 
         async def read(**kw: Any) -> str | None:
-            source = RedisDirectiveSource.sentinel(setup.sentinels, MASTER_NAME, **TIMEOUTS, **kw)
+            source = RedisDirectiveSource.sentinel(
+                setup.sentinels, MASTER_NAME, options=TIMEOUTS, **kw
+            )
             try:
                 got = await source.get_directive(*TENANTS[1])
                 return None if got is None else got.content
@@ -239,7 +237,7 @@ async def test_sentinels_are_asked_over_tls_when_the_data_nodes_are(
             MASTER_NAME,
             url=f"{scheme}://:data-pw@192.0.2.1:1/0",
             sentinel_password="sentinel-secret",
-            **TIMEOUTS,
+            options=TIMEOUTS,
         )
         try:
             with pytest.raises(SourceError):
@@ -310,16 +308,14 @@ async def test_a_tls_only_sentinel_names_a_tls_master(
             MASTER_NAME,
             url=url,
             sentinel_password="sentinel-pw",
-            connect_timeout=5.0,
-            socket_timeout=5.0,
+            options=RedisOptions(connect_timeout=5.0, socket_timeout=5.0),
         )
         untrusted = RedisDirectiveSource.sentinel(
             [("127.0.0.1", port)],
             MASTER_NAME,
             url="rediss://192.0.2.1:1/0",
             sentinel_password="sentinel-pw",
-            connect_timeout=5.0,
-            socket_timeout=5.0,
+            options=RedisOptions(connect_timeout=5.0, socket_timeout=5.0),
         )
         try:
             got = await source.get_directive(*TENANTS[2])
@@ -347,7 +343,7 @@ async def test_cluster_tenants_resharding_and_a_failed_master(
             await trio.to_thread.run_sync(setup.client.set, key, envelope(i))
         owners = await trio.to_thread.run_sync(setup.owners, KEYS)
         assert len({n.port for n in owners.values()}) == 3  # keys on every master
-        source = RedisDirectiveSource.cluster(setup.seed_url, **TIMEOUTS)
+        source = RedisDirectiveSource.cluster(setup.seed_url, TIMEOUTS)
         everyone = list(range(len(TENANTS)))
         tally = Tally()
         try:
@@ -356,8 +352,9 @@ async def test_cluster_tenants_resharding_and_a_failed_master(
                     nursery.start_soon(reader, source, tally, everyone, k)
                 await more_ok(tally, 200, "answers from the cluster")
                 # Node connections are the guarded kind (the cancel-safety of this module).
-                cluster = source._cluster
-                assert cluster is not None
+                cluster_reader = source._reader
+                assert isinstance(cluster_reader, ClusterReader)
+                cluster = cluster_reader.client
                 conns = [c for n in cluster.get_nodes() for c in n._connections]
                 assert conns and all(isinstance(c, _CloseOnInterrupt) for c in conns)
 
@@ -482,7 +479,7 @@ async def test_a_stopped_cluster_master_fails_only_its_own_keys(
         dead = setup.nodes[0]  # the seed node the source was built from
         victims = {i for i, key in enumerate(KEYS) if owners[key] is dead}
         assert victims and len(victims) < len(KEYS)
-        source = RedisDirectiveSource.cluster(setup.seed_url, **TIMEOUTS)
+        source = RedisDirectiveSource.cluster(setup.seed_url, TIMEOUTS)
         reads: list[Read] = []
         stalls: list[tuple[float, float]] = []
         # A full collection of this test process's heap (pytest's, mostly) holds the loop
@@ -541,7 +538,7 @@ async def test_a_stopped_master_s_keys_come_back_once_its_replica_is_promoted(
         dead = masters[0]
         victims = {i for i, key in enumerate(KEYS) if owners[key] is dead}
         assert victims
-        source = RedisDirectiveSource.cluster(setup.seed_url, **TIMEOUTS)
+        source = RedisDirectiveSource.cluster(setup.seed_url, TIMEOUTS)
         reads: list[Read] = []
         try:
             async with trio.open_nursery() as nursery:

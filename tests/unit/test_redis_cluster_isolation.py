@@ -16,12 +16,8 @@ import pytest
 from redis.asyncio.cluster import ClusterNode
 from redis.exceptions import RedisClusterException
 
-from ibex.sources.redis_directive import (
-    RedisDirectiveSource,
-    _GetKeys,
-    _IsolatedCluster,
-    _same_slot_map,
-)
+from ibex.sources.redis_cluster import ClusterReader, _GetKeys, _IsolatedCluster, _same_slot_map
+from ibex.sources.redis_directive import RedisDirectiveSource
 
 A, B, C = ("127.0.0.1", 7000), ("127.0.0.1", 7001), ("127.0.0.1", 7002)
 
@@ -31,7 +27,9 @@ _made: list[_IsolatedCluster] = []
 
 def cluster() -> _IsolatedCluster:
     source = RedisDirectiveSource.cluster("redis://127.0.0.1:7000")
-    client = source._cluster
+    reader = source._reader
+    assert isinstance(reader, ClusterReader)
+    client = reader.client
     assert isinstance(client, _IsolatedCluster)
     _made.append(client)
     return client
