@@ -74,24 +74,6 @@ from ibex.sources.redis_cluster import ClusterReader
 
 __all__ = ["RedisDirectiveSource", "RedisOptions", "decode_directive", "directive_key"]
 
-# Backstop timeouts (seconds). Loopback or same-zone Redis answers in well under
-# a millisecond; anything slower than this is useless to a 5 ms branch anyway.
-DEFAULT_CONNECT_TIMEOUT: Final = 0.1
-DEFAULT_SOCKET_TIMEOUT: Final = 0.1
-# A GET whose *established* connection breaks mid-command is re-leased once, at
-# once, after the pool's idle connections are dropped. That is what makes a
-# restarted server work on the very next call: pooled sockets still point at the
-# old process, and asyncio may not have seen their FIN yet, so the pool's own
-# stale-connection check can miss them. A failed connect is not retried, nor is a
-# timeout: a refused or stuck server stays so within a 5 ms branch, and a backoff
-# sleep alone costs ~1.5 ms under trio-asyncio. (redis-py's client default is 3
-# retries up to 10 s apart with 5 s socket timeouts: seconds before a dead Redis
-# surfaces.)
-DEFAULT_RETRIES: Final = 1
-# PING a connection that sat idle this long before reusing it (seconds).
-DEFAULT_HEALTH_CHECK_INTERVAL: Final = 30.0
-DEFAULT_MAX_CONNECTIONS: Final = 64
-DEFAULT_MAX_VALUE_BYTES: Final = MAX_VALUE_BYTES
 CLIENT_NAME: Final = "ibex-directive"
 # TLS options of the data nodes' URL (or keyword arguments) that the sentinels'
 # connections share: one CA, one client certificate, one hostname policy.
@@ -113,16 +95,28 @@ _SENTINEL_TLS_OPTIONS: Final = frozenset(
 
 @dataclass(frozen=True, slots=True)
 class RedisOptions:
-    """What every topology takes; URL query options (e.g. `?socket_timeout=0.5`)
-    override these. `retries` is the re-lease after a broken pooled connection
-    (one endpoint, Sentinel); cluster nodes reconnect on their own next use."""
+    """What every topology takes, so the three constructors share one option set;
+    URL query options (e.g. `?socket_timeout=0.5`) override these."""
 
-    connect_timeout: float = DEFAULT_CONNECT_TIMEOUT
-    socket_timeout: float = DEFAULT_SOCKET_TIMEOUT
-    retries: int = DEFAULT_RETRIES
-    health_check_interval: float = DEFAULT_HEALTH_CHECK_INTERVAL
-    max_connections: int = DEFAULT_MAX_CONNECTIONS
-    max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES
+    # Backstop timeouts (seconds). Loopback or same-zone Redis answers in well under
+    # a millisecond; anything slower than this is useless to a 5 ms branch anyway.
+    connect_timeout: float = 0.1
+    socket_timeout: float = 0.1
+    # A GET whose *established* pooled connection (one endpoint, Sentinel) breaks
+    # mid-command is re-leased this many times, at once, after the pool's idle
+    # connections are dropped. That is what makes a restarted server work on the
+    # very next call: pooled sockets still point at the old process, and asyncio
+    # may not have seen their FIN yet, so the pool's own stale-connection check can
+    # miss them. A failed connect is not retried, nor is a timeout: a refused or
+    # stuck server stays so within a 5 ms branch, and a backoff sleep alone costs
+    # ~1.5 ms under trio-asyncio. (redis-py's client default is 3 retries up to
+    # 10 s apart with 5 s socket timeouts: seconds before a dead Redis surfaces.)
+    # Cluster nodes reconnect on their own next use instead.
+    retries: int = 1
+    # PING a connection that sat idle this long before reusing it (seconds).
+    health_check_interval: float = 30.0
+    max_connections: int = 64
+    max_value_bytes: int = MAX_VALUE_BYTES
 
     def connection(self, health_check_interval: float | None = None) -> dict[str, Any]:
         """redis-py's connection options (see the time policy above)."""
