@@ -19,9 +19,9 @@ from ibex.assembly.structs import AssemblyOptions, AssemblyRequest, MemoryHit
 from ibex.config import Settings, load_settings
 from ibex.sources import wire
 from ibex.sources.base import SourceError
-from ibex.sources.directive_envelope import decode_directive
 from ibex.sources.local_file import LocalFileError, LocalFileSource
 from ibex.sources.memory_http import DEFAULT_MAX_RESPONSE_BYTES
+from ibex.sources.redis_directive import decode_directive
 from ibex.sources.wire import DEFAULT_MAX_CONTENT_BYTES, decode_hits
 from tests.samples import AGENT, ORG
 
