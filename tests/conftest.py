@@ -1,3 +1,3 @@
 """Shared fixtures: a real redis-server per test that asks for one."""
 
-pytest_plugins = ["tests.redis_server"]
+pytest_plugins = ["ibex.testing.redis_server"]
