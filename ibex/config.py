@@ -76,6 +76,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     directive_cache_entries: int = 10_000
     directive_cache_bytes: int = 16 * 1024 * 1024
     directive_cache_ttl: float = 1.0
+    directive_cache_max_age: float = 2.0
     redis_sentinels: tuple[str, ...] = ()
     redis_sentinel_master: str | None = None
     redis_sentinel_password: str | None = None
@@ -341,6 +342,7 @@ def load_settings(
         "DRAIN_GRACE": "drain_grace",
         "REQUEST_READ_TIMEOUT": "request_read_timeout",
         "DIRECTIVE_CACHE_TTL": "directive_cache_ttl",
+        "DIRECTIVE_CACHE_MAX_AGE": "directive_cache_max_age",
         "CONNECTION_IDLE_TIMEOUT": "connection_idle_timeout",
         "CONNECTION_AUTH_TIMEOUT": "connection_auth_timeout",
         "TLS_HANDSHAKE_TIMEOUT": "tls_handshake_timeout",

@@ -110,6 +110,7 @@ def directive_cache_config(settings: Settings) -> DirectiveCacheConfig:
         max_entries=settings.directive_cache_entries,
         max_bytes=settings.directive_cache_bytes,
         ttl=settings.directive_cache_ttl,
+        max_age=settings.directive_cache_max_age,
     )
 
 

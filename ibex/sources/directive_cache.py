@@ -4,9 +4,12 @@ The Redis GET and its two loop crossings cost about 370 µs per answer
 (issue 10's profile), for a value that changes rarely. The caller names the
 version it expects (`directive_version_id`): a cached envelope with that
 version is exactly what Redis would return, so it is served without a round
-trip. Without a version, an entry serves for a short TTL. A miss, a version
-mismatch or an expired entry goes to the source, and its answer replaces the
-entry. Entries are bounded in number and in bytes (LRU); an envelope larger
+trip, but only for `max_age` seconds after it was read: the proxy revokes a
+directive by deleting or replacing its key, and a version the caller still
+names must stop being served soon after (revalidation costs one GET per agent
+per `max_age`). Without a version, an entry serves for a short TTL. A miss, a
+version mismatch or an expired entry goes to the source, and its answer
+replaces the entry. Entries are bounded in number and in bytes (LRU); an envelope larger
 than a fraction of the byte bound is not cached at all. The key is the
 canonical (org_id, agent_id) pair, the same as the Redis key's parts, so an
 entry can only ever answer its own tenant.
@@ -32,6 +35,7 @@ class DirectiveCacheConfig(msgspec.Struct, frozen=True):
     max_entries: int = 10_000
     max_bytes: int = 16 * 1024 * 1024
     ttl: float = 1.0  # seconds an entry answers a call that names no version
+    max_age: float = 2.0  # seconds an entry answers a call naming its version
 
 
 class _Entry(msgspec.Struct):
@@ -92,10 +96,11 @@ class DirectiveCache:
         return Answer(directive, "")
 
     def _fresh(self, entry: _Entry, version: str, now: float) -> bool:
+        age = now - entry.fetched
         if version:
             found = entry.directive.version_id if entry.directive is not None else None
-            return (found or "").lower() == version
-        return now - entry.fetched < self.config.ttl
+            return (found or "").lower() == version and age < self.config.max_age
+        return age < self.config.ttl
 
     def _store(self, key: tuple[str, str], directive: Directive | None, now: float) -> None:
         old = self._entries.pop(key, None)

@@ -32,8 +32,12 @@ Sentinel uses redis-py's `SentinelConnectionPool`, a `ConnectionPool` whose
 connections ask the sentinels for the master when they connect, so the same
 lease (and its close-before-release) applies; after a failover the sentinels
 kill the old master's client connections, the pool reconnects to the new
-master and directives flow again within seconds. Cluster routes each GET by
-its key's slot (MOVED/ASK and topology refreshes are redis-py's); its node
+master and directives flow again within seconds. With a `rediss://` URL the
+sentinels are asked over TLS too (same CA and client certificate): the
+sentinel password never crosses the wire in clear, and only a sentinel with a
+trusted certificate can name the master. Cluster routes each GET by its key's
+slot (MOVED/ASK are redis-py's); topology refreshes run off the request path
+(`_IsolatedCluster`), so a dead master fails only the keys it holds. Its node
 connections are pooled inside `ClusterNode`, out of reach of a lease, so every
 connection it makes is a `_CloseOnInterrupt` subclass: a read or write that
 ends without a whole reply (cancellation, timeout, I/O error) closes the
@@ -46,7 +50,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import sys
+import time
 import types
 import uuid
 from collections.abc import Sequence
@@ -72,13 +78,15 @@ from redis.asyncio.sentinel import (
     SentinelManagedSSLConnection,
 )
 from redis.backoff import NoBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.cluster import get_node_name
 from redis.exceptions import (
+    ClusterError,
     MaxConnectionsError,
     RedisClusterException,
     RedisError,
     ResponseError,
 )
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ibex.assembly.structs import Directive, InjectionMode
@@ -109,8 +117,28 @@ DEFAULT_RETRIES: Final = 1
 # PING a connection that sat idle this long before reusing it (seconds).
 DEFAULT_HEALTH_CHECK_INTERVAL: Final = 30.0
 DEFAULT_MAX_CONNECTIONS: Final = 64
+# Cluster: at most one topology refresh (CLUSTER SLOTS) per this many seconds,
+# each bounded by REFRESH_TIMEOUT; a dead master keeps asking for them.
+REFRESH_INTERVAL: Final = 1.0
+REFRESH_TIMEOUT: Final = 5.0
 DEFAULT_MAX_VALUE_BYTES: Final = 1024 * 1024
 CLIENT_NAME: Final = "ibex-directive"
+# TLS options of the data nodes' URL (or keyword arguments) that the sentinels'
+# connections share: one CA, one client certificate, one hostname policy.
+_SENTINEL_TLS_OPTIONS: Final = frozenset(
+    {
+        "ssl_keyfile",
+        "ssl_certfile",
+        "ssl_cert_reqs",
+        "ssl_ca_certs",
+        "ssl_ca_data",
+        "ssl_ca_path",
+        "ssl_check_hostname",
+        "ssl_min_version",
+        "ssl_ciphers",
+        "ssl_password",
+    }
+)
 
 
 class _Envelope(msgspec.Struct, frozen=True):
@@ -313,10 +341,10 @@ class RedisDirectiveSource:
         self._retries = retries
         self._max_value_bytes = max_value_bytes
         self._closed = False
-        # Cluster only: a topology read is due (at start, and after a failed GET),
-        # and the task doing it (owned here, cancelled by aclose).
-        self._refresh_due = cluster is not None
+        # Cluster only: the task reading the topology (owned here, cancelled by
+        # aclose) and when the last one started.
         self._refresh: asyncio.Future[Any] | None = None
+        self._refresh_started = -math.inf
 
     @classmethod
     def sentinel(
@@ -338,8 +366,12 @@ class RedisDirectiveSource:
 
         `url` (optional, `redis://` or `rediss://`) gives the data nodes'
         username, password, db, TLS and URL options; its host and port are
-        ignored. The sentinels are reached over plain TCP with
-        `sentinel_password` (their `requirepass`), if any.
+        ignored. The sentinels are asked with `sentinel_password` (their
+        `requirepass`), if any, over TLS when `url` is `rediss://` (with the same
+        `ssl_*` options: CA, client certificate, hostname check), else over plain
+        TCP. TLS to the data nodes and not to the sentinels would send the
+        sentinel password in clear and let anyone who can answer as a sentinel
+        name the master.
         """
         if not sentinels:
             raise SourceError("redis sentinel: no sentinel addresses")
@@ -349,6 +381,7 @@ class RedisDirectiveSource:
             "retry": Retry(NoBackoff(), 0),
             "max_connections": max_connections,
         }
+        tls = False
         if url is not None:
             try:
                 from_url: dict[str, Any] = dict(parse_url(url))
@@ -356,14 +389,20 @@ class RedisDirectiveSource:
                 raise _malformed_url() from None
             if from_url.pop("connection_class", None) is SSLConnection:
                 options["connection_class"] = SentinelManagedSSLConnection
+                tls = True
             for endpoint in ("host", "port", "path"):
                 from_url.pop(endpoint, None)
             options.update(from_url)  # URL query options override the defaults
-        sentinel_options = {
+        sentinel_options: dict[str, Any] = {
             **_options(connect_timeout, socket_timeout, 0),
             "retry": Retry(NoBackoff(), 0),
             "password": sentinel_password,
         }
+        if tls:
+            sentinel_options["ssl"] = True
+            for name, value in {**options, **pool_kwargs}.items():
+                if name in _SENTINEL_TLS_OPTIONS:
+                    sentinel_options[name] = value
         manager = Sentinel(list(sentinels), sentinel_kwargs=sentinel_options)
         pool = SentinelConnectionPool(master, manager, **{**options, **pool_kwargs})
         source = cls.__new__(cls)
@@ -383,12 +422,13 @@ class RedisDirectiveSource:
     ) -> RedisDirectiveSource:
         """A Redis Cluster discovered from the seed node `url` (`redis://` or `rediss://`).
 
-        Slots, MOVED/ASK and topology reads are redis-py's. A GET that fails to
-        connect or times out is an error of that read; the next GET first
-        re-reads the topology (CLUSTER SLOTS) in a task the source owns and
-        shields from the caller's cancellation, because redis-py drops every
-        node connection when a topology read is interrupted. Slots without a live
-        master answer errors while every other slot keeps answering.
+        Slots and MOVED/ASK are redis-py's; topology refreshes are this module's
+        (see `_IsolatedCluster`). A GET that fails, times out or is cancelled is an
+        error of that read only and asks for a refresh, which a task the source
+        owns runs at most once per `REFRESH_INTERVAL`, never on a GET's path: a
+        stopped master (whose CLUSTER SLOTS hangs) cannot hold or fail the reads
+        of keys on the other masters. Slots without a live master answer errors
+        (or their caller's timeout) while every other slot keeps answering.
         """
         options = {
             **_options(connect_timeout, socket_timeout, DEFAULT_HEALTH_CHECK_INTERVAL),
@@ -404,7 +444,7 @@ class RedisDirectiveSource:
             **cluster_kwargs,
         }
         try:
-            client = RedisCluster.from_url(url, **options)
+            client = _IsolatedCluster.from_url(url, **options)
         except (ValueError, RedisClusterException):
             raise _malformed_url() from None
         _guard_cluster_connections(client)
@@ -441,8 +481,8 @@ class RedisDirectiveSource:
         try:
             if self._pool is not None:
                 await self._pool.disconnect()
-            if self._cluster is not None:
-                await self._cluster.aclose()
+            if isinstance(self._cluster, _IsolatedCluster):
+                await self._cluster.shut_down()
         finally:
             if self._sentinel is not None:
                 await self._sentinel.aclose()
@@ -471,31 +511,59 @@ class RedisDirectiveSource:
             raise SourceError(f"redis: {type(exc).__name__}") from None
 
     async def _cluster_get(self, cluster: RedisCluster, key: str) -> bytes | None:
-        if self._refresh_due:
+        assert isinstance(cluster, _IsolatedCluster)
+        if not cluster.ready:
+            # The first topology read: nothing can be routed without it. Shielded: a
+            # GET cancelled here stops waiting; the read goes on for the next GET.
             task = self._refresh
             if task is None or (task.done() and (task.cancelled() or task.exception())):
                 task = self._refresh = asyncio.ensure_future(cluster.initialize())
-            # Shielded: a GET cancelled here stops waiting; the refresh goes on, and
-            # the next GET finds it done (or waits for it).
             await asyncio.shield(task)
-            self._refresh_due = False
+        else:
+            self._maybe_refresh(cluster)
+        nodes = cluster.nodes_manager.slots_cache.get(cluster.keyslot(key))
+        if not nodes:
+            # redis-py would answer an uncovered slot by closing every connection and
+            # sleeping 250 ms; it is this key's error alone.
+            cluster.want_refresh(None)
+            raise SourceError("redis cluster: slot not covered")
+        node = nodes[0].name
         try:
             reply = await cluster.get(key)
-        except (RedisConnectionError, RedisTimeoutError):
-            self._refresh_due, self._refresh = True, None
+        except (RedisConnectionError, RedisTimeoutError, ClusterError, OSError):
+            cluster.want_refresh(node)
             raise
-        except (RedisError, RedisClusterException, OSError):
+        except (RedisError, RedisClusterException):
+            raise  # a whole reply (e.g. WRONGTYPE) or a client-side error: no topology news
+        except asyncio.CancelledError:
+            # The caller's deadline cut the read off: a stopped master looks like this
+            # (its socket timeout is longer than a directive branch), and only a
+            # topology read can learn that a replica replaced it.
+            cluster.want_refresh(node)
             raise
         except Exception as exc:
-            # redis-py's cluster client closes every node connection when a topology
-            # refresh is interrupted, including connections other GETs are using;
-            # those then fail inside redis-py (e.g. AttributeError on a closed
-            # writer). They are errors of this read, never a reply, so they stay
-            # inside the directive branch like any other Redis failure.
+            # Anything else redis-py raises on a connection closed under it (e.g.
+            # AttributeError on a closed writer) is an error of this read, never a
+            # reply, so it stays inside the directive branch like any Redis failure.
+            cluster.want_refresh(node)
             raise SourceError(f"redis cluster: {type(exc).__name__}") from None
         if reply is not None and not isinstance(reply, bytes):
             raise SourceError(f"redis: unexpected reply type {type(reply).__name__}")
         return reply
+
+    def _maybe_refresh(self, cluster: _IsolatedCluster) -> None:
+        """Start a topology refresh if one is wanted, none runs and the last started
+        at least REFRESH_INTERVAL ago. Never waited for by a GET."""
+        if not cluster.refresh_wanted:
+            return
+        if self._refresh is not None and not self._refresh.done():
+            return
+        now = time.monotonic()
+        if now - self._refresh_started < REFRESH_INTERVAL:
+            return
+        self._refresh_started = now
+        suspects = cluster.take_refresh_request()
+        self._refresh = asyncio.ensure_future(_refresh_topology(cluster, suspects))
 
     async def _get_re_leasing_broken(self, key: str) -> bytes | None:
         assert self._pool is not None
@@ -589,6 +657,141 @@ def _guard_cluster_connections(client: RedisCluster) -> None:
     kwargs["connection_class"] = guarded
     for node in client.nodes_manager.startup_nodes.values():
         node.connection_class = guarded
+
+
+class _GetKeys:
+    """The key of a GET, in place of redis-py's `AsyncCommandsParser`.
+
+    That parser learns key positions from `COMMAND`, whose reply (a few hundred
+    commands with nested maps) redis-py decodes in pure Python on the loop:
+    60-90 ms on a 2-core machine at load 5, far more when busier, on the first
+    GET and again at every full topology re-read. This source only routes GETs.
+    """
+
+    async def initialize(self, node: Any = None) -> None:
+        return None
+
+    async def get_keys(self, *args: Any) -> tuple[Any, ...]:
+        if len(args) == 2 and str(args[0]).upper() == "GET":
+            return (args[1],)
+        raise RedisClusterException(f"{str(args[0])[:20]}: only GET is routed here")
+
+
+class _IsolatedCluster(RedisCluster):
+    """A RedisCluster whose request path never re-reads the topology or closes
+    connections that other GETs use.
+
+    redis-py answers a node's connection error or timeout by flagging the client
+    so that the *next command, whatever its key*, first re-reads the topology
+    inline (trying startup nodes in turn, a stopped one until its socket
+    timeout), and answers CLUSTERDOWN or an uncovered slot with `aclose()`,
+    which drops every node connection. Either way one dead master stalls or
+    fails the reads of every other master. Here, after the first topology read,
+    both only record that a refresh is wanted; `RedisDirectiveSource` runs it
+    off the request path (`_refresh_topology`), and `shut_down` is the one real
+    close.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.commands_parser = cast(Any, _GetKeys())
+        self.ready = False
+        self.refresh_wanted = False
+        self._suspects: set[str] = set()
+        self._shutting_down = False
+
+    def want_refresh(self, suspect: str | None) -> None:
+        """Ask for a topology refresh; `suspect` (a node name) is asked last."""
+        self.refresh_wanted = True
+        if suspect is not None and len(self._suspects) < 64:
+            self._suspects.add(suspect)
+
+    def take_refresh_request(self) -> frozenset[str]:
+        suspects = frozenset(self._suspects)
+        self.refresh_wanted = False
+        self._suspects.clear()
+        return suspects
+
+    async def initialize(
+        self,
+        additional_startup_nodes_info: list[tuple[str, int]] | None = None,
+        last_failed_node_name: str | None = None,
+    ) -> _IsolatedCluster:
+        if self.ready:
+            # Called inline by a command after another one failed: not here.
+            self._initialize = False
+            self.want_refresh(last_failed_node_name)
+            return self
+        await super().initialize(additional_startup_nodes_info, last_failed_node_name)
+        self.ready = True
+        return self
+
+    async def aclose(self) -> None:
+        if self.ready and not self._shutting_down:
+            # redis-py's reaction to CLUSTERDOWN or an uncovered slot, mid-request.
+            self.want_refresh(None)
+            return
+        await super().aclose()
+
+    async def shut_down(self) -> None:
+        """Close every node connection (the source's aclose)."""
+        self._shutting_down = True
+        # redis-py's aclose closes nothing while a failed command has flagged the
+        # client for re-initialisation, which this class leaves flagged until the
+        # next command; the connections are open either way.
+        self._initialize = False
+        await super().aclose()
+
+
+async def _refresh_topology(cluster: _IsolatedCluster, suspects: frozenset[str]) -> None:
+    """Re-read the slot map; rebuild redis-py's only if it changed.
+
+    A master that died without a replica leaves the slot map as it was, and
+    redis-py's rebuild marks every connection of every node for reconnection:
+    after each refresh, each healthy master's next GETs would pay a new
+    connection inside their 5 ms. So one CLUSTER SLOTS, from a node not under
+    suspicion first, is compared with the map in use. Errors end the refresh
+    quietly: the next failed GET asks again.
+    """
+    manager = cluster.nodes_manager
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(REFRESH_TIMEOUT):
+            nodes = sorted(manager.nodes_cache.values(), key=lambda n: n.name in suspects)
+            for node in nodes:
+                try:
+                    slots = await node.execute_command("CLUSTER SLOTS")
+                except (RedisError, OSError):
+                    continue
+                if _same_slot_map(manager, node.host, slots):
+                    return
+                break
+            failed = next(iter(suspects), None)
+            await manager.initialize(last_failed_node_name=failed)
+
+
+def _same_slot_map(manager: Any, host: str, slots: Any) -> bool:
+    """Whether a CLUSTER SLOTS reply gives every slot the master the map in use has.
+
+    Each range's end slots are compared and the counts must agree, which costs
+    microseconds where a slot-by-slot check would hold the loop for a
+    millisecond or more; a change hidden inside a range is still fixed by the
+    MOVED its first GET gets.
+    """
+    cache = manager.slots_cache
+    covered = 0
+    try:
+        for entry in slots:
+            start, end, primary = int(entry[0]), int(entry[1]), entry[2]
+            node_host = primary[0].decode() if isinstance(primary[0], bytes) else primary[0]
+            name = get_node_name(*manager.remap_host_port(node_host or host, int(primary[1])))
+            for slot in (start, end):
+                owners = cache.get(slot)
+                if not owners or owners[0].name != name:
+                    return False
+            covered += end - start + 1
+    except (TypeError, ValueError, IndexError, AttributeError, UnicodeDecodeError):
+        return False
+    return covered == len(cache)
 
 
 class _BrokenConnection(RedisConnectionError):

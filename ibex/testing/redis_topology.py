@@ -161,15 +161,16 @@ def _cluster_port() -> int:
 
 
 class ClusterSetup:
-    """Three masters (no replicas) joined by `redis-cli --cluster create`."""
+    """Three masters joined by `redis-cli --cluster create`, with `replicas` replicas
+    each (`nodes[:3]` are the masters, `nodes[3:]` their replicas)."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, replicas: int = 0) -> None:
         exe = find_redis_server()
         self.cli = shutil.which("redis-cli")
         if self.cli is None:
             pytest.fail("redis-cli not found on PATH (Debian package redis-tools)", pytrace=False)
         self.nodes: list[RedisServer] = []
-        for i in range(3):
+        for i in range(3 * (1 + replicas)):
             home = workdir / f"node-{i}"
             home.mkdir()
             node = RedisServer(
@@ -187,8 +188,9 @@ class ClusterSetup:
             node.start()
             self.nodes.append(node)
         self._run_cli(
-            "--cluster", "create", *(f"{LOOPBACK}:{n.port}" for n in self.nodes), "--cluster-yes"
-        )
+            "--cluster", "create", *(f"{LOOPBACK}:{n.port}" for n in self.nodes),
+            "--cluster-replicas", str(replicas), "--cluster-yes",
+        )  # fmt: skip
         wait_until(self._healthy, "every node to report cluster_state:ok")
         self.client = redis.cluster.RedisCluster(LOOPBACK, self.nodes[0].port, socket_timeout=2)
 
@@ -248,6 +250,22 @@ class ClusterSetup:
             return True
 
         wait_until(marked_failed, "the killed master to be marked failed")
+
+    def slot_owner_ports(self) -> set[int]:
+        """The ports of the masters serving slots, as the first node that answers
+        CLUSTER SLOTS says (a paused node does not)."""
+        for node in self.live_nodes():
+            try:
+                slots = admin(node.port).execute_command("CLUSTER", "SLOTS")
+            except (redis.RedisError, OSError):
+                continue
+            return {int(entry[2][1]) for entry in slots}
+        raise AssertionError("no cluster node answers")
+
+    def wait_replicated(self) -> None:
+        """Every master's writes so far have reached its replicas (WAIT)."""
+        for master in self.nodes[:3]:
+            admin(master.port).execute_command("WAIT", len(self.nodes) // 3 - 1, 5000)
 
     def stop(self) -> None:
         self.client.close()

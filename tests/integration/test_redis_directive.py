@@ -11,7 +11,8 @@ import trio
 import trio_asyncio
 
 from ibex.assembly.structs import Directive
-from ibex.sources.base import DirectiveSource, SourceError
+from ibex.sources.base import Answer, DirectiveSource, SourceError
+from ibex.sources.directive_cache import DirectiveCache, DirectiveCacheConfig
 from ibex.sources.redis_directive import RedisDirectiveSource, directive_key
 from ibex.testing.redis_server import RedisServer
 
@@ -251,3 +252,20 @@ async def test_tls_url_verifies_the_server(
     finally:
         await src.aclose()
         await untrusted.aclose()
+
+
+async def test_a_revoked_directive_stops_being_served_after_the_cache_max_age(
+    redis_server: RedisServer, source: RedisDirectiveSource
+) -> None:
+    """Rotated v1 -> v2, then deleted: a caller still naming v1 gets it from the cache
+    only until the entry's maximum age, then Redis (which no longer has it) answers."""
+    v2 = "6ba7b810-9dad-11d1-80b4-00c04fd430c8"
+    cache = DirectiveCache(source, DirectiveCacheConfig(ttl=0.05, max_age=0.3))
+    redis_server.set(KEY, envelope())
+    assert (await cache.fetch(ORG, AGENT, VERSION)).detail == ""
+    redis_server.set(KEY, envelope(version_id=v2, content="rotated"))
+    redis_server.command("DEL", KEY)
+    served = await cache.fetch(ORG, AGENT, VERSION)  # within the max age: still the cache's
+    assert served.detail == "cache" and served.value.content == SECRET_TEXT
+    await trio.sleep(0.35)
+    assert await cache.fetch(ORG, AGENT, VERSION) == Answer(None, "")

@@ -289,3 +289,12 @@ def test_fair_connection_settings() -> None:
     for name in ("MAX_CONNECTIONS_PER_PEER", "CONNECTION_AUTH_TIMEOUT", "TLS_HANDSHAKE_TIMEOUT"):
         with pytest.raises(ConfigError, match=f"IBEX_CONTEXT_{name}"):
             load_settings({f"IBEX_CONTEXT_{name}": "0"})
+
+
+def test_directive_cache_max_age() -> None:
+    assert load_settings({}).directive_cache_max_age == 2.0
+    got = load_settings({"IBEX_CONTEXT_DIRECTIVE_CACHE_MAX_AGE": "500ms"})
+    assert got.directive_cache_max_age == 0.5
+    assert load_settings({"IBEX_CONTEXT_DIRECTIVE_CACHE_MAX_AGE": "3"}).directive_cache_max_age == 3
+    with pytest.raises(ConfigError, match="IBEX_CONTEXT_DIRECTIVE_CACHE_MAX_AGE"):
+        load_settings({"IBEX_CONTEXT_DIRECTIVE_CACHE_MAX_AGE": "0"})

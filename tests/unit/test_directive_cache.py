@@ -49,11 +49,48 @@ def cache(store: Store, clock: Clock, **config: int | float) -> DirectiveCache:
 async def test_the_expected_version_is_served_without_a_round_trip() -> None:
     store, clock = Store(), Clock()
     store.values[(ORG, AGENT)] = directive(V1)
-    c = cache(store, clock, ttl=1.0)
+    c = cache(store, clock, ttl=1.0, max_age=30.0)
     assert await c.fetch(ORG, AGENT, V1) == Answer(directive(V1), "")
-    clock.now += 3600  # far past the TTL: the version alone vouches for the entry
+    clock.now += 29  # far past the TTL: within its maximum age the version vouches for it
     assert await c.fetch(ORG, AGENT, V1) == Answer(directive(V1), "cache")
     assert store.calls == 1 and (c.hits, c.misses) == (1, 1)
+
+
+async def test_a_versioned_hit_is_revalidated_after_its_maximum_age() -> None:
+    """A directive rotated and then deleted stops being served to callers still naming
+    the old version once the entry is `max_age` old, however often it was hit."""
+    store, clock = Store(), Clock()
+    store.values[(ORG, AGENT)] = directive(V1, "old")
+    c = cache(store, clock, ttl=1.0, max_age=2.0)
+    await c.fetch(ORG, AGENT, V1)
+    store.values[(ORG, AGENT)] = directive(V2, "new")
+    del store.values[(ORG, AGENT)]  # rotated, then revoked
+    for _ in range(3):
+        clock.now += 0.5
+        assert await c.fetch(ORG, AGENT, V1) == Answer(directive(V1, "old"), "cache")
+    clock.now = 101.75
+    assert c.cached(ORG, AGENT, V1) is not None
+    clock.now = 102.0  # 2.0 s after the read: hits do not extend an entry's life
+    assert c.cached(ORG, AGENT, V1) is None
+    assert await c.fetch(ORG, AGENT, V1) == Answer(None, "")
+    assert await c.fetch(ORG, AGENT, V1) == Answer(None, "")  # never matches a version
+    assert store.calls == 3
+
+
+async def test_a_revalidated_entry_that_still_matches_serves_for_another_maximum_age() -> None:
+    store, clock = Store(), Clock()
+    store.values[(ORG, AGENT)] = directive(V1)
+    c = cache(store, clock, max_age=2.0)
+    await c.fetch(ORG, AGENT, V1)
+    clock.now = 102.0  # the bound is exclusive
+    assert (await c.fetch(ORG, AGENT, V1)).detail == ""
+    clock.now = 103.5
+    assert (await c.fetch(ORG, AGENT, V1)).detail == "cache"
+    assert store.calls == 2
+
+
+def test_the_default_maximum_age_is_seconds_not_minutes() -> None:
+    assert 0 < DirectiveCacheConfig().max_age <= 10
 
 
 async def test_another_version_goes_to_the_source_and_replaces_the_entry() -> None:

@@ -669,18 +669,19 @@ async def test_an_unexpected_exception_is_logged_with_its_branch(
 async def test_the_directive_cache_answers_by_version_for_the_calls_own_tenant(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    """A version the cache holds is served from it even long past its TTL (no call, no
-    task); the one call it made asked for this tenant."""
+    """A version the cache holds is served from it past its TTL, within its maximum age
+    (no call, no task); the one call it made asked for this tenant."""
     version = "00000000-0000-4000-8000-0000000000d1"
     have = Directive("Be precise.", version_id=version)
     fake = FakeSources({"directive": Plan(answer=have)})
-    cache = DirectiveCache(fake, DirectiveCacheConfig(ttl=1.0), clock=trio.current_time)
+    config = DirectiveCacheConfig(ttl=1.0, max_age=120.0)
+    cache = DirectiveCache(fake, config, clock=trio.current_time)
     req = msgspec.structs.replace(request(), directive_version_id=version)
     first = await retrieve(req, directive_source=cache, memory_source=fake, config=DEFAULTS)
     assert first.branches[0].detail == ""
     assert fake.seen["directive"] == (ORG, AGENT)
     calls = fake.calls["directive"]
-    await trio.sleep(60.0)  # far past the TTL: only the version can vouch for the entry
+    await trio.sleep(60.0)  # far past the TTL: the version vouches for the entry
     again = await retrieve(req, directive_source=cache, memory_source=fake, config=DEFAULTS)
     assert fake.calls["directive"] == calls
     assert again.directive == have
