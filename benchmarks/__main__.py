@@ -30,6 +30,7 @@ ORDER = (
     "token_estimate",
     "memory_client",
     "wakeups",
+    "timer_lateness",
     "cache_prefix",
     "load",
     "load.deadlines",
@@ -39,6 +40,7 @@ ORDER = (
 QUICK_ARGS = {
     "codec": ["--iterations", "500"],
     "cache_prefix": ["--conversations", "3"],
+    "timer_lateness": ["--blocks", "2"],
     "load": ["--quick"],
     "load.deadlines": ["--quick"],
     "load.floor": ["--quick"],

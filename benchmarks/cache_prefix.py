@@ -178,7 +178,9 @@ class StandIn:
             for _ in range(80)
         ]
 
-    async def get_directive(self, org_id: str, agent_id: str) -> Directive | None:
+    async def get_directive(
+        self, org_id: str, agent_id: str, version: str = ""
+    ) -> Directive | None:
         return self._directive
 
     async def hot(

@@ -289,7 +289,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     """Validate settings, catalog and tokenizer files offline; exit non-zero on any error."""
     from ibex.assembly.catalog import CatalogError, load_catalog
     from ibex.assembly.tokens import TokenizerError, verify_files
-    from ibex.service.root import check_bind_policy, server_ssl_context
+    from ibex.service.root import check_bind_policy, server_ssl_context, uses_local_sample
     from ibex.sources.local_file import LocalFileError, LocalFileSource
 
     settings = _settings()
@@ -319,7 +319,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     except TokenizerError as exc:
         ok = False
         print(f"tokenizer: ERROR {exc}")
-    if not settings.redis_configured and settings.memory_base_url is None:
+    if uses_local_sample(settings):
         try:
             src = LocalFileSource.load(settings.local_source_path)
             print(f"local source: ok ({src.origin})")

@@ -1,14 +1,14 @@
 """The third-party versions whose private parts ibex patches, checked at start-up.
 
-Three modules reach into private APIs: `ibex.service.grpc_shim` (grpclib, h2,
-hpack, hyperframe), `ibex.service.aio_loop` (trio-asyncio's main loop) and
-`ibex.sources.redis_directive` (redis-py's asyncio connection module). A private
-API can change in any release, so each of those modules calls `require` when it
-is imported: an installed version outside the range the patch was written and
-tested for stops the daemon with a message naming the package, the installed
-version and the supported range, instead of misbehaving at run time. The lock
-(uv.lock) pins versions inside these ranges; the direct dependencies' ranges in
-pyproject.toml are the same (tests/unit/test_versions.py checks both).
+Every patch of a private API lives in `ibex.service.patches` (grpclib, h2, hpack,
+hyperframe, trio-asyncio) or, for redis-py's asyncio connection module, in
+`ibex.sources.redis_patches`, and is installed at start-up by `install_patches`.
+A private API can change in any release, so each install function calls
+`require` first: an installed version outside the range the patch was written
+and tested for stops the daemon with a message naming the package, the
+installed version and the supported range, instead of misbehaving at run time.
+The lock (uv.lock) pins versions inside these ranges; the direct dependencies'
+ranges in pyproject.toml are the same (tests/unit/test_versions.py checks both).
 
 Ranges are [minimum, limit): release numbers compared as integer tuples, so a
 pre-release of the limit (e.g. 0.5.0rc1 for limit 0.5) is refused too.
@@ -21,12 +21,12 @@ from importlib.metadata import PackageNotFoundError, version
 
 #: distribution -> (minimum, limit, who patches it)
 SUPPORTED: dict[str, tuple[str, str, str]] = {
-    "grpclib": ("0.4.7", "0.5", "ibex/service/grpc_shim.py"),
-    "h2": ("4.1", "5", "ibex/service/grpc_shim.py"),
-    "hpack": ("4.0", "5", "ibex/service/grpc_shim.py"),
-    "hyperframe": ("6.0", "7", "ibex/service/grpc_shim.py"),
-    "trio-asyncio": ("0.15", "0.17", "ibex/service/aio_loop.py"),
-    "redis": ("5.2", "9", "ibex/sources/redis_directive.py"),
+    "grpclib": ("0.4.7", "0.5", "ibex/service/patches.py"),
+    "h2": ("4.1", "5", "ibex/service/patches.py"),
+    "hpack": ("4.0", "5", "ibex/service/patches.py"),
+    "hyperframe": ("6.0", "7", "ibex/service/patches.py"),
+    "trio-asyncio": ("0.15", "0.17", "ibex/service/patches.py"),
+    "redis": ("5.2", "9", "ibex/sources/redis_patches.py"),
 }
 
 
@@ -64,7 +64,7 @@ def check(package: str, installed: str | None) -> None:
 
 
 def require(*packages: str) -> None:
-    """Check each package's installed version (at import of the module patching it)."""
+    """Check each package's installed version (as a patch of it is installed)."""
     for package in packages:
         try:
             installed: str | None = version(package)

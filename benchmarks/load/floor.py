@@ -140,8 +140,7 @@ def serve(mode: str, port: int) -> None:
     import trio
     import trio_asyncio
 
-    from ibex.service.aio_loop import batch_ready_callbacks
-    from ibex.service.grpc_shim import lighten_h2
+    from ibex.service.patches import batch_ready_callbacks, lighten_h2
 
     batch_ready_callbacks()
     lighten_h2()

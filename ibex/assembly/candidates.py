@@ -143,7 +143,7 @@ def select_candidates(
 
 
 class SearchFilter(msgspec.Struct, frozen=True):
-    """SearchMemories' filters, validated by the edge (ids canonical, limit capped)."""
+    """A validated SearchMemories request (`validate_search`: ids canonical, limit capped)."""
 
     org_id: str
     agent_id: str
@@ -151,6 +151,7 @@ class SearchFilter(msgspec.Struct, frozen=True):
     min_similarity: float = 0.0
     categories: frozenset[str] = frozenset()
     tags: frozenset[str] = frozenset()
+    query: str = ""
 
     @property
     def narrows(self) -> bool:

@@ -129,6 +129,20 @@ class StageTimer:
         self.seconds[stage] = now - self._last
         self._last = now
 
+    def restart(self) -> StageTimer:
+        """Start again from now (a timer handed in before the work began)."""
+        self.start = self._last = time.perf_counter()
+        self.seconds.clear()
+        return self
+
+    def spans(self) -> list[tuple[str, float, float]]:
+        """Each stage's (name, start, end) in perf_counter seconds: laps are back to back."""
+        out, t = [], self.start
+        for stage, seconds in self.seconds.items():
+            out.append((stage, t, t + seconds))
+            t += seconds
+        return out
+
     def ms(self, stage: str) -> int:
         return round(self.seconds.get(stage, 0.0) * 1000.0)
 
@@ -366,9 +380,13 @@ def assemble_pure(
     catalog: Catalog,
     tokenizers: CounterSource,
     config: PipelineConfig = DEFAULT_CONFIG,
+    timer: StageTimer | None = None,
 ) -> AssemblyResult:
-    """Count the fixed sections, select, price, pack, render within the ceiling, build."""
-    timer = StageTimer()
+    """Count the fixed sections, select, price, pack, render within the ceiling, build.
+
+    A `timer` handed in keeps the stage laps for the caller (a traced call's stage spans).
+    """
+    timer = StageTimer() if timer is None else timer.restart()
     request = inputs.request
     nonce = inputs.nonce
     if not _NONCE.fullmatch(nonce):

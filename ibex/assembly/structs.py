@@ -56,6 +56,18 @@ class AssemblyRequest(msgspec.Struct, frozen=True):
     tool_schemas: tuple[str, ...] = ()
 
 
+class SearchRequest(msgspec.Struct, frozen=True):
+    """A SearchMemories request as received; `validate_search` makes it a SearchFilter."""
+
+    org_id: str
+    agent_id: str
+    query: str = ""
+    limit: int = 0  # 0: the default limit
+    min_similarity: float = 0.0
+    categories: tuple[str, ...] = ()
+    tags: tuple[str, ...] = ()
+
+
 class Directive(msgspec.Struct, frozen=True):
     """The agent's directive as read from the cache (contract section 3)."""
 

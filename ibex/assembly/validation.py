@@ -11,11 +11,13 @@ import uuid
 
 import msgspec
 
-from ibex.assembly.structs import AssemblyRequest
+from ibex.assembly.candidates import MAX_MEMORIES_HARD_CAP, SearchFilter
+from ibex.assembly.structs import AssemblyRequest, SearchRequest
 from ibex.errors import InputError, OverLimitError
 
 MAX_ID_LENGTH = 256
 MAX_ROLE_LENGTH = 64
+SEARCH_DEFAULT_LIMIT = 10  # SearchMemories' limit when the caller sends 0
 
 
 class RequestLimits(msgspec.Struct, frozen=True):
@@ -82,4 +84,26 @@ def validate_request(request: AssemblyRequest, limits: RequestLimits) -> Assembl
         _text(f"tool_schemas[{i}]", schema, limits.max_text_bytes)
     return msgspec.structs.replace(
         request, org_id=org_id, agent_id=agent_id, directive_version_id=version
+    )
+
+
+def validate_search(request: SearchRequest, limits: RequestLimits) -> SearchFilter:
+    """SearchMemories' filter with canonical ids and a capped limit, or InputError naming
+    the field (OverLimitError for a query over the text limit)."""
+    org_id = canonical_uuid("org_id", request.org_id)
+    agent_id = canonical_uuid("agent_id", request.agent_id)
+    if not request.query.strip():
+        raise InputError("query", "is required")
+    _text("query", request.query, limits.max_text_bytes)
+    similarity = request.min_similarity
+    if request.limit < 0 or not math.isfinite(similarity) or not (0.0 <= similarity <= 1.0):
+        raise InputError("limit", "must be >= 0 and min_similarity in [0, 1]")
+    return SearchFilter(
+        org_id=org_id,
+        agent_id=agent_id,
+        limit=min(request.limit or SEARCH_DEFAULT_LIMIT, MAX_MEMORIES_HARD_CAP),
+        min_similarity=similarity,
+        categories=frozenset(request.categories),
+        tags=frozenset(request.tags),
+        query=request.query,
     )

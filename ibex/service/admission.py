@@ -249,7 +249,7 @@ class Admission:
         return latency > remaining - self.config.wait_margin
 
     def gate(self, method: str, remaining: float | None) -> str | None:
-        """Asked as a call's HEADERS arrive, before any per-call work (`grpc_shim`).
+        """Asked as a call's HEADERS arrive, before any per-call work (`protocol`).
 
         `method` is the short method name, or one label for anything unknown (it is a
         metrics label: a caller's path must not make new ones). None admits the call

@@ -1,4 +1,4 @@
-"""In-process assembly: validation, concurrent retrieval, then the pure pipeline.
+"""In-process assembly and search: validation, retrieval, then the pure core.
 
 An `Assembler` holds what one assembly needs (catalog, tokenizers, sources and
 each layer's small config) and is shared by every request of a process. It is
@@ -11,19 +11,32 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from typing import TYPE_CHECKING
 
+import trio
+
+from ibex.assembly.candidates import MAX_MEMORIES_HARD_CAP, SearchFilter, SearchResult, rank_search
 from ibex.assembly.catalog import Catalog
 from ibex.assembly.formatter import new_nonce
 from ibex.assembly.nonce import NonceKey
-from ibex.assembly.pipeline import AssemblyInputs, PipelineConfig, assemble_pure, resolve_model
-from ibex.assembly.structs import AssemblyRequest, AssemblyResult
+from ibex.assembly.pipeline import (
+    AssemblyInputs,
+    PipelineConfig,
+    StageTimer,
+    assemble_pure,
+    resolve_model,
+)
+from ibex.assembly.structs import AssemblyRequest, AssemblyResult, BranchSource, SearchRequest
 from ibex.assembly.tokens import Tokenizers
-from ibex.assembly.validation import RequestLimits, validate_request
+from ibex.assembly.validation import RequestLimits, validate_request, validate_search
+from ibex.errors import SourceError
 from ibex.service.queues import WorkerThreads, default_threads
 from ibex.sources.base import DirectiveSource, MemorySource
-from ibex.sources.directive_cache import DirectiveCache
 from ibex.sources.feedback import FeedbackSink
-from ibex.sources.retrieval import RetrievalConfig, retrieve
+from ibex.sources.retrieval import RetrievalConfig, Retrieved, retrieve, search
+
+if TYPE_CHECKING:
+    from ibex.ops.spans import CallTrace
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +60,12 @@ def _text_chars(inputs: AssemblyInputs) -> int:
     return n + sum(len(h.content) for h in inputs.hot) + sum(len(h.content) for h in inputs.cold)
 
 
+def _log_tenant_filtered(count: int, **ids: str) -> None:
+    """Hits of another tenant were dropped: the memory service answered out of scope."""
+    if count:
+        log.warning("tenant_filter_dropped", extra={"count": count, **ids})
+
+
 class Assembler:
     """Holds the process-wide pieces one assembly needs; safe to share across requests."""
 
@@ -55,7 +74,7 @@ class Assembler:
         *,
         catalog: Catalog,
         tokenizers: Tokenizers,
-        directive_source: DirectiveSource | DirectiveCache | None,
+        directive_source: DirectiveSource | None,
         memory_source: MemorySource | None,
         limits: RequestLimits | None = None,
         retrieval: RetrievalConfig | None = None,
@@ -110,15 +129,21 @@ class Assembler:
         arrived: float | None = None,
         validated: bool = False,
         thread_held: bool = False,
+        trace: CallTrace | None = None,
     ) -> AssemblyResult:
         """Retrieve within the wall (and the caller's deadline), then run the pipeline.
 
         `deadline` and `arrived` (when the call reached the process) are on the Trio clock.
         `thread_held`: the caller holds a unit of `threads` (admission queued for it
         before the slot), and the pipeline runs under it in a worker thread.
+        A `trace` receives each branch's and stage's times once the answer is made.
         """
         if not validated:
             request = self.check_request(request)
+        starts: dict[BranchSource, float] | None = None
+        timer: StageTimer | None = None
+        if trace is not None:
+            starts, timer = {}, StageTimer()
         got = await retrieve(
             request,
             directive_source=self.directive_source,
@@ -126,6 +151,7 @@ class Assembler:
             config=self.retrieval,
             deadline=deadline,
             arrived=arrived,
+            branch_starts=starts,
         )
         inputs = AssemblyInputs(
             request=request,
@@ -143,6 +169,7 @@ class Assembler:
             catalog=self.catalog,
             tokenizers=self.tokenizers,
             config=self.pipeline,
+            timer=timer,
         )
         if thread_held:
             result = await self.threads.run_held(run)
@@ -155,15 +182,68 @@ class Assembler:
             # call large (a large request queued for its thread before its slot): it
             # waits in the urgent line, since it holds a slot while it waits.
             result = await self.threads.run(run)
-        filtered = result.pack.tenant_filtered
-        if filtered:
-            log.warning(
-                "tenant_filter_dropped",
-                extra={
-                    "count": filtered,
-                    "org_id": request.org_id,
-                    "agent_id": request.agent_id,
-                    "request_id": request.request_id,
-                },
-            )
+        if trace is not None:
+            assert starts is not None and timer is not None
+            _record(trace, got, starts, timer, result)
+        _log_tenant_filtered(
+            result.pack.tenant_filtered,
+            org_id=request.org_id,
+            agent_id=request.agent_id,
+            request_id=request.request_id,
+        )
         return result
+
+    def check_search(self, request: SearchRequest) -> SearchFilter:
+        """Validate a SearchMemories request before any I/O (and before it waits for a
+        slot: without a memory source it fails at once)."""
+        flt = validate_search(request, self.limits)
+        self._searchable()
+        return flt
+
+    def _searchable(self) -> MemorySource:
+        if self.memory_source is None:
+            raise SourceError("memory search failed: no memory source configured")
+        return self.memory_source
+
+    async def search(self, flt: SearchFilter, *, deadline: float | None = None) -> SearchResult:
+        """One semantic search within the cold timeout (and the caller's deadline, on the
+        Trio clock), then the tenant filter, the filters and the default score.
+
+        With filters that narrow after the fetch, the source is asked for the cap.
+        """
+        fetch = MAX_MEMORIES_HARD_CAP if flt.narrows else flt.limit
+        hits = await search(
+            self._searchable(),
+            flt.org_id,
+            flt.agent_id,
+            flt.query,
+            limit=fetch,
+            config=self.retrieval,
+            deadline=deadline,
+        )
+        found = rank_search(hits, flt, time.time())
+        _log_tenant_filtered(found.tenant_filtered, org_id=flt.org_id)
+        return found
+
+
+def _record(
+    trace: CallTrace,
+    got: Retrieved,
+    starts: dict[BranchSource, float],
+    timer: StageTimer,
+    result: AssemblyResult,
+) -> None:
+    """Hand a traced call its branch and stage times, all on the perf_counter clock.
+
+    A branch that never started (answered from the cache, skipped) starts and ends
+    when retrieval did; one cut by the request wall ends where retrieval ended.
+    """
+    to_perf = time.perf_counter() - trio.current_time()
+    retrieval_end = got.started + got.elapsed_ms / 1000.0
+    for b in got.branches:
+        start = starts.get(b.source, got.started)
+        end = min(start + b.latency_ms / 1000.0, retrieval_end)
+        trace.branch(b.source, b.status, b.latency_ms, b.detail, start + to_perf, end + to_perf)
+    for name, start, end in timer.spans():
+        trace.stage(name, start, end)
+    trace.attributes["ibex.degradation_level"] = result.degradation_level

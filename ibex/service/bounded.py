@@ -21,8 +21,8 @@ import grpclib.server
 
 from ibex.errors import DeadlineError, IbexError, InputError
 from ibex.service.admission import Admission
-from ibex.service.grpc_shim import handler_started, recv_next, request_complete, reset_unread
 from ibex.service.status import grpc_error
+from ibex.service.stream_reads import handler_started, recv_next, request_complete, reset_unread
 
 HEALTH_MAX_MESSAGE_BYTES = 1024  # a HealthCheckRequest is one service name
 REFLECTION_MAX_MESSAGE_BYTES = 64 * 1024  # a reflection request names one symbol or file

@@ -3,7 +3,7 @@
 grpclib keeps every accepted connection until the peer leaves and never says
 goodbye, so idle sockets pile up (each an fd: past RLIMIT_NOFILE `accept`
 fails) and a long-lived HTTP/2 connection never moves to a new replica. This
-module decides *what* happens to each connection; `grpc_shim` does the
+module decides *what* happens to each connection; `protocol` does the
 HTTP/2 part on grpclib's protocol objects (the `Conn` methods below).
 
 Fair to callers: a connection counts from accept (before any TLS handshake),

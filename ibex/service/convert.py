@@ -11,11 +11,13 @@ from typing import Any
 
 import msgspec
 
+from ibex.assembly.candidates import SearchResult
 from ibex.assembly.structs import (
     AssemblyOptions,
     AssemblyRequest,
     AssemblyResult,
     Message,
+    SearchRequest,
 )
 from ibex.service import wire
 
@@ -81,3 +83,36 @@ def response_to_proto(r: AssemblyResult) -> Any:
 def branches_header(r: AssemblyResult) -> str:
     """`directive=success;hot=timeout;cold=success`: loggable without parsing the body."""
     return ";".join(f"{b.source}={b.status}" for b in r.branches)
+
+
+def search_from_proto(msg: Any) -> SearchRequest:
+    return SearchRequest(
+        org_id=msg.org_id,
+        agent_id=msg.agent_id,
+        query=msg.query,
+        limit=msg.limit,
+        min_similarity=msg.min_similarity,
+        categories=tuple(msg.categories),
+        tags=tuple(msg.tags),
+    )
+
+
+def search_to_proto(found: SearchResult, search_time_ms: int) -> Any:
+    """The wire response: the ranked hits, the caller's own candidates, the time taken."""
+    memories = [
+        wire.Memory(
+            id=h.hit.memory_id,
+            content=h.hit.content,
+            category=h.hit.category,
+            confidence=h.hit.confidence,
+            composite_score=h.score,
+            retrieval_count=h.hit.access_count or 0,
+            created_at=h.hit.created_at or "",
+        )
+        for h in found.hits
+    ]
+    return wire.SearchMemoriesResponse(
+        memories=memories,
+        total_candidates=found.own_candidates,
+        search_time_ms=search_time_ms,
+    )

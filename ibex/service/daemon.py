@@ -17,7 +17,7 @@ import signal
 import ssl
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpclib.server
 import msgspec
@@ -31,7 +31,6 @@ from ibex.assembly.tokens import Tokenizers
 from ibex.ops.metrics import Metrics
 from ibex.ops.sdnotify import Notifier, run_watchdog
 from ibex.service.admission import Admission, AdmissionConfig
-from ibex.service.aio_loop import batch_ready_callbacks
 from ibex.service.assembler import Assembler
 from ibex.service.auth import Authenticator
 from ibex.service.bounded import (
@@ -40,18 +39,14 @@ from ibex.service.bounded import (
     BoundedReads,
 )
 from ibex.service.connections import Connections, ConnectionsConfig, LoopErrorHandler
-from ibex.service.grpc_shim import (
-    answer_expired_deadlines,
-    bound_port,
-    lighten_h2,
-    listen_also,
-    stop_accepting,
-    track_connections,
-)
 from ibex.service.handlers import ContextService, EdgeConfig, method_label
-from ibex.service.precise_wakeup import precise_wakeups
+from ibex.service.patches import install_patches, precise_wakeups
+from ibex.service.protocol import bound_port, listen_also, stop_accepting, track_connections
 from ibex.service.queues import share_the_gil
 from ibex.service.reflection import with_reflection
+
+if TYPE_CHECKING:
+    from ibex.ops.spans import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +78,7 @@ class Daemon:
         metrics: Metrics | None = None,
         ssl_context: Callable[[], ssl.SSLContext | None] = lambda: None,
         startup_warning: Callable[[], str | None] = lambda: None,
+        tracing: Callable[[], Tracing | None] = lambda: None,
     ) -> None:
         self.config = config
         self.metrics = metrics if metrics is not None else Metrics()
@@ -92,6 +88,8 @@ class Daemon:
         self._open_assembler = open_assembler
         self._ssl_context = ssl_context
         self._startup_warning = startup_warning
+        self._make_tracing = tracing
+        self.tracing: Tracing | None = None
         self.health_status = ServiceStatus()
         self.connections = Connections(config.connections)
         self.loop_errors = LoopErrorHandler()
@@ -105,6 +103,7 @@ class Daemon:
             metrics=self.metrics,
             authenticator=self.auth,
             config=self.edge,
+            tracing=self.tracing,
         )
         # Health and reflection read their requests as the service does (bounded, timed,
         # counted): they answer before any authentication.
@@ -135,13 +134,22 @@ class Daemon:
 
         Signals are caught from the first line: one that arrives while the
         catalog and tokenizers load is kept and honoured as soon as serving
-        starts, so a stop during start-up is a clean, logged exit too.
+        starts, so a stop during start-up is a clean, logged exit too. Patches of
+        third-party internals are installed first (`install_patches`: a package
+        outside its supported range stops start-up here).
         """
+        install_patches()
         with (
             trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals,
             precise_wakeups(),
         ):
-            await self._serve(task_status, notifier, shutdown, sock, signals)
+            self.tracing = self._make_tracing()
+            try:
+                await self._serve(task_status, notifier, shutdown, sock, signals)
+            finally:
+                if self.tracing is not None:
+                    # Export what is queued: the last calls' spans leave with the process.
+                    self.tracing.shutdown()
 
     async def _serve(
         self,
@@ -155,9 +163,6 @@ class Daemon:
         if warning:
             log.warning("insecure_bind", extra={"detail": warning})
         ssl_ctx = self._ssl_context()
-        answer_expired_deadlines()
-        lighten_h2()
-        batch_ready_callbacks()
         share_the_gil()
         notifier = notifier or Notifier.from_env()
         shutdown = shutdown if shutdown is not None else trio.Event()

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 import weakref
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpclib.const
 import grpclib.server
@@ -27,17 +26,14 @@ from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 from h2.exceptions import StreamClosedError
 
-from ibex.assembly.candidates import MAX_MEMORIES_HARD_CAP, SearchFilter, rank_search
+from ibex.assembly.candidates import SearchFilter, SearchResult
 from ibex.assembly.feedback import Feedback, validate_feedback
-from ibex.assembly.structs import AssemblyRequest, AssemblyResult, MemoryHit
-from ibex.assembly.validation import canonical_uuid
+from ibex.assembly.structs import AssemblyRequest, AssemblyResult
 from ibex.errors import (
     DeadlineError,
     IbexError,
     InputError,
-    OverLimitError,
     Overloaded,
-    SourceError,
     Unavailable,
 )
 from ibex.ops.logs import bind_request
@@ -47,21 +43,23 @@ from ibex.service import wire as pb
 from ibex.service.admission import Admission, Ticket
 from ibex.service.assembler import Assembler
 from ibex.service.auth import Authenticator, check_principal
-from ibex.service.grpc_shim import (
+from ibex.service.status import grpc_error
+from ibex.service.stream_reads import (
     arrival,
     caller_authenticated,
     handler_started,
     recv_bounded,
     request_complete,
 )
-from ibex.service.status import grpc_error
 from ibex.sources.feedback import FeedbackRejected, Sent, send_feedback
+
+if TYPE_CHECKING:
+    from ibex.ops.spans import CallTrace, Tracing
 
 log = logging.getLogger(__name__)
 
 SERVICE = "ibex.context.v1.ContextAssemblyService"
 _PREFIX = f"/{SERVICE}/"
-SEARCH_DEFAULT_LIMIT = 10
 # Kept back from a feedback call's deadline to encode and send the answer.
 FEEDBACK_HEADROOM = 0.002
 
@@ -70,6 +68,8 @@ Handler = Callable[[grpclib.server.Stream[Any, Any]], Awaitable[None]]
 _RESERVED: weakref.WeakKeyDictionary[grpclib.server.Stream[Any, Any], int] = (
     weakref.WeakKeyDictionary()
 )
+# A method's handler: the stream and, when tracing is on, the call's trace.
+Method = Callable[[grpclib.server.Stream[Any, Any], "CallTrace | None"], Awaitable[None]]
 METHODS = frozenset({"AssembleContext", "SearchMemories", "RecordMemoryFeedback"})
 
 
@@ -84,7 +84,6 @@ class EdgeConfig(msgspec.Struct, frozen=True):
     """What the handlers need beyond the assembler; defaults live here only."""
 
     max_message_bytes: int = 4 * 1024 * 1024
-    max_text_bytes: int = 1024 * 1024
     # RecordMemoryFeedback's time for both attempts when the caller sets no deadline.
     feedback_timeout: float = 2.0
 
@@ -100,16 +99,18 @@ class ContextService:
         metrics: Metrics,
         authenticator: Authenticator,
         config: EdgeConfig | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.assembler = assembler
         self.admission = admission
         self.metrics = metrics
         self.auth = authenticator
         self.config = config or EdgeConfig()
+        self.tracing = tracing
 
     def __mapping__(self) -> dict[str, grpclib.const.Handler]:
         unary = grpclib.const.Cardinality.UNARY_UNARY
-        rpcs: list[tuple[str, Handler, Any, Any]] = [
+        rpcs: list[tuple[str, Method, Any, Any]] = [
             (
                 "AssembleContext",
                 self.assemble_context,
@@ -134,25 +135,30 @@ class ContextService:
             for name, fn, req, resp in rpcs
         }
 
-    def _wrap(self, method: str, handler: Handler) -> Handler:
-        """Admission, authentication, the one error-to-status mapping, accounting."""
+    def _wrap(self, method: str, handler: Method) -> Handler:
+        """Admission, authentication, the one error-to-status mapping, accounting, the span."""
 
         async def run(stream: grpclib.server.Stream[Any, Any]) -> None:
             handler_started(stream)
             t0 = time.perf_counter()
             code = "OK"
+            call = None
+            if self.tracing is not None:
+                call = self.tracing.call(SERVICE, method, stream.metadata, t0)
             try:
                 self.admission.check_open()
                 peer_cert = stream.peer.cert() if self.auth.mtls else None
                 self.auth.authenticate(stream.metadata or {}, peer_cert)
                 caller_authenticated(stream)
-                await handler(stream)
+                await handler(stream, call)
                 if _cancel_swallowed():
                     raise asyncio.CancelledError
             except IbexError as exc:
                 code = exc.status
                 if isinstance(exc, DeadlineError):
-                    log.info("deadline_missed", extra={"method": method, "detail": str(exc)})
+                    log.info(
+                        "deadline_missed", extra={**_call_fields(method, call), "detail": str(exc)}
+                    )
                 raise grpc_error(exc) from None
             except GRPCError as exc:
                 code = exc.status.name
@@ -163,23 +169,28 @@ class ContextService:
                 code = "CANCELLED"
                 if stream.deadline is not None and stream.deadline.time_remaining() <= 0:
                     code = "DEADLINE_EXCEEDED"
-                    log.info("deadline_missed", extra={"method": method, "detail": "cancelled"})
+                    log.info(
+                        "deadline_missed",
+                        extra={**_call_fields(method, call), "detail": "cancelled"},
+                    )
                 raise
             except StreamClosedError:
                 # The caller reset the stream (gave up, usually at its deadline) while
                 # the answer was being made: nobody to answer, and not our failure.
                 code = "CANCELLED"
-                log.info("caller_gone", extra={"method": method})
+                log.info("caller_gone", extra={**_call_fields(method, call)})
                 if _cancel_swallowed():  # grpclib saw the reset too: end as it expects
                     raise asyncio.CancelledError from None
                 raise GRPCError(Status.CANCELLED, "the caller reset the stream") from None
             except Exception:
                 code = "INTERNAL"
-                log.exception("handler_failed", extra={"method": method})
+                log.exception("handler_failed", extra={**_call_fields(method, call)})
                 raise GRPCError(Status.INTERNAL, "internal error") from None
             finally:
                 self.admission.release_bytes(_RESERVED.pop(stream, 0))
                 self.metrics.observe_request(method, code, time.perf_counter() - t0)
+                if call is not None:
+                    _finish_trace(call, code)
 
         return run
 
@@ -209,13 +220,20 @@ class ContextService:
                 f"request: not received within {self.admission.config.read_timeout:g}s"
             ) from None
 
-    async def assemble_context(self, stream: grpclib.server.Stream[Any, Any]) -> None:
+    async def assemble_context(
+        self, stream: grpclib.server.Stream[Any, Any], call: CallTrace | None = None
+    ) -> None:
         msg, _ = await self._receive(stream)  # its bytes are counted by `_receive`
+        # The trace the log lines carry: the RPC span's when traced, else the request's field.
+        trace_id = "" if call is None else call.open(msg.trace_id, msg.span_id)
         with self.admission.admitted(*_timing(stream)) as ticket:
             request = self.assembler.check_request(convert.request_from_proto(msg))
             principal = msg.principal_context if msg.HasField("principal_context") else None
             check_principal(principal, request.org_id, request.agent_id)
-            result = await trio_asyncio.trio_as_aio(self._assemble_in_trio)(request, ticket)
+            traced = () if call is None else (trace_id, call)
+            result = await trio_asyncio.trio_as_aio(self._assemble_in_trio)(
+                request, ticket, *traced
+            )
             await self._send_assembly(stream, result)
 
     async def _send_assembly(
@@ -230,109 +248,51 @@ class ContextService:
         )
         await stream.send_message(convert.response_to_proto(result))
 
-    async def _assemble_in_trio(self, request: AssemblyRequest, ticket: Ticket) -> AssemblyResult:
+    async def _assemble_in_trio(
+        self,
+        request: AssemblyRequest,
+        ticket: Ticket,
+        trace_id: str = "",
+        call: CallTrace | None = None,
+    ) -> AssemblyResult:
         threads = self.assembler.threads if self.assembler.needs_thread(request) else None
         async with self.admission.slot(ticket, request.org_id, threads) as thread_held:
             now, trio_now = time.monotonic(), trio.current_time()
             remaining = ticket.remaining(now)
             deadline = None if remaining is None else trio_now + remaining
             arrived = trio_now - (now - ticket.arrived)
-            with bind_request(request.request_id, request.trace_id):
+            with bind_request(request.request_id, trace_id or request.trace_id):
                 return await self.assembler.assemble(
                     request,
                     deadline=deadline,
                     arrived=arrived,
                     validated=True,
                     thread_held=thread_held,
+                    trace=call,
                 )
 
     # --- SearchMemories ------------------------------------------------------
 
-    async def search_memories(self, stream: grpclib.server.Stream[Any, Any]) -> None:
+    async def search_memories(
+        self, stream: grpclib.server.Stream[Any, Any], call: CallTrace | None = None
+    ) -> None:
         msg, _ = await self._receive(stream)  # its bytes are counted by `_receive`
         with self.admission.admitted(*_timing(stream)) as ticket:
-            flt = self._search_filter(msg)
-            fetch = MAX_MEMORIES_HARD_CAP if flt.narrows else flt.limit
+            flt = self.assembler.check_search(convert.search_from_proto(msg))
             t0 = time.perf_counter()
-            hits = await trio_asyncio.trio_as_aio(self._search_in_trio)(
-                flt.org_id, flt.agent_id, msg.query, fetch, ticket
-            )
-            found = rank_search(hits, flt, time.time())
-            if found.tenant_filtered:
-                log.warning(
-                    "tenant_filter_dropped",
-                    extra={"count": found.tenant_filtered, "org_id": flt.org_id},
-                )
-            memories = [
-                pb.Memory(
-                    id=h.hit.memory_id,
-                    content=h.hit.content,
-                    category=h.hit.category,
-                    confidence=h.hit.confidence,
-                    composite_score=h.score,
-                    retrieval_count=h.hit.access_count or 0,
-                    created_at=h.hit.created_at or "",
-                )
-                for h in found.hits
-            ]
-            await stream.send_message(
-                pb.SearchMemoriesResponse(
-                    memories=memories,
-                    total_candidates=found.own_candidates,
-                    search_time_ms=int((time.perf_counter() - t0) * 1000),
-                )
-            )
+            found = await trio_asyncio.trio_as_aio(self._search_in_trio)(flt, ticket)
+            elapsed_ms = int((time.perf_counter() - t0) * 1000)
+            await stream.send_message(convert.search_to_proto(found, elapsed_ms))
 
-    def _search_filter(self, msg: Any) -> SearchFilter:
-        org_id = canonical_uuid("org_id", msg.org_id)
-        agent_id = canonical_uuid("agent_id", msg.agent_id)
-        if not msg.query.strip():
-            raise InputError("query", "is required")
-        if len(msg.query.encode()) > self.config.max_text_bytes:
-            raise OverLimitError("query", f"exceeds {self.config.max_text_bytes} bytes")
-        if (
-            msg.limit < 0
-            or not math.isfinite(msg.min_similarity)
-            or not (0.0 <= msg.min_similarity <= 1.0)
-        ):
-            raise InputError("limit", "must be >= 0 and min_similarity in [0, 1]")
-        return SearchFilter(
-            org_id=org_id,
-            agent_id=agent_id,
-            limit=min(msg.limit or SEARCH_DEFAULT_LIMIT, MAX_MEMORIES_HARD_CAP),
-            min_similarity=msg.min_similarity,
-            categories=frozenset(msg.categories),
-            tags=frozenset(msg.tags),
-        )
-
-    async def _search_in_trio(
-        self, org_id: str, agent_id: str, query: str, limit: int, ticket: Ticket
-    ) -> list[MemoryHit]:
-        source = self.assembler.memory_source
-        if source is None:
-            raise SourceError("memory search failed: no memory source configured")
-        retrieval = self.assembler.retrieval
-        async with self.admission.slot(ticket, org_id):
-            timeout = retrieval.cold_timeout
-            remaining = ticket.remaining(time.monotonic())
-            if remaining is not None:
-                timeout = min(timeout, max(0.0, remaining - retrieval.pipeline_headroom))
-            with trio.move_on_after(timeout):
-                try:
-                    return await source.cold(
-                        org_id,
-                        agent_id,
-                        query,
-                        limit=limit,
-                        min_confidence=retrieval.min_confidence,
-                    )
-                except SourceError as exc:
-                    raise SourceError(f"memory search failed: {exc}") from None
-            raise SourceError(f"memory search failed: no answer within {timeout * 1000:.0f}ms")
+    async def _search_in_trio(self, flt: SearchFilter, ticket: Ticket) -> SearchResult:
+        async with self.admission.slot(ticket, flt.org_id):
+            return await self.assembler.search(flt, deadline=_trio_deadline(ticket))
 
     # --- RecordMemoryFeedback ------------------------------------------------
 
-    async def record_memory_feedback(self, stream: grpclib.server.Stream[Any, Any]) -> None:
+    async def record_memory_feedback(
+        self, stream: grpclib.server.Stream[Any, Any], call: CallTrace | None = None
+    ) -> None:
         """Validate, then forward to the memory service (one retry, same idempotency key).
 
         `success` is true only when the memory service confirmed; `updates` are
@@ -342,8 +302,8 @@ class ContextService:
         """
         outcome = "error"
         try:
-            msg, size = await self._receive(stream)
-            with self.admission.admitted(*_timing(stream), size) as ticket:
+            msg, _ = await self._receive(stream)  # its bytes are counted by `_receive`
+            with self.admission.admitted(*_timing(stream)) as ticket:
                 fb = validate_feedback(
                     org_id=msg.org_id,
                     memory_ids=msg.memory_ids,
@@ -383,17 +343,28 @@ class ContextService:
         sink = self.assembler.feedback_sink
         if sink is None:
             raise Unavailable("feedback: no memory service configured")
-        remaining = ticket.remaining(time.monotonic())
-        deadline = None if remaining is None else trio.current_time() + remaining
         with bind_request(trace_id=fb.trace_id):
             return await send_feedback(
                 sink,
                 fb,
-                deadline=deadline,
+                deadline=_trio_deadline(ticket),
                 default_timeout=self.config.feedback_timeout,
                 headroom=FEEDBACK_HEADROOM,
                 on_retry=self.metrics.feedback_retries.inc,
             )
+
+
+def _call_fields(method: str, call: CallTrace | None) -> dict[str, str]:
+    """A call's own log fields: its method and, when traced, its trace id."""
+    return {"method": method} if call is None else {"method": method, "trace_id": call.open()}
+
+
+def _finish_trace(call: CallTrace, code: str) -> None:
+    """End the call's span; a tracing fault is logged, never turned into the call's status."""
+    try:
+        call.finish(code)
+    except Exception:
+        log.exception("trace_failed")
 
 
 def _cancel_swallowed() -> bool:
@@ -407,6 +378,12 @@ def _cancel_swallowed() -> bool:
     """
     task = asyncio.current_task()
     return task is not None and task.cancelling() > 0
+
+
+def _trio_deadline(ticket: Ticket) -> float | None:
+    """The caller's deadline on the Trio clock (None without one)."""
+    remaining = ticket.remaining(time.monotonic())
+    return None if remaining is None else trio.current_time() + remaining
 
 
 def _timing(stream: grpclib.server.Stream[Any, Any]) -> tuple[float, float | None]:

@@ -8,6 +8,7 @@ a short detail that holds no secret and no memory text.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import msgspec
@@ -15,7 +16,7 @@ import msgspec
 from ibex.assembly.structs import Directive, MemoryHit
 from ibex.errors import SourceError
 
-__all__ = ["Answer", "DirectiveSource", "MemorySource", "SourceError"]
+__all__ = ["Answer", "DirectiveSource", "MemorySource", "SourceError", "cached_directive"]
 
 
 class Answer(msgspec.Struct, frozen=True):
@@ -26,11 +27,33 @@ class Answer(msgspec.Struct, frozen=True):
 
 
 class DirectiveSource(Protocol):
-    async def get_directive(self, org_id: str, agent_id: str) -> Directive | None:
-        """The agent's directive, or None when there is none (a success)."""
+    """Where directives come from. A decorator (the in-process cache) is one too.
+
+    A source may also define `cached(org_id, agent_id, version) -> Answer | None`:
+    an answer it holds in memory, given without I/O, or None. Retrieval asks it
+    first (see `cached_directive`), so an answer in hand costs no task.
+    """
+
+    async def get_directive(
+        self, org_id: str, agent_id: str, version: str = ""
+    ) -> Directive | None:
+        """The agent's directive, or None when there is none (a success).
+
+        `version` is the canonical version id the caller expects ("" for none); a
+        source that always reads the current value may ignore it.
+        """
         ...
 
     async def aclose(self) -> None: ...
+
+
+def cached_directive(
+    source: DirectiveSource, org_id: str, agent_id: str, version: str
+) -> Answer | None:
+    """The source's in-memory answer when it has an optional `cached` method and a
+    usable entry, else None. Duck-typed, so any source (or decorator) may offer one."""
+    lookup: Callable[[str, str, str], Answer | None] | None = getattr(source, "cached", None)
+    return None if lookup is None else lookup(org_id, agent_id, version)
 
 
 class MemorySource(Protocol):

@@ -245,7 +245,10 @@ class LocalFileSource:
     def __repr__(self) -> str:
         return f"<LocalFileSource {self.origin} agents={len(self._index)}>"
 
-    async def get_directive(self, org_id: str, agent_id: str) -> Directive | None:
+    async def get_directive(
+        self, org_id: str, agent_id: str, version: str = ""
+    ) -> Directive | None:
+        """The sample's directive; the file holds one version, so `version` is not used."""
         await trio.lowlevel.checkpoint()
         return self._directives.get((org_id.lower(), agent_id.lower()))
 

@@ -20,10 +20,9 @@ lease below closes the connection on any BaseException *before* releasing it.
 A cancellation must also stop the GET: redis-py writes every command under
 `asyncio.wait_for`, which before Python 3.12 returns the write's result and
 drops the cancellation when both land in the same loop step (CPython
-gh-86296). Under load that happened to about one cancelled reconnect in ten:
-the GET then waited for the reply of a sleeping server, 140 ms past its 5 ms
-branch. redis-py's connection module therefore gets `wait_for` as Python 3.12
-has it, on top of `asyncio.timeout` (`honour_cancellation_in_redis_writes`).
+gh-86296): the GET would then wait for the reply of a sleeping server long
+past its branch's budget. redis-py's connection module therefore gets `wait_for` as Python 3.12
+has it, on top of `asyncio.timeout` (`ibex.sources.redis_patches`, installed at start-up).
 
 Topologies: one endpoint (`RedisDirectiveSource(url)`), Redis Sentinel
 (`RedisDirectiveSource.sentinel`) and Redis Cluster
@@ -51,16 +50,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-import sys
 import time
-import types
 import uuid
 from collections.abc import Sequence
 from typing import Any, Final, cast
 
 import msgspec
 import redis.asyncio as aredis
-import redis.asyncio.connection as _redis_connection
 import trio_asyncio
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import (
@@ -91,9 +87,6 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ibex.assembly.structs import Directive, InjectionMode
 from ibex.sources.base import SourceError
-from ibex.versions import require
-
-require("redis")
 
 __all__ = ["RedisDirectiveSource", "decode_directive", "directive_key"]
 
@@ -226,53 +219,6 @@ def _options(
 def _malformed_url() -> SourceError:
     # The URL may hold a password: never echo it.
     return SourceError("redis url: malformed (expected redis://, rediss:// or unix://)")
-
-
-async def wait_for(aw: Any, timeout: float | None) -> Any:  # noqa: ASYNC109  (its signature)
-    """`asyncio.wait_for` as Python 3.12 has it: the awaitable runs in this task under
-    `asyncio.timeout`, so a cancellation of this task is never traded for a result."""
-    if timeout is None:
-        return await aw
-    if timeout <= 0:
-        fut = asyncio.ensure_future(aw)
-        if fut.done():
-            return fut.result()
-        fut.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await fut
-        try:
-            return fut.result()
-        except asyncio.CancelledError as exc:
-            raise TimeoutError from exc
-    async with asyncio.timeout(timeout):
-        return await aw
-
-
-class _AsyncioWithWaitFor(types.ModuleType):
-    """The `asyncio` module as redis-py's connection module sees it, but for `wait_for`."""
-
-    wait_for = staticmethod(wait_for)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(asyncio, name)
-
-
-def honour_cancellation_in_redis_writes() -> None:
-    """Give redis-py's asyncio connections the `wait_for` above (idempotent; Python < 3.12).
-
-    Checked, so a redis-py that stops using `asyncio.wait_for` this way fails loudly.
-    """
-    if sys.version_info >= (3, 12):
-        return
-    current = getattr(_redis_connection, "asyncio", None)
-    if isinstance(current, _AsyncioWithWaitFor):
-        return
-    if current is not asyncio:
-        raise RuntimeError("redis-py's asyncio connection module changed; cannot patch wait_for")
-    _redis_connection.asyncio = _AsyncioWithWaitFor("asyncio")
-
-
-honour_cancellation_in_redis_writes()
 
 
 async def _drop_idle(pool: aredis.ConnectionPool) -> None:
@@ -452,8 +398,12 @@ class RedisDirectiveSource:
         source._setup(None, client, None, 0, max_value_bytes)
         return source
 
-    async def get_directive(self, org_id: str, agent_id: str) -> Directive | None:
-        """The directive, or None when the key is missing. Trio-async; cancel freely."""
+    async def get_directive(
+        self, org_id: str, agent_id: str, version: str = ""
+    ) -> Directive | None:
+        """The directive, or None when the key is missing. Trio-async; cancel freely.
+
+        Always reads the key: `version` (what the caller expects) is not needed here."""
         if self._closed:
             raise SourceError("redis directive source is closed")
         key = directive_key(org_id, agent_id)

@@ -29,8 +29,7 @@ from ibex.assembly.structs import (
     MemoryHit,
 )
 from ibex.errors import SourceError
-from ibex.sources.base import Answer, DirectiveSource, MemorySource
-from ibex.sources.directive_cache import DirectiveCache
+from ibex.sources.base import Answer, DirectiveSource, MemorySource, cached_directive
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +62,7 @@ class Retrieved(msgspec.Struct, frozen=True):
     cold: tuple[MemoryHit, ...]
     branches: tuple[BranchOutcome, ...]
     elapsed_ms: float
+    started: float = 0.0  # when retrieval began, on the Trio clock (for trace spans)
 
 
 class _Branch(msgspec.Struct, frozen=True):
@@ -72,7 +72,7 @@ class _Branch(msgspec.Struct, frozen=True):
     timeout: float
     call: Callable[[], Awaitable[Any]] | None
     skipped: str = ""
-    ready: Answer | None = None  # answered already (the directive cache): no task to run
+    ready: Answer | None = None  # answered already (a source's `cached`): no task to run
 
 
 def request_wall(
@@ -91,14 +91,48 @@ def request_wall(
     wall = config.wall
     if arrived is not None and arrived < now:
         wall = max(wall - (now - arrived), min(wall, config.hot_timeout))
-    if deadline is not None and math.isfinite(deadline):
-        wall = min(wall, deadline - now - config.pipeline_headroom)
-    return max(0.0, wall)
+    return max(0.0, min(wall, before_deadline(config, deadline, now)))
+
+
+def before_deadline(config: RetrievalConfig, deadline: float | None, now: float) -> float:
+    """Seconds from `now` to the caller's deadline less the pipeline headroom (the time
+    kept back to build and send the answer); inf without a deadline. May be negative."""
+    if deadline is None or not math.isfinite(deadline):
+        return math.inf
+    return deadline - now - config.pipeline_headroom
+
+
+async def search(
+    memory_source: MemorySource,
+    org_id: str,
+    agent_id: str,
+    query: str,
+    *,
+    limit: int,
+    config: RetrievalConfig,
+    deadline: float | None = None,
+) -> list[MemoryHit]:
+    """SearchMemories' one semantic search, within the cold timeout and the deadline.
+
+    Unlike a branch, a failure is the call's failure: SourceError names why.
+    `deadline` is on the Trio clock.
+    """
+    timeout = max(
+        0.0, min(config.cold_timeout, before_deadline(config, deadline, trio.current_time()))
+    )
+    with trio.move_on_after(timeout):
+        try:
+            return await memory_source.cold(
+                org_id, agent_id, query, limit=limit, min_confidence=config.min_confidence
+            )
+        except SourceError as exc:
+            raise SourceError(f"memory search failed: {exc}") from None
+    raise SourceError(f"memory search failed: no answer within {timeout * 1000:.0f}ms")
 
 
 def _branches(
     request: AssemblyRequest,
-    directive_source: DirectiveSource | DirectiveCache | None,
+    directive_source: DirectiveSource | None,
     memory_source: MemorySource | None,
     config: RetrievalConfig,
 ) -> list[_Branch]:
@@ -107,20 +141,12 @@ def _branches(
     if directive_source is None:
         rows.append(_Branch("directive", 0.0, None, "no directive source configured"))
     else:
-        src = directive_source
-        version = request.directive_version_id
-        if isinstance(src, DirectiveCache):
-            hit = src.cached(org, agent, version)
-            call: Callable[[], Awaitable[Any]] | None = (
-                None if hit is not None else (lambda: src.fetch(org, agent, version))
-            )
-            rows.append(_Branch("directive", config.directive_timeout, call, ready=hit))
-        else:
-            rows.append(
-                _Branch(
-                    "directive", config.directive_timeout, lambda: src.get_directive(org, agent)
-                )
-            )
+        src, version = directive_source, request.directive_version_id
+        hit = cached_directive(src, org, agent, version)
+        call: Callable[[], Awaitable[Any]] | None = (
+            None if hit is not None else (lambda: _directive(src, org, agent, version))
+        )
+        rows.append(_Branch("directive", config.directive_timeout, call, ready=hit))
     mem, floor = memory_source, config.min_confidence
     if mem is None:
         rows.append(_Branch("hot", 0.0, None, "no memory source configured"))
@@ -152,11 +178,23 @@ def _branches(
     return rows
 
 
+async def _directive(src: DirectiveSource, org: str, agent: str, version: str) -> Answer:
+    """The directive branch's call. The source's in-memory answer is asked for again
+    when the branch starts: another request may have filled it meanwhile."""
+    hit = cached_directive(src, org, agent, version)
+    return hit if hit is not None else Answer(await src.get_directive(org, agent, version))
+
+
 async def _run_branch(
-    row: _Branch, outcomes: dict[BranchSource, BranchOutcome], values: dict[BranchSource, Any]
+    row: _Branch,
+    outcomes: dict[BranchSource, BranchOutcome],
+    values: dict[BranchSource, Any],
+    starts: dict[BranchSource, float] | None = None,
 ) -> None:
     assert row.call is not None
     t0 = trio.current_time()
+    if starts is not None:
+        starts[row.source] = t0
     status: BranchStatus = "success"
     detail = ""
     with trio.move_on_after(row.timeout) as scope:
@@ -182,13 +220,18 @@ async def _run_branch(
 async def retrieve(
     request: AssemblyRequest,
     *,
-    directive_source: DirectiveSource | DirectiveCache | None,
+    directive_source: DirectiveSource | None,
     memory_source: MemorySource | None,
     config: RetrievalConfig,
     deadline: float | None = None,
     arrived: float | None = None,
+    branch_starts: dict[BranchSource, float] | None = None,
 ) -> Retrieved:
-    """Run the branch table concurrently within the request's wall (see `request_wall`)."""
+    """Run the branch table concurrently within the request's wall (see `request_wall`).
+
+    `branch_starts`, when given (a traced call), receives each started branch's start
+    time on the Trio clock.
+    """
     outcomes: dict[BranchSource, BranchOutcome] = {}
     values: dict[BranchSource, Any] = {}
     started = trio.current_time()
@@ -206,12 +249,12 @@ async def retrieve(
     with trio.move_on_after(wall):
         async with trio.open_nursery() as nursery:
             for row in calls[:-1]:
-                nursery.start_soon(_run_branch, row, outcomes, values)
+                nursery.start_soon(_run_branch, row, outcomes, values, branch_starts)
             if calls:
                 # The last branch (cold, usually the slowest) runs in this task: its answer
                 # then wakes the request directly instead of a branch task that wakes the
                 # request, one task and one task step less per answer.
-                await _run_branch(calls[-1], outcomes, values)
+                await _run_branch(calls[-1], outcomes, values, branch_starts)
 
     elapsed = (trio.current_time() - started) * 1000.0
     for source in BRANCH_ORDER:
@@ -237,4 +280,5 @@ async def retrieve(
         cold=tuple(values.get("cold", ())),
         branches=tuple(outcomes[s] for s in BRANCH_ORDER),
         elapsed_ms=elapsed,
+        started=started,
     )

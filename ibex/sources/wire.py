@@ -5,7 +5,7 @@ so a memory reaches the pipeline only if every field is inside the contract.
 One bad item fails the whole response: silently dropping or repairing it
 would hide a confused retrieval.
 
-Bounded work (issue 11): only the first `limit` results (the number asked
+Bounded work: only the first `limit` results (the number asked
 for) are validated and turned into hits; the rest are skipped as raw JSON. A
 memory whose content is over `max_content_bytes` (UTF-8) becomes a hit with
 its content dropped and `oversized` set, which the pipeline excludes as

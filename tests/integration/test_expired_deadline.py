@@ -329,7 +329,7 @@ def raw_calls_on_one_connection(port: int, n: int) -> tuple[list[dict[str, str]]
 
 async def test_answers_leave_as_pre_encoded_header_blocks(daemon: RunningDaemon) -> None:
     # The daemon sends its response headers and trailers from static-table fields and
-    # literals (grpc_shim.header_block), not through h2's encoder, which would index
+    # literals (hpack_block.header_block), not through h2's encoder, which would index
     # the x-ibex-* metadata into the caller's dynamic table.
     answers, indexed = await in_thread(raw_calls_on_one_connection, daemon.port, 3)
     for answer in answers:

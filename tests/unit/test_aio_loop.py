@@ -1,4 +1,4 @@
-"""The batching trio-asyncio main loop (`ibex.service.aio_loop`).
+"""The batching trio-asyncio main loop (`patches.batch_ready_callbacks`, `aio_loop`).
 
 Pinned: callbacks queued together run in one Trio step of the loop's task (the
 saving), in FIFO order, with a callback scheduled by one of them running after
@@ -18,7 +18,7 @@ import trio.lowlevel
 import trio_asyncio
 
 from ibex.service import aio_loop
-from ibex.service.aio_loop import batch_ready_callbacks
+from ibex.service.patches import batch_ready_callbacks
 
 
 class LoopSteps(trio.abc.Instrument):
@@ -184,19 +184,19 @@ def test_the_heap_is_rebuilt_when_cancelled_timers_pile_up_behind_its_head() -> 
         def __lt__(self, other: Timer) -> bool:
             return self._when < other._when
 
-    state = [aio_loop._REBUILD_MIN]
+    state = [aio_loop.REBUILD_MIN]
     head = Timer(0.0, False)
-    timers = [head] + [Timer(1.0 + i, i % 10 != 0) for i in range(aio_loop._REBUILD_MIN - 2)]
+    timers = [head] + [Timer(1.0 + i, i % 10 != 0) for i in range(aio_loop.REBUILD_MIN - 2)]
     heapq.heapify(timers)
     aio_loop.drop_cancelled_timers(timers, state)
-    assert len(timers) == aio_loop._REBUILD_MIN - 1  # under the threshold: head kept, no sweep
+    assert len(timers) == aio_loop.REBUILD_MIN - 1  # under the threshold: head kept, no sweep
     timers.append(Timer(1000.0, True))
     aio_loop.drop_cancelled_timers(timers, state)
-    live = 1 + len(range(0, aio_loop._REBUILD_MIN - 2, 10))
+    live = 1 + len(range(0, aio_loop.REBUILD_MIN - 2, 10))
     assert len(timers) == live
     assert all(not t._cancelled for t in timers)
     assert timers[0] is head
-    assert state == [aio_loop._REBUILD_MIN]  # 2 x live is below the floor
+    assert state == [aio_loop.REBUILD_MIN]  # 2 x live is below the floor
     head._cancelled = True
     aio_loop.drop_cancelled_timers(timers, state)
     assert timers[0]._when == 1.0  # the next live one

@@ -21,9 +21,13 @@ class Store:
     def __init__(self) -> None:
         self.values: dict[tuple[str, str], Directive | None] = {}
         self.calls = 0
+        self.versions: list[str] = []
 
-    async def get_directive(self, org_id: str, agent_id: str) -> Directive | None:
+    async def get_directive(
+        self, org_id: str, agent_id: str, version: str = ""
+    ) -> Directive | None:
         self.calls += 1
+        self.versions.append(version)
         return self.values.get((org_id, agent_id))
 
     async def aclose(self) -> None:
@@ -257,3 +261,15 @@ async def test_entries_filling_the_bytes_exactly_all_stay() -> None:
     assert (await c.fetch(ORG, agents[1], V1)).detail == "cache"
     assert (await c.fetch(ORG, agents[0], V1)).detail == ""
     assert store.calls == calls + 1
+
+
+async def test_the_cache_is_a_directive_source_that_passes_the_version_on() -> None:
+    store, clock = Store(), Clock()
+    store.values[ORG, AGENT] = directive(V1)
+    c = cache(store, clock)
+    assert await c.get_directive(ORG, AGENT, V1) == directive(V1)
+    assert await c.get_directive(ORG, AGENT, V1) == directive(V1)  # a hit: no call
+    assert await c.get_directive(ORG, AGENT) == directive(V1)  # no version: the TTL serves
+    assert await c.get_directive(ORG, AGENT, V2) == directive(V1)  # the source's current one
+    assert store.versions == [V1, V2]
+    assert (c.hits, c.misses) == (2, 2)

@@ -1,4 +1,4 @@
-"""Response headers from pre-encoded HPACK blocks (`grpc_shim.send_headers_fast`), the
+"""Response headers from pre-encoded HPACK blocks (`hpack_block.send_headers_fast`), the
 HEADERS gate's trailers-only refusal built on it, and `lighten_h2`.
 
 Pinned here, between a real h2 client and server connection: the caller reads
@@ -26,7 +26,9 @@ from h2.exceptions import ProtocolError
 from hyperframe.frame import DataFrame, HeadersFrame
 
 from ibex.service.admission import GATE_CPU_MESSAGE, GATE_QUEUE_MESSAGE
-from ibex.service.grpc_shim import header_block, lighten_h2, send_headers_fast, send_refusal
+from ibex.service.hpack_block import header_block, send_headers_fast
+from ibex.service.patches import lighten_h2
+from ibex.service.protocol import send_refusal
 
 REQUEST = [
     (":method", "POST"),

@@ -9,9 +9,11 @@ up to it (the formatter's additivity claim). Windows are kept small through
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import random
 import re
+import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
 
@@ -25,6 +27,7 @@ from ibex.assembly.catalog import Catalog, load_catalog
 from ibex.assembly.formatter import new_nonce
 from ibex.assembly.pipeline import (
     AssemblyInputs,
+    StageTimer,
     assemble_pure,
     degradation_level,
     resolve_model,
@@ -1055,3 +1058,20 @@ def test_a_refusal_never_reports_negative_room(tokenizers: Tokenizers, catalog: 
     with pytest.raises(TooLargeError) as info:
         run(inputs(req), catalog, tokenizers)
     assert "leaves 0 of its 1480-token context ceiling" in str(info.value)
+
+
+def test_a_timer_handed_in_keeps_this_assemblys_stage_laps(
+    catalog: Catalog, tokenizers: Tokenizers
+) -> None:
+    """A traced call's stage spans: five stages, back to back, timed from this call only."""
+    timer = StageTimer()
+    timer.lap("stale")  # a timer used before: restarted, its laps dropped
+    before = time.perf_counter()
+    result = assemble_pure(inputs(request()), catalog=catalog, tokenizers=tokenizers, timer=timer)
+    after = time.perf_counter()
+    spans = timer.spans()
+    assert [name for name, _, _ in spans] == ["count", "select", "price", "pack", "render"]
+    assert before <= spans[0][1] and spans[-1][2] <= after
+    assert all(a[2] == pytest.approx(b[1], abs=1e-9) for a, b in itertools.pairwise(spans))
+    assert all(start <= end for _, start, end in spans)
+    assert result.metrics.packing_ms == round((spans[3][2] - spans[3][1]) * 1000)

@@ -2,7 +2,7 @@
 
 No timing is asserted as a speed: these pin when the timer is armed, that a wait
 never ends early, that stale expiries never reach Trio, and that everything is
-undone at exit. The lateness itself is measured by `python -m benchmarks.wakeups`.
+undone at exit. The lateness itself is measured by `python -m benchmarks.timer_lateness`.
 """
 
 from __future__ import annotations
@@ -54,8 +54,10 @@ async def test_the_timer_is_armed_with_the_waits_own_timeout(
     monkeypatch.setattr(TimerFd, "arm", lambda self, s: (armed.append(s), real_arm(self, s)))
     with precise_wakeups():
         await trio.sleep(0.0034)
-    # Trio asks for what is left of the sleep when it blocks: just under 3.4 ms.
-    assert armed and all(0.0025 < s <= 0.0034 for s in armed)
+    # Trio asks for what is left of the sleep each time it blocks: just under 3.4 ms the
+    # first time, less on any later wait (a loaded machine may wake the loop early).
+    assert armed and 0.0025 < armed[0] <= 0.0034
+    assert all(0 < s <= armed[0] for s in armed)
 
 
 async def test_a_stale_expiry_is_consumed_and_never_reaches_trio() -> None:

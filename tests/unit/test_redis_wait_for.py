@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import redis.asyncio.connection as redis_connection
 
-from ibex.sources.redis_directive import honour_cancellation_in_redis_writes, wait_for
+from ibex.sources.redis_patches import honour_cancellation_in_redis_writes, wait_for
 
 
 def outcomes(impl: Callable[[Any, float], Any]) -> list[str]:
@@ -80,8 +80,8 @@ def test_timeouts_behave_as_asyncio_wait_for() -> None:
 
 @pytest.mark.skipif(sys.version_info >= (3, 12), reason="not patched from Python 3.12")
 def test_redis_pys_connection_module_writes_under_it() -> None:
-    honour_cancellation_in_redis_writes()  # idempotent: importing the source installed it
     honour_cancellation_in_redis_writes()
+    honour_cancellation_in_redis_writes()  # idempotent
     patched = redis_connection.asyncio
     assert patched.wait_for is wait_for
     assert patched.TimeoutError is asyncio.TimeoutError  # everything else is asyncio's

@@ -21,13 +21,20 @@ import pytest
 import trio
 import trio.testing
 
-from ibex.assembly.structs import AssemblyOptions, AssemblyRequest, Directive, MemoryHit
+from ibex.assembly.candidates import SearchFilter
+from ibex.assembly.structs import (
+    AssemblyOptions,
+    AssemblyRequest,
+    Directive,
+    MemoryHit,
+    SearchRequest,
+)
 from ibex.config import Settings
 from ibex.service.root import open_assembler
-from ibex.sources.base import SourceError
+from ibex.sources.base import Answer, SourceError
 from ibex.sources.directive_cache import DirectiveCache, DirectiveCacheConfig
 from ibex.sources.local_file import SAMPLE_AGENT_ID, SAMPLE_ORG_ID
-from ibex.sources.retrieval import RetrievalConfig, Retrieved, request_wall, retrieve
+from ibex.sources.retrieval import RetrievalConfig, Retrieved, request_wall, retrieve, search
 from ibex.testing.samples import AGENT, ORG
 
 MS = 0.001
@@ -96,7 +103,9 @@ class FakeSources:
         finally:
             self.cleaned_up.add(branch)
 
-    async def get_directive(self, org_id: str, agent_id: str) -> Directive | None:
+    async def get_directive(
+        self, org_id: str, agent_id: str, version: str = ""
+    ) -> Directive | None:
         answer = await self._answer("directive", org_id, agent_id)
         assert answer is None or isinstance(answer, Directive)
         return answer
@@ -729,3 +738,175 @@ async def test_a_cache_hit_starts_no_task_and_a_version_it_lacks_goes_to_the_sou
     assert got.directive == Directive("Two.", version_id=v2)
     assert got.branches[0].detail == ""
     assert fake.calls["directive"] == 2
+
+
+async def test_a_traced_call_gets_when_retrieval_and_each_started_branch_began(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """What a trace's branch spans are placed by: untraced calls record nothing extra."""
+    fake = FakeSources({"directive": Plan(1 * MS), "cold": Plan(20 * MS)})
+    starts: dict[str, float] = {}
+    before = trio.current_time()
+    got = await retrieve(
+        request(options=AssemblyOptions(skip_hot_memories=True)),
+        directive_source=fake,
+        memory_source=fake,
+        config=DEFAULTS,
+        branch_starts=starts,  # type: ignore[arg-type]
+    )
+    assert got.started == before
+    assert starts == {"directive": before, "cold": before}  # hot was skipped: never started
+    untraced, _ = await fetch(fake)
+    assert untraced.started == before + 0.020
+
+
+# --------------------------------------------------------------------------- the directive seam
+
+V1 = "00000000-0000-4000-8000-0000000000d1"
+V2 = "00000000-0000-4000-8000-0000000000d2"
+CONFIG = DEFAULTS
+
+
+class VersionedSource:
+    """A test-only DirectiveSource (no base class, no relation to the cache): one
+    directive per version, and every (org, agent, version) it was asked for."""
+
+    def __init__(self, *versions: str) -> None:
+        self.directives = {v: Directive(f"Directive {v[-2:]}.", version_id=v) for v in versions}
+        self.asked: list[tuple[str, str, str]] = []
+
+    async def get_directive(
+        self, org_id: str, agent_id: str, version: str = ""
+    ) -> Directive | None:
+        await trio.lowlevel.checkpoint()
+        self.asked.append((org_id, agent_id, version))
+        return self.directives.get(version)
+
+    async def aclose(self) -> None:
+        self.directives.clear()
+
+
+class InHandSource(VersionedSource):
+    """A test-only source that keeps every directive in memory and says so (`cached`)."""
+
+    def cached(self, org_id: str, agent_id: str, version: str) -> Answer | None:
+        d = self.directives.get(version)
+        return None if d is None else Answer(d, "in hand")
+
+
+def versioned(version: str) -> AssemblyRequest:
+    return msgspec.structs.replace(request(), directive_version_id=version)
+
+
+async def test_retrieval_asks_any_directive_source_for_the_callers_version(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    src, mem = VersionedSource(V1, V2), FakeSources()
+    got = await retrieve(versioned(V2), directive_source=src, memory_source=mem, config=DEFAULTS)
+    assert src.asked == [(ORG, AGENT, V2)]
+    assert got.directive == Directive("Directive d2.", version_id=V2)
+    assert (got.branches[0].status, got.branches[0].detail) == ("success", "")
+
+    none = await retrieve(request(), directive_source=src, memory_source=mem, config=DEFAULTS)
+    assert src.asked[-1] == (ORG, AGENT, "")  # no version expected: asked with none
+    assert none.directive is None and none.branches[0].status == "success"
+
+
+async def test_the_cache_decorates_any_source_and_passes_the_version_through(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    src, mem = VersionedSource(V1, V2), FakeSources()
+    cache = DirectiveCache(src, DirectiveCacheConfig(max_age=120.0), clock=trio.current_time)
+    first = await retrieve(versioned(V1), directive_source=cache, memory_source=mem, config=CONFIG)
+    assert src.asked == [(ORG, AGENT, V1)] and first.branches[0].detail == ""
+    again = await retrieve(versioned(V1), directive_source=cache, memory_source=mem, config=CONFIG)
+    assert src.asked == [(ORG, AGENT, V1)]  # served from the cache: no call
+    assert again.directive == first.directive
+    assert msgspec.structs.astuple(again.branches[0]) == ("directive", "success", 0.0, "cache")
+    # Used as a plain DirectiveSource, the decorator asks its source for the version.
+    assert await cache.get_directive(ORG, AGENT, V2) == Directive("Directive d2.", version_id=V2)
+    assert src.asked[-1] == (ORG, AGENT, V2)
+    assert (cache.hits, cache.misses) == (1, 2)
+    await cache.aclose()
+    assert src.directives == {}  # closing the decorator closes its source
+
+
+async def test_any_source_with_an_answer_in_hand_is_served_without_a_task(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """`cached` is an optional method of any source, not a property of the cache class."""
+    src, mem = InHandSource(V1), FakeSources()
+    spawned = Spawned()
+    trio.lowlevel.add_instrument(spawned)
+    try:
+        hit = await retrieve(versioned(V1), directive_source=src, memory_source=mem, config=CONFIG)
+    finally:
+        trio.lowlevel.remove_instrument(spawned)
+    assert src.asked == []
+    assert len(spawned.names) == 1  # hot's; cold runs in this task, the directive needs none
+    assert hit.directive == Directive("Directive d1.", version_id=V1)
+    assert msgspec.structs.astuple(hit.branches[0]) == ("directive", "success", 0.0, "in hand")
+    miss = await retrieve(versioned(V2), directive_source=src, memory_source=mem, config=DEFAULTS)
+    assert src.asked == [(ORG, AGENT, V2)]
+    assert miss.directive is None and miss.branches[0].detail == ""
+
+
+# --------------------------------------------------------------------------- search
+
+
+async def test_search_waits_the_cold_timeout_or_the_deadline_less_the_headroom(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    stuck = FakeSources({"cold": Plan(math.inf)})
+    for deadline, wall in ((None, 0.045), (1.0, 0.045), (0.030, 0.020), (-1.0, 0.0)):
+        start = trio.current_time()
+        at = None if deadline is None else start + deadline
+        with pytest.raises(SourceError, match=f"no answer within {wall * 1000:.0f}ms"):
+            await search(stuck, ORG, AGENT, "q", limit=5, config=DEFAULTS, deadline=at)
+        assert trio.current_time() - start == pytest.approx(wall)
+    assert stuck.cancelled == {"cold"}
+
+
+async def test_search_asks_the_cold_search_and_names_its_failures(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    fake = FakeSources({"cold": Plan(5 * MS)})
+    config = RetrievalConfig(min_confidence=0.3)
+    hits = await search(fake, ORG, AGENT, "deploy", limit=7, config=config)
+    assert hits == ANSWERS["cold"]
+    assert fake.seen["cold"] == (ORG, AGENT, "deploy", 7, 0.3)
+    broken = FakeSources({"cold": Plan(1 * MS, SourceError("HTTP 503"))})
+    with pytest.raises(SourceError) as info:
+        await search(broken, ORG, AGENT, "q", limit=5, config=DEFAULTS)
+    assert str(info.value) == "memory search failed: HTTP 503"
+
+
+async def test_assembler_search_on_the_local_sample(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Validated (canonical ids, default limit), searched, tenant-filtered and ranked."""
+    async with open_assembler(Settings()) as assembler:
+        flt = assembler.check_search(
+            SearchRequest(
+                org_id=SAMPLE_ORG_ID.upper(), agent_id=SAMPLE_AGENT_ID, query="deploy billing"
+            )
+        )
+        assert flt == SearchFilter(SAMPLE_ORG_ID, SAMPLE_AGENT_ID, 10, query="deploy billing")
+        with caplog.at_level(logging.WARNING, logger="ibex.service.assembler"):
+            found = await assembler.search(flt)
+    assert 0 < len(found.hits) <= 10
+    assert found.own_candidates >= len(found.hits)
+    assert {h.hit.agent_id for h in found.hits} == {SAMPLE_AGENT_ID}
+    scores = [h.score for h in found.hits]
+    assert scores == sorted(scores, reverse=True)
+    assert OTHER_AGENT_MEMORY_ID not in {h.hit.memory_id for h in found.hits}
+    (record,) = [r for r in caplog.records if r.getMessage() == "tenant_filter_dropped"]
+    assert record.count == found.tenant_filtered >= 1  # type: ignore[attr-defined]
+    assert record.org_id == SAMPLE_ORG_ID  # type: ignore[attr-defined]
+
+
+async def test_a_search_without_a_memory_source_fails_before_any_io() -> None:
+    async with open_assembler(Settings()) as assembler:
+        assembler.memory_source = None
+        with pytest.raises(SourceError, match=r"^memory search failed: no memory source"):
+            assembler.check_search(SearchRequest(SAMPLE_ORG_ID, SAMPLE_AGENT_ID, "deploy"))

@@ -17,13 +17,16 @@ from typing import Any
 import msgspec
 import pytest
 
-from ibex.assembly.structs import AssemblyOptions, AssemblyRequest, Message
+from ibex.assembly.candidates import MAX_MEMORIES_HARD_CAP, SearchFilter
+from ibex.assembly.structs import AssemblyOptions, AssemblyRequest, Message, SearchRequest
 from ibex.assembly.validation import (
     MAX_ID_LENGTH,
     MAX_ROLE_LENGTH,
+    SEARCH_DEFAULT_LIMIT,
     RequestLimits,
     canonical_uuid,
     validate_request,
+    validate_search,
 )
 from ibex.errors import InputError, OverLimitError, TooLargeError
 from ibex.testing.samples import AGENT, ORG
@@ -337,3 +340,55 @@ def test_error_messages_name_the_field_and_the_bound(
     request_: AssemblyRequest, message: str
 ) -> None:
     assert str(refused(request_)) == message
+
+
+# --------------------------------------------------------------------------- SearchMemories
+
+
+def search(**kw: Any) -> SearchFilter:
+    base: dict[str, Any] = {"org_id": ORG, "agent_id": AGENT, "query": "deploy"}
+    base.update(kw)
+    return validate_search(SearchRequest(**base), SMALL)
+
+
+def test_search_ids_are_canonical_and_the_limit_defaults_and_caps() -> None:
+    flt = search(org_id=ORG.upper(), categories=("a", "a"), tags=("t",), min_similarity=0.5)
+    assert flt == SearchFilter(
+        org_id=ORG,
+        agent_id=AGENT,
+        limit=SEARCH_DEFAULT_LIMIT,
+        min_similarity=0.5,
+        categories=frozenset({"a"}),
+        tags=frozenset({"t"}),
+        query="deploy",
+    )
+    assert SEARCH_DEFAULT_LIMIT == 10 and MAX_MEMORIES_HARD_CAP == 100
+    assert search(limit=3).limit == 3
+    assert search(limit=MAX_MEMORIES_HARD_CAP).limit == MAX_MEMORIES_HARD_CAP
+    assert search(limit=MAX_MEMORIES_HARD_CAP + 1).limit == MAX_MEMORIES_HARD_CAP
+    assert search(min_similarity=0.0).min_similarity == 0.0
+    assert search(min_similarity=1.0).min_similarity == 1.0
+    assert search(query="x" * 12).query == "x" * 12  # at the byte limit
+
+
+@pytest.mark.parametrize(
+    ("fields", "field", "error"),
+    [
+        ({"org_id": "acme"}, "org_id", InputError),
+        ({"agent_id": ""}, "agent_id", InputError),
+        ({"query": ""}, "query", InputError),
+        ({"query": " \n\t"}, "query", InputError),
+        ({"query": "x" * 13}, "query", OverLimitError),
+        ({"query": "é" * 7}, "query", OverLimitError),  # 7 characters, 14 bytes
+        ({"limit": -1}, "limit", InputError),
+        ({"min_similarity": -0.01}, "limit", InputError),
+        ({"min_similarity": 1.01}, "limit", InputError),
+        ({"min_similarity": math.nan}, "limit", InputError),
+        ({"min_similarity": math.inf}, "limit", InputError),
+    ],
+)
+def test_search_refusals_name_the_field(fields: dict[str, Any], field: str, error: type) -> None:
+    with pytest.raises(InputError) as info:
+        search(**fields)
+    assert type(info.value) is error
+    assert info.value.field == field

@@ -62,23 +62,30 @@ def test_release_numbers() -> None:
 
 
 PATCHERS = [
-    ("ibex.service.grpc_shim", "grpclib"),
-    ("ibex.service.grpc_shim", "h2"),
-    ("ibex.service.aio_loop", "trio-asyncio"),
-    ("ibex.sources.redis_directive", "redis"),
+    ("answer_expired_deadlines", "grpclib"),
+    ("lighten_h2", "h2"),
+    ("lighten_h2", "hpack"),
+    ("lighten_h2", "hyperframe"),
+    ("batch_ready_callbacks", "trio-asyncio"),
+    ("honour_cancellation_in_redis_writes", "redis"),
 ]
 
 
-def test_each_patching_module_refuses_to_import_with_an_unsupported_version() -> None:
-    """Each patch module checks at import (start-up), in a fresh interpreter each."""
+def test_each_patch_refuses_to_install_with_an_unsupported_version() -> None:
+    """Each patch checks its package as it is installed (at start-up, through
+    `install_patches`), in a fresh interpreter each; importing the patches applies none."""
     procs = []
-    for module, package in PATCHERS:
+    for install, package in PATCHERS:
         fake = ".".join(str(n) for n in release(SUPPORTED[package][1])) + ".0"
         code = (
             "import importlib.metadata as m\n"
             "real = m.version\n"
             f"m.version = lambda name: {fake!r} if name == {package!r} else real(name)\n"
-            f"import {module}\n"
+            "import grpclib.utils\n"
+            "original = grpclib.utils.DeadlineWrapper.start\n"
+            "from ibex.service import patches\n"
+            "assert grpclib.utils.DeadlineWrapper.start is original\n"
+            f"patches.{install}()\n"
         )
         proc = subprocess.Popen(
             [sys.executable, "-c", code], cwd=ROOT, stderr=subprocess.PIPE, text=True
@@ -88,6 +95,23 @@ def test_each_patching_module_refuses_to_import_with_an_unsupported_version() ->
         _, stderr = proc.communicate(timeout=60)
         assert proc.returncode != 0
         assert f"UnsupportedVersion: {package} {fake} is installed" in stderr
+
+
+def test_install_patches_checks_every_supported_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`install_patches` asks for every package in SUPPORTED (and nothing else)."""
+    from ibex.service import patches
+    from ibex.sources import redis_patches
+
+    asked: set[str] = set()
+
+    def record(*packages: str) -> None:
+        asked.update(packages)
+        require(*packages)
+
+    monkeypatch.setattr(patches, "require", record)
+    monkeypatch.setattr(redis_patches, "require", record)
+    patches.install_patches()
+    assert asked == set(SUPPORTED)
 
 
 def test_direct_dependency_ranges_in_pyproject_are_the_supported_ranges() -> None:

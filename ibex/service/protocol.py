@@ -1,12 +1,15 @@
-"""Everything that touches grpclib's private attributes, in one module.
+"""grpclib's HTTP/2 protocol with ibex's connection handling: accept-time admission,
+TLS counted from accept, write batching, the early-refusal gate, the Health/Watch cap
+and the two-step GOAWAY; and the listeners that serve it.
 
-grpclib (0.4) has no public way to bound a request's size before it is
-buffered, to learn the bound port, to stop accepting connections while
-existing ones keep serving, to see and close its connections, or to listen on a
-second port with the same connection bookkeeping (so drain and close cover both).
-Each of those reaches into a private attribute; they live here so a grpclib
-upgrade is checked in one place (tests/integration/test_grpc_ops.py,
-test_connections.py and test_client_balancing.py exercise every function below).
+grpclib (0.4) has no public way to learn the bound port, to stop accepting
+connections while existing ones keep serving, to see and close its connections,
+or to listen on a second port with the same connection bookkeeping (so drain
+and close cover both). Each of those reaches into a private attribute of
+grpclib's server or protocol (tests/integration/test_grpc_ops.py,
+test_connections.py and test_client_balancing.py exercise every function here).
+`ibex.service.connections` decides what happens to each connection; this module
+does it.
 """
 
 from __future__ import annotations
@@ -14,140 +17,26 @@ from __future__ import annotations
 import asyncio
 import asyncio.sslproto
 import contextlib
-import functools
-import logging
 import ssl as _ssl
-import struct
 import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any, Literal, cast
 
-import grpclib.protocol
 import grpclib.server
-import grpclib.utils
-import hpack.hpack
-import hpack.table
 from grpclib.const import Status
-from grpclib.metadata import Deadline, decode_timeout, encode_grpc_message
+from grpclib.metadata import decode_timeout, encode_grpc_message
 from grpclib.protocol import H2Protocol
-from h2.connection import ConnectionInputs, H2Connection
+from h2.connection import H2Connection
 from h2.errors import ErrorCodes
 from h2.events import PingAckReceived, RequestReceived
-from h2.exceptions import ProtocolError, StreamClosedError
-from h2.stream import StreamInputs
-from hpack.hpack import encode_integer
-from hpack.table import HeaderTable
-from hyperframe.frame import Frame, GoAwayFrame
+from h2.exceptions import ProtocolError
+from hyperframe.frame import GoAwayFrame
 
-from ibex.errors import InputError, TooLargeError, Unimplemented
 from ibex.service.connections import Connections
-from ibex.versions import require
+from ibex.service.hpack_block import MAX_STREAM_ID, send_headers_fast
 
-require("grpclib", "h2", "hpack", "hyperframe")
-
-MAX_STREAM_ID = 2**31 - 1
 GOAWAY_PING = b"ibex-bye"  # 8 bytes of PING payload marking the drain's heads-up
-
-
-Reserve = Callable[[int], None]
-"""Told a request message's declared length before its bytes are read (may raise to refuse)."""
-
-
-async def recv_bounded(
-    stream: grpclib.server.Stream[Any, Any], limit: int, reserve: Reserve | None = None
-) -> tuple[Any, int]:
-    """The unary request message and its size in bytes, refused before it is buffered
-    when over `limit` bytes.
-
-    grpclib reads a whole message before decoding it and has no size cap, so
-    this reads the 5-byte gRPC prefix itself and checks the declared length
-    first; HTTP/2 flow control keeps the unread body bounded by the window.
-    `reserve` hears the declared length before the body is read, so the bytes
-    are counted (toward the in-flight bytes) before they are buffered.
-    It then does what `Stream.recv_message` does (decode, dispatch event).
-    """
-    message = await recv_next(stream, limit, reserve)
-    if message is None:
-        raise InputError("request", "no message")
-    return message
-
-
-async def recv_next(
-    stream: grpclib.server.Stream[Any, Any], limit: int, reserve: Reserve | None = None
-) -> tuple[Any, int] | None:
-    """`recv_bounded` for a stream of request messages: None at the end of the stream."""
-    inner = stream._stream
-    meta = await inner.recv_data(5)
-    if not meta:
-        return None
-    if len(meta) < 5:
-        raise InputError("request", "truncated message")
-    compressed, length = struct.unpack(">?I", meta)
-    if compressed:
-        raise Unimplemented("request: compressed messages are not supported")
-    if length > limit:
-        raise TooLargeError("request", f"message of {length} bytes exceeds the {limit}-byte limit")
-    if reserve is not None:
-        reserve(length)
-    data = await inner.recv_data(length)
-    if len(data) != length:
-        raise InputError("request", "truncated message")
-    try:
-        message = stream._codec.decode(data, stream._recv_type)
-    except Exception:
-        raise InputError("request", "not a valid protobuf message") from None
-    (message,) = await stream._dispatch.recv_message(message)
-    stream._messages_received += 1
-    inner.connection.messages_received += 1
-    inner.connection.last_message_received = time.monotonic()
-    return message, length
-
-
-def reset_unread(stream: grpclib.server.Stream[Any, Any]) -> None:
-    """After an answer to a request not read to its end: RST_STREAM(NO_ERROR), as grpc-go
-    does, so the peer stops sending (what it sent is acknowledged and dropped)."""
-    if not request_complete(stream):
-        with contextlib.suppress(Exception):  # already closed or reset
-            stream._stream.reset_nowait()
-
-
-def caller_authenticated(stream: grpclib.server.Stream[Any, Any]) -> None:
-    """A call on this stream's connection passed authentication (see `Connections`)."""
-    protocol = getattr(stream._stream.connection, "ibex_protocol", None)
-    if protocol is not None:
-        protocol._connections.authenticated(protocol)
-
-
-def request_complete(stream: grpclib.server.Stream[Any, Any]) -> bool:
-    """True when the caller's END_STREAM has been read: the whole request is buffered,
-    so reading it cannot stall (and needs no timer)."""
-    buffer = getattr(stream._stream, "buffer", None)
-    return getattr(buffer, "_eof", False) is True
-
-
-def arrival(stream: grpclib.server.Stream[Any, Any]) -> float | None:
-    """When the call's HEADERS were read off its connection (`time.monotonic()`), or None.
-
-    grpclib starts a call's handler as a task; under load it runs well after the
-    request arrived, and grpclib's own deadline starts counting only then.
-    """
-    arrived = getattr(stream._stream, "ibex_arrived", None)
-    return arrived if isinstance(arrived, float) else None
-
-
-def handler_started(stream: grpclib.server.Stream[Any, Any]) -> None:
-    """The handler of a call the gate let through now runs: it no longer waits to start.
-
-    The task's fallback done callback is removed too, so a call costs the loop no
-    extra callback when it ends.
-    """
-    pending = stream._stream.__dict__.pop("ibex_gate_left", None)
-    if pending is not None:
-        left, task, done = pending
-        task.remove_done_callback(done)
-        left()
 
 
 def bound_port(server: grpclib.server.Server) -> int:
@@ -184,114 +73,6 @@ def stop_accepting(server: grpclib.server.Server) -> None:
         listener.close()
 
 
-@contextmanager
-def _deadline_start(self: grpclib.utils.DeadlineWrapper, deadline: Deadline) -> Iterator[None]:
-    """grpclib's `DeadlineWrapper.start`, except that an already expired deadline cancels
-    the call through the wrapper like any other: the caller gets DEADLINE_EXCEEDED and
-    grpclib logs it at info. (Upstream raises TimeoutError before the wrapper is armed,
-    which answers UNKNOWN "Internal Server Error" and logs "Timeout occurred" at error.)
-    """
-    timeout = max(0.0, deadline.time_remaining())
-
-    def callback() -> None:
-        self.cancel(TimeoutError("Deadline exceeded"))
-
-    timer = asyncio.get_event_loop().call_later(timeout, callback)
-    try:
-        yield
-    finally:
-        timer.cancel()
-
-
-def answer_expired_deadlines() -> None:
-    """Install `_deadline_start` (idempotent; grpclib 0.4's DeadlineWrapper)."""
-    grpclib.utils.DeadlineWrapper.start = _deadline_start  # type: ignore[method-assign]
-
-
-_STATIC_FIELDS = {field: i for i, field in enumerate(HeaderTable.STATIC_TABLE, start=1)}
-_STATIC_NAMES: dict[bytes, int] = {}
-for _i, (_name, _) in enumerate(HeaderTable.STATIC_TABLE, start=1):
-    _STATIC_NAMES.setdefault(_name, _i)
-_HEADERS = 0x01  # frame type
-_END_STREAM = 0x01
-_END_HEADERS = 0x04
-_BLOCK_CACHE_CHARS = 512  # header lists longer than this are encoded by h2, never cached
-
-
-def _string(raw: bytes) -> bytes:
-    """An HPACK string literal, not Huffman-coded (RFC 7541 5.2)."""
-    return bytes(encode_integer(len(raw), 7)) + raw
-
-
-def _field(name: bytes, value: bytes) -> bytes:
-    """One field from the static table or as a literal without indexing (RFC 7541 6.1, 6.2.2)."""
-    index = _STATIC_FIELDS.get((name, value))
-    if index is not None:
-        out = encode_integer(index, 7)
-        out[0] |= 0x80
-        return bytes(out)
-    index = _STATIC_NAMES.get(name)
-    if index is not None:
-        return bytes(encode_integer(index, 4)) + _string(value)
-    return b"\x00" + _string(name) + _string(value)
-
-
-@functools.lru_cache(maxsize=256)
-def header_block(headers: tuple[tuple[str, str], ...]) -> bytes:
-    """The HPACK block of `headers`, built once per distinct list.
-
-    Only the static table and literals without indexing: the block leaves both
-    ends' dynamic tables as they were, so it is valid on any connection at any
-    time (except right after a table-size change, which must lead the next
-    block). A few more bytes on the wire than h2's indexed encoding, and none
-    of its per-call encoding work.
-    """
-    return b"".join(_field(n.encode(), v.encode()) for n, v in headers)
-
-
-def send_headers_fast(
-    h2: H2Connection, stream_id: int, headers: Sequence[tuple[str, str]], end_stream: bool
-) -> bool:
-    """Send a server's response headers or trailers as h2's `send_headers` would, from
-    `header_block`; False (nothing done) where only h2 can: a client connection, a
-    pending table-size change, an informational status, a long or non-text list.
-
-    Raises h2's ProtocolError when the stream cannot send (e.g. reset by the caller).
-    """
-    if h2.config.client_side or h2.encoder.table_size_changes:
-        return False
-    key = tuple(headers)
-    chars = 0
-    for field in key:
-        if not isinstance(field, tuple) or len(field) != 2:
-            return False
-        name, value = field
-        if not isinstance(name, str) or not isinstance(value, str):
-            return False
-        chars += len(name) + len(value)
-    if chars > _BLOCK_CACHE_CHARS:
-        return False
-    if key and key[0][0] == ":status" and key[0][1].startswith("1"):
-        return False  # 1xx: h2 tracks informational responses apart
-    block = header_block(key)
-    h2.state_machine.process_input(ConnectionInputs.SEND_HEADERS)
-    stream = h2._get_stream_by_id(stream_id)
-    stream.state_machine.process_input(StreamInputs.SEND_HEADERS)
-    flags = _END_HEADERS
-    if end_stream:
-        stream.state_machine.process_input(StreamInputs.SEND_END_STREAM)
-        flags |= _END_STREAM
-    elif stream.state_machine.trailers_sent:
-        raise ProtocolError("Trailers must have END_STREAM set.")
-    h2._data_to_send += (
-        len(block).to_bytes(3, "big")
-        + bytes((_HEADERS, flags))
-        + (stream_id & MAX_STREAM_ID).to_bytes(4, "big")
-        + block
-    )
-    return True
-
-
 def refusal_headers(status: int, message: str) -> list[tuple[str, str]]:
     """A trailers-only answer's headers."""
     return [
@@ -312,59 +93,6 @@ def send_refusal(h2: H2Connection, stream_id: int, status: int, message: str) ->
     headers = refusal_headers(status, message)
     if not send_headers_fast(h2, stream_id, headers, True):
         h2.send_headers(stream_id, headers, end_stream=True)
-
-
-async def _stream_send_headers(
-    self: grpclib.protocol.Stream, headers: list[tuple[str, str]], end_stream: bool = False
-) -> None:
-    """grpclib's `Stream.send_headers` (0.4), with the headers from `send_headers_fast`."""
-    assert self.id is not None
-    await self.connection.write_ready.wait()
-    # grpclib's own workaround: h2 would try to create a stream it has forgotten.
-    if self.id not in self._h2_connection.streams:
-        raise StreamClosedError(self.id)
-    h2 = self._h2_connection
-    if not send_headers_fast(h2, self.id, headers, end_stream):
-        h2.send_headers(self.id, headers, end_stream=end_stream)
-    self._transport.write(h2.data_to_send())
-    self.connection.headers_send_process()
-
-
-class _Silent:
-    """A module logger that drops everything.
-
-    hpack logs every header field it encodes or decodes at DEBUG (values
-    included: bearer tokens, principals), through a real `logging.Logger`
-    whose level check alone cost a refusal about 5 % of its CPU.
-    """
-
-    __slots__ = ()
-
-    def debug(self, *args: object, **kwargs: object) -> None:
-        return None
-
-
-def _short_frame_repr(frame: Frame) -> str:
-    return f"{type(frame).__name__}(stream_id={frame.stream_id})"
-
-
-def lighten_h2() -> None:
-    """Send response headers from `header_block`, and take two debugging aids off
-    h2's per-frame path (idempotent).
-
-    h2's `send_headers` cost an answer about 70 µs (its headers and trailers)
-    in a hot loop; from `header_block`, about 18 µs.
-
-    h2 formats `repr(frame)` for its no-op trace logger on every frame it
-    receives, and hyperframe's repr re-serializes the frame body to show it:
-    about 8 % of a refusal's CPU. The repr keeps the frame type and stream.
-    hpack's loggers are silenced (see `_Silent`).
-    """
-    Frame.__repr__ = _short_frame_repr  # type: ignore[method-assign]
-    grpclib.protocol.Stream.send_headers = _stream_send_headers  # type: ignore[method-assign]
-    for module in (hpack.hpack, hpack.table):
-        if isinstance(getattr(module, "log", None), logging.Logger):
-            module.log = _Silent()  # type: ignore[attr-defined]
 
 
 Gate = Callable[[str, float | None], str | None]

@@ -1,0 +1,118 @@
+"""Reading a call's request off its grpclib stream, bounded, and what the stream knows
+about the call (complete, arrival time, handler started).
+
+grpclib (0.4) has no public way to bound a request's size before it is buffered,
+nor to see whether the request was read to its end: these functions reach into
+its private stream attributes (tests/integration/test_edge_bounds.py and
+test_grpc_ops.py exercise them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import struct
+import time
+from collections.abc import Callable
+from typing import Any
+
+import grpclib.server
+
+from ibex.errors import InputError, TooLargeError, Unimplemented
+
+Reserve = Callable[[int], None]
+"""Told a request message's declared length before its bytes are read (may raise to refuse)."""
+
+
+async def recv_bounded(
+    stream: grpclib.server.Stream[Any, Any], limit: int, reserve: Reserve | None = None
+) -> tuple[Any, int]:
+    """The unary request message and its size in bytes, refused before it is buffered
+    when over `limit` bytes.
+
+    grpclib reads a whole message before decoding it and has no size cap, so
+    this reads the 5-byte gRPC prefix itself and checks the declared length
+    first; HTTP/2 flow control keeps the unread body bounded by the window.
+    `reserve` hears the declared length before the body is read, so the bytes
+    are counted (toward the in-flight bytes) before they are buffered.
+    It then does what `Stream.recv_message` does (decode, dispatch event).
+    """
+    message = await recv_next(stream, limit, reserve)
+    if message is None:
+        raise InputError("request", "no message")
+    return message
+
+
+async def recv_next(
+    stream: grpclib.server.Stream[Any, Any], limit: int, reserve: Reserve | None = None
+) -> tuple[Any, int] | None:
+    """`recv_bounded` for a stream of request messages: None at the end of the stream."""
+    inner = stream._stream
+    meta = await inner.recv_data(5)
+    if not meta:
+        return None
+    if len(meta) < 5:
+        raise InputError("request", "truncated message")
+    compressed, length = struct.unpack(">?I", meta)
+    if compressed:
+        raise Unimplemented("request: compressed messages are not supported")
+    if length > limit:
+        raise TooLargeError("request", f"message of {length} bytes exceeds the {limit}-byte limit")
+    if reserve is not None:
+        reserve(length)
+    data = await inner.recv_data(length)
+    if len(data) != length:
+        raise InputError("request", "truncated message")
+    try:
+        message = stream._codec.decode(data, stream._recv_type)
+    except Exception:
+        raise InputError("request", "not a valid protobuf message") from None
+    (message,) = await stream._dispatch.recv_message(message)
+    stream._messages_received += 1
+    inner.connection.messages_received += 1
+    inner.connection.last_message_received = time.monotonic()
+    return message, length
+
+
+def reset_unread(stream: grpclib.server.Stream[Any, Any]) -> None:
+    """After an answer to a request not read to its end: RST_STREAM(NO_ERROR), as grpc-go
+    does, so the peer stops sending (what it sent is acknowledged and dropped)."""
+    if not request_complete(stream):
+        with contextlib.suppress(Exception):  # already closed or reset
+            stream._stream.reset_nowait()
+
+
+def caller_authenticated(stream: grpclib.server.Stream[Any, Any]) -> None:
+    """A call on this stream's connection passed authentication (see `Connections`)."""
+    protocol = getattr(stream._stream.connection, "ibex_protocol", None)
+    if protocol is not None:
+        protocol._connections.authenticated(protocol)
+
+
+def request_complete(stream: grpclib.server.Stream[Any, Any]) -> bool:
+    """True when the caller's END_STREAM has been read: the whole request is buffered,
+    so reading it cannot stall (and needs no timer)."""
+    buffer = getattr(stream._stream, "buffer", None)
+    return getattr(buffer, "_eof", False) is True
+
+
+def arrival(stream: grpclib.server.Stream[Any, Any]) -> float | None:
+    """When the call's HEADERS were read off its connection (`time.monotonic()`), or None.
+
+    grpclib starts a call's handler as a task; under load it runs well after the
+    request arrived, and grpclib's own deadline starts counting only then.
+    """
+    arrived = getattr(stream._stream, "ibex_arrived", None)
+    return arrived if isinstance(arrived, float) else None
+
+
+def handler_started(stream: grpclib.server.Stream[Any, Any]) -> None:
+    """The handler of a call the gate let through now runs: it no longer waits to start.
+
+    The task's fallback done callback is removed too, so a call costs the loop no
+    extra callback when it ends.
+    """
+    pending = stream._stream.__dict__.pop("ibex_gate_left", None)
+    if pending is not None:
+        left, task, done = pending
+        task.remove_done_callback(done)
+        left()

@@ -1,0 +1,67 @@
+"""redis-py's asyncio connections write under a `wait_for` that never drops a cancellation.
+
+redis-py writes every command under `asyncio.wait_for`, which before Python
+3.12 returns the write's result and drops the cancellation when both land in
+the same loop step (CPython gh-86296). A cancelled GET then went on to wait for
+the reply of a sleeping server, far past its branch's deadline. redis-py's
+connection module therefore gets `wait_for` as Python 3.12 has it, on top of
+`asyncio.timeout`. Installed explicitly at start-up, through
+`ibex.service.patches.install_patches` (this layer may not import the service).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+import types
+from typing import Any
+
+import redis.asyncio.connection as _redis_connection
+
+from ibex.versions import require
+
+
+async def wait_for(aw: Any, timeout: float | None) -> Any:  # noqa: ASYNC109  (its signature)
+    """`asyncio.wait_for` as Python 3.12 has it: the awaitable runs in this task under
+    `asyncio.timeout`, so a cancellation of this task is never traded for a result."""
+    if timeout is None:
+        return await aw
+    if timeout <= 0:
+        fut = asyncio.ensure_future(aw)
+        if fut.done():
+            return fut.result()
+        fut.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await fut
+        try:
+            return fut.result()
+        except asyncio.CancelledError as exc:
+            raise TimeoutError from exc
+    async with asyncio.timeout(timeout):
+        return await aw
+
+
+class _AsyncioWithWaitFor(types.ModuleType):
+    """The `asyncio` module as redis-py's connection module sees it, but for `wait_for`."""
+
+    wait_for = staticmethod(wait_for)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(asyncio, name)
+
+
+def honour_cancellation_in_redis_writes() -> None:
+    """Give redis-py's asyncio connections the `wait_for` above (idempotent; Python < 3.12).
+
+    Checked, so a redis-py that stops using `asyncio.wait_for` this way fails loudly.
+    """
+    require("redis")
+    if sys.version_info >= (3, 12):
+        return
+    current = getattr(_redis_connection, "asyncio", None)
+    if isinstance(current, _AsyncioWithWaitFor):
+        return
+    if current is not asyncio:
+        raise RuntimeError("redis-py's asyncio connection module changed; cannot patch wait_for")
+    _redis_connection.asyncio = _AsyncioWithWaitFor("asyncio")
