@@ -29,7 +29,7 @@ import msgspec
 
 from benchmarks.timing import timed
 from ibex.assembly.catalog import Catalog, load_catalog
-from ibex.assembly.formatter import new_nonce
+from ibex.assembly.formatter import XML_TAGS, new_nonce
 from ibex.assembly.packer import pack
 from ibex.assembly.pipeline import (
     AssemblyInputs,
@@ -159,7 +159,7 @@ def stages(inputs: AssemblyInputs, catalog: Catalog, tokenizers: Tokenizers) -> 
     """Median µs of each stage, re-run with the pipeline's own functions.
 
     The last row is not part of the pipeline: it is what re-tokenising the
-    final text would add, the check the join rule (fmt.joins_split_cleanly)
+    final text would add, the check the format's join rule (`counts_add_up`)
     replaces.
     """
     request = inputs.request
@@ -177,16 +177,18 @@ def stages(inputs: AssemblyInputs, catalog: Catalog, tokenizers: Tokenizers) -> 
     for _ in range(ITERATIONS // 2):
         nonce = new_nonce(16)
         t = time.perf_counter_ns()
-        fixed = count_fixed_sections(request, inputs.directive, nonce, cap, family, counter)
+        fixed = count_fixed_sections(
+            request, inputs.directive, nonce, cap, family, counter, XML_TAGS
+        )
         t = clock("count fixed sections, budget", t)
         candidates, _ = select_candidates(request, inputs.hot, inputs.cold, inputs.now)
         t = clock("select (filter, score, dedupe)", t)
-        candidates = price(candidates, counter)
+        candidates = price(candidates, counter, XML_TAGS)
         t = clock("price (escape, cache lookups)", t)
         result = pack(candidates, fixed.budget.usable_budget)
         t = clock("pack", t)
         rendered = render_within_ceiling(
-            request, inputs.directive, nonce, fixed, result.packed, counter, model
+            request, inputs.directive, nonce, fixed, result.packed, counter, model, XML_TAGS
         )
         t = clock("render within the ceiling", t)
         counter.count_uncached(rendered.text)

@@ -36,9 +36,9 @@ from grpclib.const import Cardinality, Status
 from grpclib.exceptions import GRPCError, StreamTerminatedError
 from grpclib.metadata import Deadline
 
-from ibex.assembly import formatter
 from ibex.assembly.budget import context_ceiling
 from ibex.assembly.catalog import Catalog, load_catalog, resolve_model
+from ibex.assembly.formatter import XML_TAGS
 from ibex.assembly.history import Staged, fit_history
 from ibex.assembly.structs import Message
 from ibex.service import wire
@@ -127,8 +127,8 @@ def fallback_history(
     cap = resolve_model(catalog, model, available_tokens)
     ceiling = context_ceiling(cap, catalog.family(cap.tokenizer_family), available_tokens)
     counter = _Utf8Bytes()
-    fit = fit_history(counter, messages, "", ceiling, Staged(counter))
-    return "".join(formatter.history_section(fit.kept, "")), len(messages) - len(fit.kept)
+    fit = fit_history(counter, messages, "", ceiling, Staged(counter, XML_TAGS))
+    return "".join(XML_TAGS.history_section(fit.kept, "")), len(messages) - len(fit.kept)
 
 
 def history_only(

@@ -1,20 +1,29 @@
 """Settings from IBEX_CONTEXT_* environment variables, validated once at start-up.
 
+The `Settings` class body is the one table of settings: each field is one
+variable, annotated with its `Var` (the variable's name, how its raw value is
+parsed and bounded, whether it is secret, and which layer config fields it
+sets); its default is the field's default. The parser, `known_variables`, the
+typo check, redaction and the composition root's translation into each
+layer's config struct (`ibex.service.root`) all read that table, so a new
+setting is one field here plus the code that uses it.
+
 Every error names the variable so an operator can fix the unit file without
 reading code; secret values are never echoed back.
 """
 
 from __future__ import annotations
 
-import contextlib
 import difflib
+import functools
 import ipaddress
 import math
 import os
 import re
+import typing
 import urllib.parse
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Annotated, Any
 
 import msgspec
 
@@ -22,9 +31,12 @@ from ibex.errors import ConfigError
 
 __all__ = [
     "PREFIX",
+    "TABLE",
     "ConfigError",
     "Settings",
+    "Var",
     "known_variables",
+    "layer_fields",
     "load_settings",
     "parse_duration",
     "redact_url",
@@ -32,15 +44,6 @@ __all__ = [
 ]
 
 PREFIX = "IBEX_CONTEXT_"
-SECRET_FIELDS = frozenset(
-    {
-        "memory_api_token",
-        "auth_tokens_sha256",
-        "redis_sentinel_password",
-        "nonce_key",
-        "metrics_token_sha256",
-    }
-)
 #: IBEX_CONTEXT_NONCE_KEY's least length (= ibex.assembly.nonce.MIN_KEY_CHARS).
 NONCE_KEY_MIN_CHARS = 32
 # Variables read outside `load_settings` (the CLI client's token).
@@ -49,128 +52,8 @@ EXTRA_KNOWN = frozenset({"CLIENT_TOKEN"})
 _SECRET_QUERY = re.compile(r"pass|secret|token|key|auth", re.IGNORECASE)
 _DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*(ms|s)?\s*$")
 
-
-class Settings(msgspec.Struct, frozen=True, kw_only=True):
-    """Effective configuration. Durations are seconds (floats)."""
-
-    timeout: float = 0.045
-    deadline: float = 0.040
-    directive_timeout: float = 0.005
-    hot_timeout: float = 0.015
-    cold_timeout: float = 0.045
-    pipeline_headroom: float = 0.010
-    min_answer: float = 0.002
-    min_useful: float = 0.020
-    queue_target: float = 0.005
-    queue_interval: float = 0.100
-    request_read_timeout: float = 5.0
-    memory_base_url: str | None = None
-    memory_api_token: str | None = None
-    memory_pool_size: int = 32
-    memory_max_content_bytes: int = 32 * 1024
-    memory_max_response_bytes: int = 4 * 1024 * 1024
-    hot_limit: int = 20
-    cold_limit: int = 20
-    min_confidence: float = 0.0
-    redis_url: str | None = None
-    directive_cache_entries: int = 10_000
-    directive_cache_bytes: int = 16 * 1024 * 1024
-    directive_cache_ttl: float = 1.0
-    directive_cache_max_age: float = 2.0
-    redis_sentinels: tuple[str, ...] = ()
-    redis_sentinel_master: str | None = None
-    redis_sentinel_password: str | None = None
-    redis_cluster: bool = False
-    local_source_path: str | None = None
-    grpc_addr: str = "127.0.0.1:9092"
-    packer_dp_cell_ceiling: int = 70 * 6251
-    packer_max_consecutive_skips: int = 5
-    formatter_nonce_bytes: int = 16
-    nonce_key: str | None = None
-    catalog_path: str | None = None
-    tiktoken_dir: str | None = None
-    token_cache_entries: int = 65536
-    token_cache_bytes: int = 32 * 1024 * 1024
-    auth_tokens_sha256: tuple[str, ...] = ()
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    tls_client_ca: str | None = None
-    tls_allowed_sans: tuple[str, ...] = ()
-    allow_insecure: bool = False
-    max_in_flight: int = 256
-    max_in_flight_bytes: int = 64 * 1024 * 1024
-    max_concurrent_assemblies: int = 16
-    max_org_assemblies: int | None = None  # None: half of MAX_CONCURRENT_ASSEMBLIES
-    max_queue_wait: float = 1.0
-    max_message_bytes: int = 4 * 1024 * 1024
-    max_history_messages: int = 512
-    max_text_bytes: int = 1024 * 1024
-    max_tool_schemas: int = 128
-    drain_grace: float = 10.0
-    max_connections: int | None = None  # None: min(1024, RLIMIT_NOFILE soft - 64) at start-up
-    max_connections_per_peer: int | None = None  # None: MAX_CONNECTIONS // 4, at least 1
-    connection_auth_timeout: float = 10.0
-    tls_handshake_timeout: float = 5.0
-    connection_idle_timeout: float = 300.0
-    max_connection_age: float | None = None
-    max_connection_age_grace: float | None = None  # None: DRAIN_GRACE
-    workers: int = 1
-    worker_port_base: int | None = None
-    metrics_addr: str | None = None
-    metrics_token_sha256: tuple[str, ...] = ()
-    log_level: str = "info"
-
-    def redacted(self) -> dict[str, Any]:
-        """The settings as a dict with secrets replaced, for `ibex config` and logs.
-
-        Besides the secret fields, every URL-valued setting loses its userinfo
-        and any password-like query parameter (`redis://:pw@host`,
-        `?password=...`).
-        """
-        out: dict[str, Any] = msgspec.structs.asdict(self)
-        for name, value in out.items():
-            if not value:
-                continue
-            if name in SECRET_FIELDS or "password" in name or name.endswith("_token"):
-                out[name] = "<redacted>" if isinstance(value, str) else ["<redacted>"] * len(value)
-            elif isinstance(value, str) and "://" in value:
-                out[name] = redact_url(value)
-            elif isinstance(value, (tuple, list)):
-                out[name] = [redact_url(v) if isinstance(v, str) else v for v in value]
-        return out
-
-    @property
-    def redis_configured(self) -> bool:
-        """Directives come from Redis (one endpoint, Sentinel or Cluster)."""
-        return self.redis_url is not None or bool(self.redis_sentinels)
-
-    def worker_ports(self) -> tuple[int, ...]:
-        """Worker i's own port, WORKER_PORT_BASE + i (empty when the base is unset)."""
-        if self.worker_port_base is None:
-            return ()
-        return tuple(self.worker_port_base + i for i in range(self.workers))
-
-    def check_worker_ports(self) -> None:
-        """ConfigError when the per-worker ports leave the port range or hit another port."""
-        ports = self.worker_ports()
-        if not ports:
-            return
-        name = PREFIX + "WORKER_PORT_BASE"
-        if ports[-1] > 65535:
-            raise ConfigError(f"{name}: {ports[0]} + {len(ports)} workers passes port 65535")
-        taken = {"GRPC_ADDR": self.grpc_addr, "METRICS_ADDR": self.metrics_addr}
-        for setting, addr in taken.items():
-            port = int(addr.rpartition(":")[2]) if addr else None
-            if port in ports:
-                raise ConfigError(
-                    f"{name}: worker ports {ports[0]}..{ports[-1]} include "
-                    f"{PREFIX}{setting}'s port {port}"
-                )
-
-    @property
-    def wall(self) -> float:
-        """The server-side retrieval wall: min(TIMEOUT, DEADLINE_MS)."""
-        return min(self.timeout, self.deadline)
+#: A parser: (the variable's full name, its raw non-blank value) -> the value, or ConfigError.
+Parse = Callable[[str, str], Any]
 
 
 def redact_url(value: str) -> str:
@@ -277,6 +160,10 @@ def _url(name: str, raw: str, schemes: tuple[str, ...]) -> str:
     return value
 
 
+def _http_url(name: str, raw: str) -> str:
+    return _url(name, raw, ("http", "https")).rstrip("/")
+
+
 def _addr(name: str, raw: str) -> str:
     value = raw.strip()
     host, sep, port = value.rpartition(":")
@@ -285,11 +172,26 @@ def _addr(name: str, raw: str) -> str:
     return value
 
 
+def _addrs(name: str, raw: str) -> tuple[str, ...]:
+    return tuple(_addr(name, a) for a in _list(raw))
+
+
+def _local_addr(name: str, raw: str) -> str:
+    """host:port; a bare port binds loopback (an endpoint for a local scraper unless a
+    host is named, which off loopback needs a token)."""
+    bare = raw.strip()
+    return _addr(name, f"127.0.0.1:{bare}" if bare.isdigit() else raw)
+
+
 def _file(name: str, raw: str) -> str:
     value = raw.strip()
     if not os.path.exists(value):
         raise ConfigError(f"{name}: no such file or directory: {value!r}")
     return value
+
+
+def _text(name: str, raw: str) -> str:
+    return raw.strip()
 
 
 def _sha256_list(name: str, raw: str) -> tuple[str, ...]:
@@ -301,150 +203,323 @@ def _sha256_list(name: str, raw: str) -> tuple[str, ...]:
     return hashes
 
 
+def _nonce_key(name: str, raw: str) -> str:
+    if len(raw.strip()) < NONCE_KEY_MIN_CHARS:
+        raise ConfigError(
+            f"{name}: must be at least {NONCE_KEY_MIN_CHARS} characters "
+            "(a random secret shared by every replica)"
+        )
+    return raw.strip()
+
+
 _LEVELS = ("debug", "info", "warning", "error")
 
 
-def load_settings(
-    env: Mapping[str, str] | None = None, *, _read: set[str] | None = None
-) -> Settings:
+def _level(name: str, raw: str) -> str:
+    level = raw.strip().lower()
+    if level not in _LEVELS:
+        raise ConfigError(f"{name}: expected one of {', '.join(_LEVELS)}")
+    return level
+
+
+def ints(lo: int, hi: int) -> Parse:
+    """An integer in [lo, hi]."""
+    return functools.partial(_int, lo=lo, hi=hi)
+
+
+def floats(lo: float, hi: float) -> Parse:
+    """A finite number in [lo, hi]."""
+    return functools.partial(_float, lo=lo, hi=hi)
+
+
+def urls(*schemes: str) -> Parse:
+    """A URL with one of `schemes`."""
+    return functools.partial(_url, schemes=schemes)
+
+
+# Durations: a bare number is milliseconds (`MS`) or seconds (`SECONDS`); both take a unit.
+MS: Parse = functools.partial(parse_duration, bare_unit="ms")
+SECONDS: Parse = functools.partial(parse_duration, bare_unit="s")
+MiB = 1024 * 1024
+GiB = 1024 * MiB
+
+
+class Var(msgspec.Struct, frozen=True):
+    """One row of the settings table (the metadata of a `Settings` field).
+
+    `to` names the layer config fields the value sets, as `StructName.field`;
+    `ibex.service.root` builds each layer's config from them, so the layer
+    never sees `Settings`. A field the root computes (a default derived from
+    another value) names no target and is translated by hand there.
+    """
+
+    suffix: str
+    parse: Parse
+    to: tuple[str, ...] = ()
+    secret: bool = False
+
+
+def var(suffix: str, parse: Parse, *to: str, secret: bool = False) -> Var:
+    """A row: IBEX_CONTEXT_`suffix`, parsed by `parse`, setting the layer fields `to`."""
+    return Var(suffix, parse, to, secret)
+
+
+class Settings(msgspec.Struct, frozen=True, kw_only=True):
+    """Effective configuration, one field per variable. Durations are seconds (floats).
+
+    A targeted field's default equals the layer config's own (pinned by
+    tests/unit/test_config_table.py): a layer built alone behaves as the daemon.
+    """
+
+    # retrieval
+    timeout: Annotated[float, var("TIMEOUT", MS, "RetrievalConfig.timeout")] = 0.045
+    deadline: Annotated[float, var("DEADLINE_MS", MS, "RetrievalConfig.deadline")] = 0.040
+    directive_timeout: Annotated[
+        float, var("DIRECTIVE_TIMEOUT_MS", MS, "RetrievalConfig.directive_timeout")
+    ] = 0.005
+    hot_timeout: Annotated[float, var("HOT_TIMEOUT_MS", MS, "RetrievalConfig.hot_timeout")] = 0.015
+    cold_timeout: Annotated[float, var("COLD_TIMEOUT_MS", MS, "RetrievalConfig.cold_timeout")] = (
+        0.045
+    )
+    pipeline_headroom: Annotated[
+        float, var("PIPELINE_HEADROOM_MS", MS, "RetrievalConfig.pipeline_headroom")
+    ] = 0.010
+    hot_limit: Annotated[int, var("HOT_LIMIT", ints(1, 100), "RetrievalConfig.hot_limit")] = 20
+    cold_limit: Annotated[int, var("COLD_LIMIT", ints(1, 100), "RetrievalConfig.cold_limit")] = 20
+    min_confidence: Annotated[
+        float,
+        var(
+            "MIN_CONFIDENCE",
+            floats(0.0, 1.0),
+            "RetrievalConfig.min_confidence",
+        ),
+    ] = 0.0
+    # admission
+    min_answer: Annotated[float, var("MIN_ANSWER_MS", MS, "AdmissionConfig.min_answer")] = 0.002
+    min_useful: Annotated[float, var("MIN_USEFUL_MS", MS, "AdmissionConfig.min_useful")] = 0.020
+    queue_target: Annotated[float, var("QUEUE_TARGET_MS", MS, "AdmissionConfig.queue_target")] = (
+        0.005
+    )
+    queue_interval: Annotated[
+        float, var("QUEUE_INTERVAL_MS", MS, "AdmissionConfig.queue_interval")
+    ] = 0.100
+    request_read_timeout: Annotated[
+        float, var("REQUEST_READ_TIMEOUT", SECONDS, "AdmissionConfig.read_timeout")
+    ] = 5.0
+    max_in_flight: Annotated[
+        int, var("MAX_IN_FLIGHT", ints(1, 100_000), "AdmissionConfig.max_in_flight")
+    ] = 256
+    max_in_flight_bytes: Annotated[
+        int, var("MAX_IN_FLIGHT_BYTES", ints(1024, 64 * GiB), "AdmissionConfig.max_in_flight_bytes")
+    ] = 64 * MiB
+    max_concurrent_assemblies: Annotated[
+        int, var("MAX_CONCURRENT_ASSEMBLIES", ints(1, 100_000), "AdmissionConfig.max_concurrent")
+    ] = 16
+    # None: half of MAX_CONCURRENT_ASSEMBLIES (computed by the root)
+    max_org_assemblies: Annotated[int | None, var("MAX_ORG_ASSEMBLIES", ints(1, 100_000))] = None
+    max_queue_wait: Annotated[
+        float, var("MAX_QUEUE_WAIT", SECONDS, "AdmissionConfig.max_queue_wait")
+    ] = 1.0
+    # memory service
+    memory_base_url: Annotated[str | None, var("MEMORY_BASE_URL", _http_url)] = None
+    memory_api_token: Annotated[str | None, var("MEMORY_API_TOKEN", _text, secret=True)] = None
+    memory_pool_size: Annotated[int, var("MEMORY_POOL_SIZE", ints(1, 4096))] = 32
+    memory_max_content_bytes: Annotated[int, var("MEMORY_MAX_CONTENT_BYTES", ints(1, 64 * MiB))] = (
+        32 * 1024
+    )
+    memory_max_response_bytes: Annotated[int, var("MEMORY_MAX_RESPONSE_BYTES", ints(1024, GiB))] = (
+        4 * MiB
+    )
+    # directives: Redis and the cache in front of it
+    redis_url: Annotated[str | None, var("REDIS_URL", urls("redis", "rediss", "unix"))] = None
+    directive_cache_entries: Annotated[
+        int, var("DIRECTIVE_CACHE_ENTRIES", ints(0, 10_000_000), "DirectiveCacheConfig.max_entries")
+    ] = 10_000
+    directive_cache_bytes: Annotated[
+        int, var("DIRECTIVE_CACHE_BYTES", ints(0, 4 * GiB), "DirectiveCacheConfig.max_bytes")
+    ] = 16 * MiB
+    directive_cache_ttl: Annotated[
+        float, var("DIRECTIVE_CACHE_TTL", SECONDS, "DirectiveCacheConfig.ttl")
+    ] = 1.0
+    directive_cache_max_age: Annotated[
+        float, var("DIRECTIVE_CACHE_MAX_AGE", SECONDS, "DirectiveCacheConfig.max_age")
+    ] = 2.0
+    redis_sentinels: Annotated[tuple[str, ...], var("REDIS_SENTINELS", _addrs)] = ()
+    redis_sentinel_master: Annotated[str | None, var("REDIS_SENTINEL_MASTER", _text)] = None
+    redis_sentinel_password: Annotated[
+        str | None, var("REDIS_SENTINEL_PASSWORD", _text, secret=True)
+    ] = None
+    redis_cluster: Annotated[bool, var("REDIS_CLUSTER", _bool)] = False
+    local_source_path: Annotated[str | None, var("LOCAL_SOURCE_PATH", _file)] = None
+    # the pure core
+    packer_dp_cell_ceiling: Annotated[
+        int, var("PACKER_DP_CELL_CEILING", ints(1, 50_000_000), "PipelineConfig.dp_cell_ceiling")
+    ] = 70 * 6251
+    packer_max_consecutive_skips: Annotated[
+        int,
+        var(
+            "PACKER_MAX_CONSECUTIVE_SKIPS",
+            ints(0, 1_000_000),
+            "PipelineConfig.max_consecutive_skips",
+        ),
+    ] = 5
+    formatter_nonce_bytes: Annotated[
+        int, var("FORMATTER_NONCE_BYTES", ints(8, 64), "PipelineConfig.nonce_bytes")
+    ] = 16
+    nonce_key: Annotated[str | None, var("NONCE_KEY", _nonce_key, secret=True)] = None
+    catalog_path: Annotated[str | None, var("CATALOG_PATH", _file)] = None
+    tiktoken_dir: Annotated[str | None, var("TIKTOKEN_DIR", _file)] = None
+    token_cache_entries: Annotated[int, var("TOKEN_CACHE_ENTRIES", ints(0, 10_000_000))] = 65536
+    token_cache_bytes: Annotated[int, var("TOKEN_CACHE_BYTES", ints(0, 4 * GiB))] = 32 * MiB
+    # request bounds
+    max_message_bytes: Annotated[
+        int, var("MAX_MESSAGE_BYTES", ints(1024, 256 * MiB), "EdgeConfig.max_message_bytes")
+    ] = 4 * MiB
+    max_history_messages: Annotated[
+        int,
+        var("MAX_HISTORY_MESSAGES", ints(0, 100_000), "RequestLimits.max_history_messages"),
+    ] = 512
+    max_text_bytes: Annotated[
+        int, var("MAX_TEXT_BYTES", ints(1, 64 * MiB), "RequestLimits.max_text_bytes")
+    ] = MiB
+    max_tool_schemas: Annotated[
+        int, var("MAX_TOOL_SCHEMAS", ints(0, 10_000), "RequestLimits.max_tool_schemas")
+    ] = 128
+    # listening, callers, TLS
+    grpc_addr: Annotated[str, var("GRPC_ADDR", _addr)] = "127.0.0.1:9092"
+    auth_tokens_sha256: Annotated[
+        tuple[str, ...], var("AUTH_TOKENS_SHA256", _sha256_list, secret=True)
+    ] = ()
+    tls_cert: Annotated[str | None, var("TLS_CERT", _file)] = None
+    tls_key: Annotated[str | None, var("TLS_KEY", _file)] = None
+    tls_client_ca: Annotated[str | None, var("TLS_CLIENT_CA", _file)] = None
+    tls_allowed_sans: Annotated[tuple[str, ...], var("TLS_ALLOWED_SANS", _sans)] = ()
+    allow_insecure: Annotated[bool, var("ALLOW_INSECURE", _bool)] = False
+    # connections and draining
+    drain_grace: Annotated[float, var("DRAIN_GRACE", SECONDS, "DaemonConfig.drain_grace")] = 10.0
+    # None: min(1024, RLIMIT_NOFILE soft - 64) at start-up
+    max_connections: Annotated[int | None, var("MAX_CONNECTIONS", ints(1, 1_000_000))] = None
+    # None: MAX_CONNECTIONS // 4, at least 1
+    max_connections_per_peer: Annotated[
+        int | None, var("MAX_CONNECTIONS_PER_PEER", ints(1, 1_000_000))
+    ] = None
+    connection_auth_timeout: Annotated[
+        float, var("CONNECTION_AUTH_TIMEOUT", SECONDS, "ConnectionsConfig.auth_timeout")
+    ] = 10.0
+    tls_handshake_timeout: Annotated[
+        float, var("TLS_HANDSHAKE_TIMEOUT", SECONDS, "ConnectionsConfig.tls_handshake_timeout")
+    ] = 5.0
+    connection_idle_timeout: Annotated[
+        float, var("CONNECTION_IDLE_TIMEOUT", SECONDS, "ConnectionsConfig.idle_timeout")
+    ] = 300.0
+    max_connection_age: Annotated[
+        float | None, var("MAX_CONNECTION_AGE", SECONDS, "ConnectionsConfig.max_age")
+    ] = None
+    # None: DRAIN_GRACE
+    max_connection_age_grace: Annotated[float | None, var("MAX_CONNECTION_AGE_GRACE", SECONDS)] = (
+        None
+    )
+    # processes, metrics, logs
+    workers: Annotated[int, var("WORKERS", ints(1, 256))] = 1
+    worker_port_base: Annotated[int | None, var("WORKER_PORT_BASE", ints(1, 65535))] = None
+    metrics_addr: Annotated[str | None, var("METRICS_ADDR", _local_addr)] = None
+    metrics_token_sha256: Annotated[
+        tuple[str, ...], var("METRICS_TOKEN_SHA256", _sha256_list, secret=True)
+    ] = ()
+    log_level: Annotated[str, var("LOG_LEVEL", _level)] = "info"
+
+    def redacted(self) -> dict[str, Any]:
+        """The settings as a dict with secrets replaced, for `ibex config` and logs.
+
+        Besides the table's secret fields, every URL-valued setting loses its
+        userinfo and any password-like query parameter (`redis://:pw@host`,
+        `?password=...`).
+        """
+        out: dict[str, Any] = msgspec.structs.asdict(self)
+        for name, value in out.items():
+            if not value:
+                continue
+            if name in SECRET_FIELDS:
+                out[name] = "<redacted>" if isinstance(value, str) else ["<redacted>"] * len(value)
+            elif isinstance(value, str) and "://" in value:
+                out[name] = redact_url(value)
+            elif isinstance(value, (tuple, list)):
+                out[name] = [redact_url(v) if isinstance(v, str) else v for v in value]
+        return out
+
+    @property
+    def redis_configured(self) -> bool:
+        """Directives come from Redis (one endpoint, Sentinel or Cluster)."""
+        return self.redis_url is not None or bool(self.redis_sentinels)
+
+    def worker_port(self, index: int) -> int | None:
+        """Worker `index`'s own port, WORKER_PORT_BASE + index (None when the base is unset).
+
+        A worker process knows its slot but not the supervisor's worker count."""
+        return None if self.worker_port_base is None else self.worker_port_base + index
+
+    def worker_ports(self) -> tuple[int, ...]:
+        """Every worker's own port (empty when the base is unset)."""
+        ports = (self.worker_port(i) for i in range(self.workers))
+        return tuple(p for p in ports if p is not None)
+
+    def check_worker_ports(self) -> None:
+        """ConfigError when the per-worker ports leave the port range or hit another port."""
+        ports = self.worker_ports()
+        if not ports:
+            return
+        name = PREFIX + "WORKER_PORT_BASE"
+        if ports[-1] > 65535:
+            raise ConfigError(f"{name}: {ports[0]} + {len(ports)} workers passes port 65535")
+        taken = {"GRPC_ADDR": self.grpc_addr, "METRICS_ADDR": self.metrics_addr}
+        for setting, addr in taken.items():
+            port = int(addr.rpartition(":")[2]) if addr else None
+            if port in ports:
+                raise ConfigError(
+                    f"{name}: worker ports {ports[0]}..{ports[-1]} include "
+                    f"{PREFIX}{setting}'s port {port}"
+                )
+
+
+def _table() -> dict[str, Var]:
+    hints = typing.get_type_hints(Settings, include_extras=True)
+    table: dict[str, Var] = {}
+    for field in Settings.__struct_fields__:
+        rows = [m for m in getattr(hints[field], "__metadata__", ()) if isinstance(m, Var)]
+        if len(rows) != 1:
+            raise TypeError(f"Settings.{field} needs exactly one Var")
+        table[field] = rows[0]
+    return table
+
+
+#: Settings field -> its row: the one table every reader of the settings uses.
+TABLE: Mapping[str, Var] = _table()
+SECRET_FIELDS = frozenset(field for field, row in TABLE.items() if row.secret)
+
+
+def layer_fields(struct: str) -> dict[str, str]:
+    """The fields of layer config `struct` (by class name) that settings set: field -> setting."""
+    out: dict[str, str] = {}
+    for setting, row in TABLE.items():
+        for target in row.to:
+            owner, _, field = target.partition(".")
+            if owner == struct:
+                out[field] = setting
+    return out
+
+
+def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     """Build Settings from the environment, raising ConfigError on the first bad value.
 
-    Every variable is read through `get`, which registers its name: that
-    register is the table of known settings (`known_variables`), so a setting
-    added here is known to the typo check without a second list. Call `get`
-    unconditionally for each variable (validate combinations afterwards).
+    Each variable of the table is parsed by its row's parser (an empty value
+    counts as unset); combinations are checked afterwards.
     """
     env = os.environ if env is None else env
     kw: dict[str, Any] = {}
-
-    def get(suffix: str) -> str | None:
-        if _read is not None:
-            _read.add(suffix)
-        value = env.get(PREFIX + suffix)
-        return None if value is None or value.strip() == "" else value
-
-    durations = {
-        "TIMEOUT": "timeout",
-        "DEADLINE_MS": "deadline",
-        "DIRECTIVE_TIMEOUT_MS": "directive_timeout",
-        "HOT_TIMEOUT_MS": "hot_timeout",
-        "COLD_TIMEOUT_MS": "cold_timeout",
-        "PIPELINE_HEADROOM_MS": "pipeline_headroom",
-        "MIN_ANSWER_MS": "min_answer",
-        "MIN_USEFUL_MS": "min_useful",
-        "QUEUE_TARGET_MS": "queue_target",
-        "QUEUE_INTERVAL_MS": "queue_interval",
-    }
-    for suffix, field in durations.items():
-        if (raw := get(suffix)) is not None:
-            kw[field] = parse_duration(PREFIX + suffix, raw)
-    for suffix, field in {
-        "DRAIN_GRACE": "drain_grace",
-        "REQUEST_READ_TIMEOUT": "request_read_timeout",
-        "DIRECTIVE_CACHE_TTL": "directive_cache_ttl",
-        "DIRECTIVE_CACHE_MAX_AGE": "directive_cache_max_age",
-        "CONNECTION_IDLE_TIMEOUT": "connection_idle_timeout",
-        "CONNECTION_AUTH_TIMEOUT": "connection_auth_timeout",
-        "TLS_HANDSHAKE_TIMEOUT": "tls_handshake_timeout",
-        "MAX_CONNECTION_AGE": "max_connection_age",
-        "MAX_CONNECTION_AGE_GRACE": "max_connection_age_grace",
-        "MAX_QUEUE_WAIT": "max_queue_wait",
-    }.items():
-        if (raw := get(suffix)) is not None:
-            kw[field] = parse_duration(PREFIX + suffix, raw, bare_unit="s")
-
-    ints = {
-        "PACKER_DP_CELL_CEILING": ("packer_dp_cell_ceiling", 1, 50_000_000),
-        "PACKER_MAX_CONSECUTIVE_SKIPS": ("packer_max_consecutive_skips", 0, 1_000_000),
-        "FORMATTER_NONCE_BYTES": ("formatter_nonce_bytes", 8, 64),
-        "MEMORY_POOL_SIZE": ("memory_pool_size", 1, 4096),
-        "MEMORY_MAX_CONTENT_BYTES": ("memory_max_content_bytes", 1, 64 * 1024 * 1024),
-        "MEMORY_MAX_RESPONSE_BYTES": ("memory_max_response_bytes", 1024, 1024 * 1024 * 1024),
-        "HOT_LIMIT": ("hot_limit", 1, 100),
-        "COLD_LIMIT": ("cold_limit", 1, 100),
-        "TOKEN_CACHE_ENTRIES": ("token_cache_entries", 0, 10_000_000),
-        "TOKEN_CACHE_BYTES": ("token_cache_bytes", 0, 4 * 1024 * 1024 * 1024),
-        "MAX_IN_FLIGHT": ("max_in_flight", 1, 100_000),
-        "MAX_IN_FLIGHT_BYTES": ("max_in_flight_bytes", 1024, 64 * 1024 * 1024 * 1024),
-        "MAX_CONCURRENT_ASSEMBLIES": ("max_concurrent_assemblies", 1, 100_000),
-        "MAX_ORG_ASSEMBLIES": ("max_org_assemblies", 1, 100_000),
-        "DIRECTIVE_CACHE_ENTRIES": ("directive_cache_entries", 0, 10_000_000),
-        "DIRECTIVE_CACHE_BYTES": ("directive_cache_bytes", 0, 4 * 1024 * 1024 * 1024),
-        "MAX_MESSAGE_BYTES": ("max_message_bytes", 1024, 256 * 1024 * 1024),
-        "MAX_HISTORY_MESSAGES": ("max_history_messages", 0, 100_000),
-        "MAX_TEXT_BYTES": ("max_text_bytes", 1, 64 * 1024 * 1024),
-        "MAX_TOOL_SCHEMAS": ("max_tool_schemas", 0, 10_000),
-        "WORKERS": ("workers", 1, 256),
-        "MAX_CONNECTIONS": ("max_connections", 1, 1_000_000),
-        "MAX_CONNECTIONS_PER_PEER": ("max_connections_per_peer", 1, 1_000_000),
-        "WORKER_PORT_BASE": ("worker_port_base", 1, 65535),
-    }
-    for suffix, (field, lo, hi) in ints.items():
-        if (raw := get(suffix)) is not None:
-            kw[field] = _int(PREFIX + suffix, raw, lo, hi)
-
-    if (raw := get("MIN_CONFIDENCE")) is not None:
-        kw["min_confidence"] = _float(PREFIX + "MIN_CONFIDENCE", raw, 0.0, 1.0)
-    if (raw := get("MEMORY_BASE_URL")) is not None:
-        kw["memory_base_url"] = _url(PREFIX + "MEMORY_BASE_URL", raw, ("http", "https")).rstrip("/")
-    if (raw := get("MEMORY_API_TOKEN")) is not None:
-        kw["memory_api_token"] = raw.strip()
-    if (raw := get("NONCE_KEY")) is not None and raw.strip():
-        if len(raw.strip()) < NONCE_KEY_MIN_CHARS:
-            raise ConfigError(
-                f"{PREFIX}NONCE_KEY: must be at least {NONCE_KEY_MIN_CHARS} characters "
-                "(a random secret shared by every replica)"
-            )
-        kw["nonce_key"] = raw.strip()
-    if (raw := get("REDIS_URL")) is not None:
-        kw["redis_url"] = _url(PREFIX + "REDIS_URL", raw, ("redis", "rediss", "unix"))
-    if (raw := get("REDIS_SENTINELS")) is not None:
-        kw["redis_sentinels"] = tuple(_addr(PREFIX + "REDIS_SENTINELS", a) for a in _list(raw))
-    if (raw := get("REDIS_SENTINEL_MASTER")) is not None:
-        kw["redis_sentinel_master"] = raw.strip()
-    if (raw := get("REDIS_SENTINEL_PASSWORD")) is not None:
-        kw["redis_sentinel_password"] = raw.strip()
-    if (raw := get("REDIS_CLUSTER")) is not None:
-        kw["redis_cluster"] = _bool(PREFIX + "REDIS_CLUSTER", raw)
-    if (raw := get("LOCAL_SOURCE_PATH")) is not None:
-        kw["local_source_path"] = _file(PREFIX + "LOCAL_SOURCE_PATH", raw)
-    if (raw := get("GRPC_ADDR")) is not None:
-        kw["grpc_addr"] = _addr(PREFIX + "GRPC_ADDR", raw)
-    if (raw := get("METRICS_ADDR")) is not None:
-        # A bare port binds loopback: the endpoint is for a local scraper unless a
-        # host is named (which, off loopback, needs METRICS_TOKEN_SHA256).
-        bare = raw.strip()
-        kw["metrics_addr"] = _addr(
-            PREFIX + "METRICS_ADDR", f"127.0.0.1:{bare}" if bare.isdigit() else raw
-        )
-    if (raw := get("METRICS_TOKEN_SHA256")) is not None:
-        kw["metrics_token_sha256"] = _sha256_list(PREFIX + "METRICS_TOKEN_SHA256", raw)
-    for suffix, field in {
-        "CATALOG_PATH": "catalog_path",
-        "TIKTOKEN_DIR": "tiktoken_dir",
-        "TLS_CERT": "tls_cert",
-        "TLS_KEY": "tls_key",
-        "TLS_CLIENT_CA": "tls_client_ca",
-    }.items():
-        if (raw := get(suffix)) is not None:
-            kw[field] = _file(PREFIX + suffix, raw)
-    if (raw := get("AUTH_TOKENS_SHA256")) is not None:
-        hashes = tuple(h.lower() for h in _list(raw))
-        for h in hashes:
-            if not re.fullmatch(r"[0-9a-f]{64}", h):
-                raise ConfigError(
-                    f"{PREFIX}AUTH_TOKENS_SHA256: each entry must be 64 hex digits (a SHA-256)"
-                )
-        kw["auth_tokens_sha256"] = hashes
-    if (raw := get("TLS_ALLOWED_SANS")) is not None:
-        kw["tls_allowed_sans"] = _sans(PREFIX + "TLS_ALLOWED_SANS", raw)
-    if (raw := get("ALLOW_INSECURE")) is not None:
-        kw["allow_insecure"] = _bool(PREFIX + "ALLOW_INSECURE", raw)
-    if (raw := get("LOG_LEVEL")) is not None:
-        level = raw.strip().lower()
-        if level not in _LEVELS:
-            raise ConfigError(f"{PREFIX}LOG_LEVEL: expected one of {', '.join(_LEVELS)}")
-        kw["log_level"] = level
+    for field, row in TABLE.items():
+        raw = env.get(PREFIX + row.suffix)
+        if raw is not None and raw.strip() != "":
+            kw[field] = row.parse(PREFIX + row.suffix, raw)
 
     if bool(kw.get("tls_cert")) != bool(kw.get("tls_key")):
         raise ConfigError(f"{PREFIX}TLS_CERT and {PREFIX}TLS_KEY must be set together")
@@ -487,20 +562,15 @@ def _check_redis(kw: Mapping[str, Any]) -> None:
             )
 
 
-def known_variables(env: Mapping[str, str] | None = None) -> frozenset[str]:
+def known_variables() -> frozenset[str]:
     """Every `IBEX_CONTEXT_*` name the daemon or the CLI reads."""
-    read: set[str] = set(EXTRA_KNOWN)
-    for probe in ({}, os.environ if env is None else env):
-        # The names read before a bad value still count; the bad value is reported elsewhere.
-        with contextlib.suppress(ConfigError):
-            load_settings(probe, _read=read)
-    return frozenset(PREFIX + suffix for suffix in read)
+    return frozenset(PREFIX + s for s in (*EXTRA_KNOWN, *(row.suffix for row in TABLE.values())))
 
 
 def unknown_variables(env: Mapping[str, str] | None = None) -> list[tuple[str, str | None]]:
     """`IBEX_CONTEXT_*` variables nothing reads (likely typos), each with the closest known name."""
     env = os.environ if env is None else env
-    known = known_variables(env)
+    known = known_variables()
     out: list[tuple[str, str | None]] = []
     for name in sorted(env):
         if name.startswith(PREFIX) and name not in known:

@@ -1,4 +1,4 @@
-"""Deterministic serialisation of the context block; memory text is data, never markup.
+"""The default output format (`XmlTagFormat`): memory text is data, never markup.
 
 Layout, in fixed order (each section only when it has content)::
 
@@ -28,8 +28,9 @@ to the preceding ``>\\n`` (whitespace, ``/``). A ``\\n`` followed by ``<`` is
 always a pre-tokeniser split point for cl100k_base and o200k_base, so the
 token count of the whole block is the sum of its pieces' counts. That lets the
 pipeline count pieces once (cached) instead of re-tokenising every request;
-the pipeline checks that rule on the final pieces (`joins_split_cleanly`) and
-re-counts the whole text only if it fails.
+the pipeline checks that rule on the final pieces (`joins_split_cleanly`, the
+format's join rule; see ibex.assembly.format) and re-counts the whole text
+only if it fails.
 
 Bodies and attribute values are escaped, so a memory can neither close its
 element, forge a nonce nor add an attribute: bodies contain no ``<`` at all,
@@ -45,10 +46,12 @@ from __future__ import annotations
 
 import re
 import secrets
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
-from ibex.assembly.lru import ByteLRU, LRUInfo
-from ibex.assembly.structs import Directive, Message, ScoredMemory
+from ibex.assembly.format import BODY_CACHE_BYTES as BODY_CACHE_BYTES
+from ibex.assembly.format import BODY_CACHE_MAX_CHARS as BODY_CACHE_MAX_CHARS
+from ibex.assembly.format import Format
+from ibex.assembly.structs import Directive, ScoredMemory
 
 CATEGORY_ORDER = ("procedural", "factual", "preference", "behavioral", "episodic")
 _CATEGORY_RANK = {name: i for i, name in enumerate(CATEGORY_ORDER)}
@@ -149,55 +152,6 @@ def escape_attr(value: str) -> str:
     return _ATTR_UNSAFE.sub(_ref, value)
 
 
-BODY_CACHE_MAX_CHARS = 4096
-#: What the escaped-body cache may keep alive (keys and values, see ibex.assembly.lru).
-BODY_CACHE_BYTES = 16 * 1024 * 1024
-
-_BODY_CACHE: ByteLRU[str] = ByteLRU(BODY_CACHE_BYTES)
-
-
-def _body_piece(text: str) -> str:
-    escaped = escape_body(text)
-    return escaped + "\n" if escaped else ""
-
-
-def body_piece(text: str) -> str:
-    """The escaped body plus its line end; empty text gives an empty piece.
-
-    Memoised for texts up to BODY_CACHE_MAX_CHARS: the same hot memories,
-    directives and history turns come back request after request, and the
-    escape regex over each was about a tenth of the daemon's CPU per answer.
-    """
-    if len(text) > BODY_CACHE_MAX_CHARS:
-        return _body_piece(text)
-    piece = _BODY_CACHE.get(text)
-    if piece is None:
-        piece = _body_piece(text)
-        _BODY_CACHE.put(text, piece)
-    return piece
-
-
-def cached_body_piece(text: str) -> str | None:
-    """The cached piece for `text`, or None; nothing is computed or stored."""
-    if len(text) > BODY_CACHE_MAX_CHARS:
-        return None
-    return _BODY_CACHE.get(text)
-
-
-def body_piece_uncached(text: str) -> str:
-    """`body_piece` without the cache, for text that may never be emitted."""
-    return _body_piece(text)
-
-
-def remember_body_pieces(pieces: Iterable[tuple[str, str]]) -> None:
-    """Cache (text, piece) pairs computed uncached, once they are known to be emitted."""
-    _BODY_CACHE.put_many((t, p) for t, p in pieces if len(t) <= BODY_CACHE_MAX_CHARS)
-
-
-def body_cache_info() -> LRUInfo:
-    return _BODY_CACHE.info()
-
-
 def new_nonce(nbytes: int) -> str:
     """A fresh nonce of `nbytes` random bytes from `secrets`, written in decimal.
 
@@ -292,10 +246,6 @@ def memory_open_suffix(memory: ScoredMemory) -> str:
     return suffix
 
 
-def memory_open(memory: ScoredMemory) -> str:
-    return MEMORY_OPEN_PREFIX + memory_open_suffix(memory)
-
-
 def category_key(memory: ScoredMemory) -> tuple[int, str, float, str]:
     """Known categories in their fixed order, others by name; then score desc, id."""
     cat = memory.category
@@ -323,95 +273,6 @@ TOOL_OPEN = "<tool>\n"
 TOOL_CLOSE = "</tool>\n"
 
 
-# --- whole block -------------------------------------------------------------
-
-
-def directive_section(directive: Directive | None, nonce: str) -> list[str]:
-    if directive is None:
-        return []
-    body = body_piece(directive.content)
-    if not body:
-        return []
-    return [directive_open(directive, nonce), body, DIRECTIVE_CLOSE]
-
-
-def history_section(messages: Sequence[Message], nonce: str) -> list[str]:
-    if not messages:
-        return []
-    out = [history_open(nonce)]
-    for msg in messages:
-        out += (message_open(msg.role), body_piece(msg.content), MESSAGE_CLOSE)
-    out.append(HISTORY_CLOSE)
-    return out
-
-
-def memory_block(memory: ScoredMemory) -> list[str]:
-    return [memory_open(memory), body_piece(memory.content), MEMORY_CLOSE]
-
-
-def memories_section(nonce: str, ordered: Sequence[ScoredMemory]) -> list[str]:
-    if not ordered:
-        return []
-    out = [memories_open(nonce)]
-    for memory in ordered:
-        out += memory_block(memory)
-    out.append(MEMORIES_CLOSE)
-    return out
-
-
-def tools_section(schemas: Sequence[str], nonce: str) -> list[str]:
-    if not schemas:
-        return []
-    out = [tools_open(nonce)]
-    for schema in schemas:
-        out += (TOOL_OPEN, body_piece(schema), TOOL_CLOSE)
-    out.append(TOOLS_CLOSE)
-    return out
-
-
-def render_pieces(
-    *,
-    directive: Directive | None,
-    messages: Sequence[Message],
-    memories: Sequence[ScoredMemory],
-    tool_schemas: Sequence[str],
-    nonce: str,
-) -> list[str]:
-    """The block's pieces in order; `render` joins them."""
-    ordered = memory_order(memories)
-    pieces = directive_section(directive, nonce)
-    if ordered:
-        pieces.append(safety_piece(nonce))
-    pieces += history_section(messages, nonce)
-    pieces += memories_section(nonce, ordered)
-    pieces += tools_section(tool_schemas, nonce)
-    return pieces
-
-
-def render(
-    *,
-    directive: Directive | None,
-    messages: Sequence[Message],
-    memories: Sequence[ScoredMemory],
-    tool_schemas: Sequence[str],
-    nonce: str,
-) -> str:
-    """The whole context block; memories are emitted in category order.
-
-    Byte-identical for identical inputs and nonce. The safety sentence appears
-    whenever memories do, so the model is always told what the nonce means.
-    """
-    return "".join(
-        render_pieces(
-            directive=directive,
-            messages=messages,
-            memories=memories,
-            tool_schemas=tool_schemas,
-            nonce=nonce,
-        )
-    )
-
-
 def joins_split_cleanly(pieces: Iterable[str]) -> bool:
     """True when every join is a pre-tokeniser split, so counts add up exactly.
 
@@ -427,3 +288,47 @@ def joins_split_cleanly(pieces: Iterable[str]) -> bool:
         if piece and (piece[-1] != "\n" or piece[0].isspace() or piece[0] == "/"):
             return False
     return True
+
+
+class XmlTagFormat(Format):
+    """The daemon's format: nonce-tagged XML-like sections, bodies escaped, joins summed.
+
+    Its pieces are this module's functions; a subclass that changes one of them
+    changes the pricing and the rendering together.
+    """
+
+    directive_open = staticmethod(directive_open)
+    directive_close = DIRECTIVE_CLOSE
+    safety_piece = staticmethod(safety_piece)
+    history_open = staticmethod(history_open)
+    history_close = HISTORY_CLOSE
+    message_open = staticmethod(message_open)
+    message_close = MESSAGE_CLOSE
+    memories_open = staticmethod(memories_open)
+    memories_close = MEMORIES_CLOSE
+    memory_open_prefix = MEMORY_OPEN_PREFIX
+    memory_open_suffix = staticmethod(memory_open_suffix)
+    memory_close = MEMORY_CLOSE
+    tools_open = staticmethod(tools_open)
+    tools_close = TOOLS_CLOSE
+    tool_open = TOOL_OPEN
+    tool_close = TOOL_CLOSE
+    escape_body = staticmethod(escape_body)
+    memory_order = staticmethod(memory_order)
+    counts_add_up = staticmethod(joins_split_cleanly)
+
+
+#: The default format (`PipelineConfig.format`), and the client's fallback history.
+XML_TAGS = XmlTagFormat()
+
+# The default format's sections and body pieces, under the names tests and tools know.
+body_piece = XML_TAGS.body_piece
+body_piece_uncached = XML_TAGS.body_piece_uncached
+body_cache_info = XML_TAGS.body_cache_info
+memory_open = XML_TAGS.memory_open
+directive_section = XML_TAGS.directive_section
+history_section = XML_TAGS.history_section
+memory_block = XML_TAGS.memory_block
+tools_section = XML_TAGS.tools_section
+render_pieces = XML_TAGS.render_pieces
+render = XML_TAGS.render

@@ -28,7 +28,7 @@ from typing import Protocol
 
 import msgspec
 
-from ibex.assembly import formatter as fmt
+from ibex.assembly.format import Format
 from ibex.assembly.structs import Message
 
 #: First probe, in characters per token of room: above natural text's 3-5.
@@ -54,12 +54,13 @@ class Counter(Protocol):
 
 
 class Staged:
-    """Counts and escaped bodies computed during a request, cached only if it fits."""
+    """Counts and `fmt`'s escaped bodies computed during a request, cached only if it fits."""
 
-    __slots__ = ("bodies", "counter", "counts")
+    __slots__ = ("bodies", "counter", "counts", "fmt")
 
-    def __init__(self, counter: Counter) -> None:
+    def __init__(self, counter: Counter, fmt: Format) -> None:
         self.counter = counter
+        self.fmt = fmt
         self.counts: list[tuple[str, int]] = []
         self.bodies: list[tuple[str, str]] = []
 
@@ -87,15 +88,15 @@ class Staged:
 
     def body(self, text: str) -> str:
         """The escaped body piece, staged for the cache when it was not cached."""
-        piece = fmt.cached_body_piece(text)
+        piece = self.fmt.cached_body_piece(text)
         if piece is None:
-            piece = fmt.body_piece_uncached(text)
+            piece = self.fmt.body_piece_uncached(text)
             self.bodies.append((text, piece))
         return piece
 
     def commit(self) -> None:
         self.counter.remember(self.counts)
-        fmt.remember_body_pieces(self.bodies)
+        self.fmt.remember_body_pieces(self.bodies)
 
 
 class HistoryFit(msgspec.Struct, frozen=True, gc=False):
@@ -107,9 +108,9 @@ class HistoryFit(msgspec.Struct, frozen=True, gc=False):
 
 
 def body_tokens(
-    counter: Counter, content: str, limit: int, staged: Staged | None = None
+    counter: Counter, fmt: Format, content: str, limit: int, staged: Staged | None = None
 ) -> tuple[int, bool]:
-    """(n, exact) for a body piece: its count when it is at most `limit`.
+    """(n, exact) for `fmt`'s body piece of `content`: its count when it is at most `limit`.
 
     When the piece cannot fit, n > limit is its exact count or a proven lower
     bound (exact is False). The work is bounded by `limit`, not by the text:
@@ -174,7 +175,7 @@ def without_empty(messages: tuple[Message, ...]) -> tuple[Message, ...]:
 def fit_history(
     counter: Counter, messages: Sequence[Message], nonce: str, room: int, staged: Staged
 ) -> HistoryFit:
-    """The longest run of newest messages whose section fits `room` tokens.
+    """The longest run of newest messages whose section (in `staged.fmt`) fits `room` tokens.
 
     Counts newest first and stops at the first message that does not fit, so
     nothing older is ever counted. `kept` is empty when not even the newest
@@ -182,17 +183,19 @@ def fit_history(
     """
     if not messages:
         return HistoryFit((), 0, 0)
-    section = staged.with_nonce(fmt.history_open, nonce) + staged.count(fmt.HISTORY_CLOSE)
-    close = staged.count(fmt.MESSAGE_CLOSE)
+    fmt = staged.fmt
+    section = staged.with_nonce(fmt.history_open, nonce) + staged.count(fmt.history_close)
+    close = staged.count(fmt.message_close)
+    message_open = fmt.message_open
     left = room - section
     used = 0
     first_kept = len(messages)
     overflow = 0
     for i in range(len(messages) - 1, -1, -1):
         msg = messages[i]
-        markup = staged.count(fmt.message_open(msg.role)) + close
+        markup = staged.count(message_open(msg.role)) + close
         limit = left - used - markup
-        n, _ = body_tokens(counter, msg.content, limit, staged)
+        n, _ = body_tokens(counter, fmt, msg.content, limit, staged)
         if n > limit:
             overflow = markup + n
             break
@@ -202,15 +205,15 @@ def fit_history(
     return HistoryFit(kept, section + used if kept else 0, overflow)
 
 
-def dropped_tokens(counter: Counter, dropped: Sequence[Message], ceiling: int) -> int:
-    """Tokens of the left-out messages, newest first: exact while the total stays within
-    `ceiling`, else a lower bound above it (counting stops there). Nothing is cached."""
+def dropped_tokens(counter: Counter, dropped: Sequence[Message], ceiling: int, fmt: Format) -> int:
+    """Tokens of the left-out messages in `fmt`, newest first: exact while the total stays
+    within `ceiling`, else a lower bound above it (counting stops there). Nothing is cached."""
     total = 0
-    close = counter.count_uncached(fmt.MESSAGE_CLOSE)
+    close = counter.count_uncached(fmt.message_close)
     for msg in reversed(dropped):
         markup = counter.count_uncached(fmt.message_open(msg.role)) + close
         limit = ceiling - total - markup
-        n, exact = body_tokens(counter, msg.content, limit)
+        n, exact = body_tokens(counter, fmt, msg.content, limit)
         total += markup + n
         if not exact or total > ceiling:
             return max(total, ceiling + 1)

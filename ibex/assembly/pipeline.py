@@ -5,7 +5,9 @@ No I/O and no clock other than stage timings: everything the pipeline needs
 Every candidate ends either included or excluded with a reason. `tokens_used`
 is the sum of the final text's piece counts, which is the text's exact count
 when every join is a pre-tokeniser split (checked on the final pieces, see
-`formatter.joins_split_cleanly`); otherwise the whole text is re-counted.
+the format's `counts_add_up`, see ibex.assembly.format); otherwise the whole
+text is re-counted. Every piece is priced and rendered by the one `Format` in
+the `PipelineConfig`.
 
 `assemble_pure` runs named stages, as in the README's diagram: count the fixed
 sections (directive, tools, the history that fits, markup: the budget), select
@@ -23,7 +25,6 @@ from typing import Protocol
 
 import msgspec
 
-from ibex.assembly import formatter as fmt
 from ibex.assembly.budget import compute_budget, context_ceiling
 from ibex.assembly.candidates import Selection, select, select_candidates, used
 from ibex.assembly.catalog import (
@@ -32,6 +33,8 @@ from ibex.assembly.catalog import (
     ModelCapability,
     resolve_model,
 )
+from ibex.assembly.format import Format
+from ibex.assembly.formatter import XML_TAGS
 from ibex.assembly.history import Counter, Staged, dropped_tokens, fit_history, without_empty
 from ibex.assembly.packer import DEFAULT_DP_CELL_CEILING, DEFAULT_MAX_CONSECUTIVE_SKIPS, pack
 from ibex.assembly.structs import (
@@ -84,6 +87,8 @@ class PipelineConfig(msgspec.Struct, frozen=True):
     dp_cell_ceiling: int = DEFAULT_DP_CELL_CEILING
     max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS
     nonce_bytes: int = DEFAULT_NONCE_BYTES
+    #: How the block is written and priced: both come from this one object.
+    format: Format = XML_TAGS
 
 
 DEFAULT_CONFIG = PipelineConfig()
@@ -157,7 +162,7 @@ class FixedSections(msgspec.Struct, frozen=True, gc=False):
     safety_tokens: int  # the safety sentence, emitted only with memories
     history_tokens: int
     tool_tokens: int
-    overhead_tokens: int  # <memories> open and close, emitted only with memories
+    overhead_tokens: int  # the memories section's open and close, emitted only with memories
     budget: TokenBudget
     messages: tuple[Message, ...]  # the history that fits: the newest messages
 
@@ -178,6 +183,7 @@ def count_fixed_sections(
     cap: ModelCapability,
     family: FamilyPolicy,
     counter: Counter,
+    fmt: Format,
 ) -> FixedSections:
     """Stage 1: count directive, tools, the history that fits and markup; the budget left.
 
@@ -186,7 +192,7 @@ def count_fixed_sections(
     counts and escaped bodies are cached only once the request is known to
     fit, so a refused request leaves every cache as it was.
     """
-    staged = Staged(counter)
+    staged = Staged(counter, fmt)
     # Pieces carrying the nonce: a decimal nonce costs what zeros of its width
     # cost, so those counts are cached once; any other nonce is new every
     # request and counted uncached (see Staged.with_nonce).
@@ -198,16 +204,16 @@ def count_fixed_sections(
             directive_tokens = (
                 staged.with_nonce(functools.partial(fmt.directive_open, directive), nonce)
                 + staged.count(body)
-                + staged.count(fmt.DIRECTIVE_CLOSE)
+                + staged.count(fmt.directive_close)
             )
     tool_tokens = 0
     if request.tool_schemas:
-        per_tool = staged.count(fmt.TOOL_OPEN) + staged.count(fmt.TOOL_CLOSE)
-        tool_tokens = staged.with_nonce(fmt.tools_open, nonce) + staged.count(fmt.TOOLS_CLOSE)
+        per_tool = staged.count(fmt.tool_open) + staged.count(fmt.tool_close)
+        tool_tokens = staged.with_nonce(fmt.tools_open, nonce) + staged.count(fmt.tools_close)
         for schema in request.tool_schemas:
             body = staged.body(schema)
             tool_tokens += per_tool + (staged.count(body) if body else 0)
-    overhead = staged.with_nonce(fmt.memories_open, nonce) + staged.count(fmt.MEMORIES_CLOSE)
+    overhead = staged.with_nonce(fmt.memories_open, nonce) + staged.count(fmt.memories_close)
     ceiling = context_ceiling(cap, family, request.available_tokens)
     room = ceiling - directive_tokens - tool_tokens
     messages = without_empty(request.recent_messages)
@@ -247,7 +253,7 @@ def count_fixed_sections(
         formatter_overhead_tokens=overhead,
         messages_dropped=dropped,
         messages_dropped_tokens=(
-            dropped_tokens(counter, messages[:dropped], ceiling) if dropped else 0
+            dropped_tokens(counter, messages[:dropped], ceiling, fmt) if dropped else 0
         ),
     )
     return FixedSections(
@@ -261,18 +267,19 @@ def count_fixed_sections(
     )
 
 
-def price(candidates: list[ScoredMemory], counter: Counter) -> list[ScoredMemory]:
-    """Stage 3: each candidate's token_estimate is the exact cost of its formatted block."""
-    # memory_open = prefix + suffix, split at a pre-tokeniser boundary (see
-    # fmt.memory_open_suffix); memory elements carry no nonce (see ibex.assembly.formatter).
-    fixed_tokens = counter.count(fmt.MEMORY_OPEN_PREFIX) + counter.count(fmt.MEMORY_CLOSE)
+def price(candidates: list[ScoredMemory], counter: Counter, fmt: Format) -> list[ScoredMemory]:
+    """Stage 3: each candidate's token_estimate is the cost of its block's pieces.
+
+    The opening piece is priced as its two parts (see ibex.assembly.format);
+    memory blocks carry no nonce, so every count here is cached by text.
+    """
+    fixed_tokens = counter.count(fmt.memory_open_prefix) + counter.count(fmt.memory_close)
     count = counter.count
+    suffix = fmt.memory_open_suffix
+    body_piece = fmt.body_piece
     return [
         msgspec.structs.replace(
-            m,
-            token_estimate=fixed_tokens
-            + count(fmt.memory_open_suffix(m))
-            + count(fmt.body_piece(m.content)),
+            m, token_estimate=fixed_tokens + count(suffix(m)) + count(body_piece(m.content))
         )
         for m in candidates
     ]
@@ -286,6 +293,7 @@ def render_within_ceiling(
     packed: Sequence[ScoredMemory],
     counter: Counter,
     model: str,
+    fmt: Format,
 ) -> Rendered:
     """Stage 5: format, verify the count, and drop the lowest-value memory while over."""
     ceiling = fixed.budget.ceiling
@@ -303,10 +311,10 @@ def render_within_ceiling(
             nonce=nonce,
         )
         text = "".join(pieces)
-        if fmt.joins_split_cleanly(pieces):
-            # Every join is a pre-tokeniser split, so the text's count is the sum
-            # of its pieces' (exact families; an upper bound for estimate_v1):
-            # no need to re-tokenise ~15k characters per request.
+        if fmt.counts_add_up(pieces):
+            # The text's count is the sum of its pieces' (for the default format:
+            # every join is a pre-tokeniser split; exact families, an upper bound
+            # for estimate_v1): no need to re-tokenise ~15k characters per request.
             tokens_used = base
             if ordered:
                 tokens_used += with_memories + sum(m.token_estimate for m in ordered)
@@ -394,11 +402,12 @@ def assemble_pure(
     cap = resolve_model(catalog, request.model, request.available_tokens)
     family = catalog.family(cap.tokenizer_family)
     counter = tokenizers.counter(family.name, family.encoding)
-    fixed = count_fixed_sections(request, inputs.directive, nonce, cap, family, counter)
+    fmt = config.format
+    fixed = count_fixed_sections(request, inputs.directive, nonce, cap, family, counter, fmt)
     timer.lap("count")
     selection = select(request, inputs.hot, inputs.cold, inputs.now)
     timer.lap("select")
-    candidates = price(selection.candidates, counter)
+    candidates = price(selection.candidates, counter, fmt)
     timer.lap("price")
     packed = pack(
         candidates,
@@ -415,6 +424,7 @@ def assemble_pure(
         packed.packed,
         counter,
         cap.model_id or request.model,
+        fmt,
     )
     timer.lap("render")
     return build_result(inputs, fixed, packed, rendered, selection, timer)

@@ -21,7 +21,8 @@ SEARCH_DEFAULT_LIMIT = 10  # SearchMemories' limit when the caller sends 0
 
 
 class RequestLimits(msgspec.Struct, frozen=True):
-    """Per-request input bounds (IBEX_CONTEXT_MAX_*); the defaults live here only."""
+    """Per-request input bounds (IBEX_CONTEXT_MAX_*); the defaults serve a core used alone,
+    the daemon's come from the settings table (pinned equal by test_config_table.py)."""
 
     max_history_messages: int = 512
     max_text_bytes: int = 1024 * 1024

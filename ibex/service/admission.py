@@ -43,6 +43,11 @@ is served with whatever time its deadline leaves. What is refused, and why:
   leave the call less than `min_useful` of its deadline (for a call without
   a deadline: more than `max_queue_wait`), or no thread freed in time.
 
+The refusals decided from a call's facts alone (the in-flight and byte caps,
+`min_answer`, the CPU and standing-queue rules) are policy objects
+(`ibex.service.policies`), asked in the order listed there; the waits for a
+thread or a slot, with the `org` and `threads` refusals, stay here.
+
 Calls without a deadline wait at most `max_queue_wait` for a thread or a slot
 (then RESOURCE_EXHAUSTED), stand behind every call that has a deadline in
 both queues, and are not counted as work ahead of one by the gates below:
@@ -60,14 +65,27 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from typing import NoReturn
 
 import msgspec
 
-from ibex.errors import DeadlineError, Overloaded, Unavailable
+from ibex.errors import DeadlineError, IbexError, Overloaded, Unavailable
 from ibex.ops.metrics import Metrics
+from ibex.service.policies import (
+    GATE_CPU_MESSAGE as GATE_CPU_MESSAGE,  # re-exported: the gate's messages
+)
+from ibex.service.policies import (
+    GATE_QUEUE_MESSAGE as GATE_QUEUE_MESSAGE,
+)
+from ibex.service.policies import (
+    AdmissionPolicy,
+    CallFacts,
+    Refusal,
+    Stage,
+    default_policies,
+)
 from ibex.service.queues import TIMED, UNTIMED, FairQueue, WorkerThreads
 
 _EWMA = 0.2  # weight of the newest sample in the wait and service estimates
@@ -76,12 +94,9 @@ _CPU_CALLS = 8  # finished calls a CPU-per-call sample spans at least
 _CPU_EWMA = 0.5  # weight of the newest window in the utilisation and CPU-per-call estimates
 
 
-GATE_CPU_MESSAGE = "overloaded: the calls in flight leave this one too little time"
-GATE_QUEUE_MESSAGE = "overloaded: a standing queue leaves this call too little time"
-
-
 class AdmissionConfig(msgspec.Struct, frozen=True):
-    """Admission limits (seconds); defaults live here only."""
+    """Admission limits (seconds). The daemon's values come from the settings table, whose
+    defaults equal these (pinned by test_config_table.py)."""
 
     max_in_flight: int = 256
     max_in_flight_bytes: int = 64 * 1024 * 1024
@@ -194,9 +209,19 @@ class Ticket:
 
 
 class Admission:
-    """Counts calls in flight (feeding the gauge) and decides which are served."""
+    """Counts calls in flight (feeding the gauge) and decides which are served.
 
-    def __init__(self, config: AdmissionConfig, metrics: Metrics) -> None:
+    The refusals decided from a call's facts are `policies` (see `ibex.service.policies`),
+    asked in order at each checkpoint; the first refusal wins. Without `policies`,
+    `default_policies(config)`.
+    """
+
+    def __init__(
+        self,
+        config: AdmissionConfig,
+        metrics: Metrics,
+        policies: Sequence[AdmissionPolicy] | None = None,
+    ) -> None:
         self.config = config
         self.metrics = metrics
         self.in_flight = 0
@@ -211,42 +236,49 @@ class Admission:
         self.idle.set()
         self.queue = QueueDelay(config.queue_target, config.queue_interval)
         self.slots = FairQueue(config.max_concurrent, per_key=config.max_org_concurrent)
+        self.policies = tuple(default_policies(config) if policies is None else policies)
+        # Each checkpoint's policies, in order, picked once: the gate's loop is per call.
+        at: dict[Stage, tuple[AdmissionPolicy, ...]] = {
+            stage: tuple(p for p in self.policies if stage in p.stages)
+            for stage in ("open", "bytes", "headers", "arrival")
+        }
+        self._open, self._bytes = at["open"], at["bytes"]
+        self._headers, self._arrival = at["headers"], at["arrival"]
+        self._facts = CallFacts("open")  # refilled for every question (no allocation)
 
-    def check_open(self) -> None:
+    def _ask(
+        self,
+        policies: tuple[AdmissionPolicy, ...],
+        stage: Stage,
+        remaining: float | None,
+        size: int,
+        now: float,
+    ) -> None:
+        """Raise the first refusal of `policies` (handler side)."""
+        facts = self._facts
+        facts.stage = stage
+        facts.method = ""
+        facts.remaining = remaining
+        facts.size = size
+        for policy in policies:
+            refusal = policy.verdict(facts, self, now)
+            if refusal is not None:
+                raise self._error(refusal)
+
+    def _error(self, refusal: Refusal) -> IbexError:
+        if refusal.status == "RESOURCE_EXHAUSTED":
+            self.metrics.shed(refusal.reason)
+            return Overloaded(refusal.reason, refusal.message)
+        if refusal.status == "DEADLINE_EXCEEDED":
+            return DeadlineError(refusal.message)
+        return Unavailable(refusal.message)
+
+    def check_open(self, now: float | None = None) -> None:
         """Before the request is read: refuse at once while draining or at the hard cap."""
         if self.draining:
             raise Unavailable("server is draining; retry elsewhere")
-        if self.in_flight >= self.config.max_in_flight:
-            self._shed("in_flight", f"overloaded: {self.in_flight} requests in flight")
-
-    def standing_queue_refuses(self, remaining: float | None) -> bool:
-        """True when a call with `remaining` seconds left is to be refused as overload.
-
-        Only while the queue stands and calls are waiting in front: the expected
-        wait would leave this one less than `min_useful`.
-        """
-        return (
-            remaining is not None
-            and self.queue.standing
-            and self.pending > 0
-            and remaining - self.queue.estimate < self.config.min_useful
-        )
-
-    def cpu_wait_refuses(self, remaining: float | None, now: float) -> bool:
-        """True when a saturated loop could not finish the call in time.
-
-        Calls an idle daemon could not serve usefully either (less than `min_useful`
-        left) are not refused here: they get their degraded answer or
-        DEADLINE_EXCEEDED downstream, never an overload status.
-        """
-        if remaining is None or remaining < self.config.min_useful:
-            return False
-        self.cpu.sample(now)
-        # Calls without a deadline and calls parked in the thread queue are not ahead of
-        # a new call: both are served after it, or paced by the threads, not the loop.
-        ahead = max(0, self.gated) + max(0, self.in_flight - self.untimed - self.thread_waiting)
-        latency = self.cpu.latency(ahead, self.config.saturated)
-        return latency > remaining - self.config.wait_margin
+        if self._open:
+            self._ask(self._open, "open", None, 0, time.monotonic() if now is None else now)
 
     def gate(self, method: str, remaining: float | None) -> str | None:
         """Asked as a call's HEADERS arrive, before any per-call work (`protocol`).
@@ -256,16 +288,20 @@ class Admission:
         past the gate (counted in `gated` until `left_gate`). The refusal messages are
         constant: HPACK then sends each as an index into its table, not a new string.
         """
-        if self.cpu_wait_refuses(remaining, time.monotonic()):
-            reason, message = "cpu", GATE_CPU_MESSAGE
-        elif self.standing_queue_refuses(remaining):
-            reason, message = "queue", GATE_QUEUE_MESSAGE
-        else:
-            self.gated += 1
-            return None
-        self.metrics.shed(reason)
-        self.metrics.observe_request(method, "RESOURCE_EXHAUSTED", 0.0)
-        return message
+        facts = self._facts
+        facts.stage = "headers"  # one store each: a tuple assignment would build a tuple
+        facts.method = method
+        facts.remaining = remaining
+        facts.size = 0
+        now = time.monotonic()
+        for policy in self._headers:
+            refusal = policy.verdict(facts, self, now)
+            if refusal is not None:
+                self.metrics.shed(refusal.reason)
+                self.metrics.observe_request(method, "RESOURCE_EXHAUSTED", 0.0)
+                return refusal.message
+        self.gated += 1
+        return None
 
     def left_gate(self) -> None:
         """A call that passed the gate has started its handler (or ended without one)."""
@@ -275,11 +311,7 @@ class Admission:
         """Count `size` request bytes in flight from their length prefix on, before they are
         buffered; refuse them (RESOURCE_EXHAUSTED) over the byte cap. One message always fits
         when nothing else is in flight. Pair with `release_bytes`."""
-        if self.in_flight_bytes and self.in_flight_bytes + size > self.config.max_in_flight_bytes:
-            self._shed(
-                "in_flight",
-                f"overloaded: {self.in_flight_bytes} request bytes in flight, {size} more",
-            )
+        self._ask(self._bytes, "bytes", None, size, time.monotonic())
         self.in_flight_bytes += size
 
     def release_bytes(self, size: int) -> None:
@@ -294,27 +326,8 @@ class Admission:
         `size` the request message's bytes, unless `reserve_bytes` counted them already.
         """
         now = time.monotonic()
-        self.check_open()
-        if (
-            size
-            and self.in_flight_bytes
-            and self.in_flight_bytes + size > self.config.max_in_flight_bytes
-        ):
-            self._shed(
-                "in_flight",
-                f"overloaded: {self.in_flight_bytes} request bytes in flight, {size} more",
-            )
-        if remaining is not None and remaining < self.config.min_answer:
-            raise DeadlineError(
-                f"{max(0.0, remaining) * 1000:.1f}ms of the deadline left: too little to answer in"
-            )
-        if self.standing_queue_refuses(remaining):
-            assert remaining is not None  # refusing implies a deadline
-            self._shed(
-                "queue",
-                f"overloaded: about {self.queue.estimate * 1000:.0f}ms of queue "
-                f"before a call with {remaining * 1000:.0f}ms left",
-            )
+        self.check_open(now)
+        self._ask(self._arrival, "arrival", remaining, size, now)
         self.in_flight += 1
         self.in_flight_bytes += size
         self.pending += 1

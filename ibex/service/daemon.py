@@ -15,7 +15,7 @@ import gc
 import logging
 import signal
 import ssl
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +41,7 @@ from ibex.service.bounded import (
 from ibex.service.connections import Connections, ConnectionsConfig, LoopErrorHandler
 from ibex.service.handlers import ContextService, EdgeConfig, method_label
 from ibex.service.patches import install_patches, precise_wakeups
+from ibex.service.policies import AdmissionPolicy
 from ibex.service.protocol import bound_port, listen_also, stop_accepting, track_connections
 from ibex.service.queues import share_the_gil
 from ibex.service.reflection import with_reflection
@@ -74,6 +75,7 @@ class Daemon:
         open_assembler: Callable[[], AbstractAsyncContextManager[Assembler]],
         authenticator: Authenticator,
         admission: AdmissionConfig | None = None,
+        policies: Sequence[AdmissionPolicy] | None = None,
         edge: EdgeConfig | None = None,
         metrics: Metrics | None = None,
         ssl_context: Callable[[], ssl.SSLContext | None] = lambda: None,
@@ -82,7 +84,7 @@ class Daemon:
     ) -> None:
         self.config = config
         self.metrics = metrics if metrics is not None else Metrics()
-        self.state = Admission(admission or AdmissionConfig(), self.metrics)
+        self.admission = Admission(admission or AdmissionConfig(), self.metrics, policies)
         self.edge = edge or EdgeConfig()
         self.auth = authenticator
         self._open_assembler = open_assembler
@@ -99,7 +101,7 @@ class Daemon:
     def build_server(self, assembler: Assembler) -> grpclib.server.Server:
         service = ContextService(
             assembler,
-            admission=self.state,
+            admission=self.admission,
             metrics=self.metrics,
             authenticator=self.auth,
             config=self.edge,
@@ -110,11 +112,11 @@ class Daemon:
         health = BoundedReads(
             Health({service: [self.health_status]}),
             limit=HEALTH_MAX_MESSAGE_BYTES,
-            admission=self.state,
+            admission=self.admission,
         )
         _, _, *reflection = with_reflection([service, health], self.auth)
         reflection = [
-            BoundedReads(r, limit=REFLECTION_MAX_MESSAGE_BYTES, admission=self.state)
+            BoundedReads(r, limit=REFLECTION_MAX_MESSAGE_BYTES, admission=self.admission)
             for r in reflection
         ]
         server = grpclib.server.Server([service, health, *reflection])
@@ -178,7 +180,7 @@ class Daemon:
                 server,
                 self.connections,
                 gate=self._gate,
-                gate_left=self.state.left_gate,
+                gate_left=self.admission.left_gate,
                 ssl=ssl_ctx,
             )
             # Start-up objects (catalog, rank tables, modules) live for the process:
@@ -219,7 +221,7 @@ class Daemon:
                 notifier.status("draining")
                 await self.drain(server)
                 nursery.cancel_scope.cancel()
-            log.info("stopped", extra={"in_flight": self.state.in_flight})
+            log.info("stopped", extra={"in_flight": self.admission.in_flight})
 
     def _gate(self, path: str, remaining: float | None) -> str | None:
         """Admission's HEADERS gate, for the service's own methods only.
@@ -229,7 +231,7 @@ class Daemon:
         are answered UNIMPLEMENTED by grpclib. All of them pass (still counted).
         """
         method = method_label(path)
-        return self.state.gate(method, None if method == "other" else remaining)
+        return self.admission.gate(method, None if method == "other" else remaining)
 
     async def drain(self, server: grpclib.server.Server) -> None:
         """Stop listening, GOAWAY every connection, wait for in-flight calls, then close.
@@ -241,19 +243,22 @@ class Daemon:
         self.health_status.set(False)
         log.info(
             "draining",
-            extra={"in_flight": self.state.in_flight, "connections": self.connections.count},
+            extra={"in_flight": self.admission.in_flight, "connections": self.connections.count},
         )
         stop_accepting(server)
         self.connections.goaway_all(self.config.drain_grace)
         with trio.move_on_after(self.config.drain_grace) as scope:
             await self.connections.wait_closed()
-            await trio_asyncio.aio_as_trio(self.state.idle.wait)()
+            await trio_asyncio.aio_as_trio(self.admission.idle.wait)()
         if scope.cancelled_caught:
             log.warning(
                 "drain_grace_expired",
-                extra={"in_flight": self.state.in_flight, "connections": self.connections.count},
+                extra={
+                    "in_flight": self.admission.in_flight,
+                    "connections": self.connections.count,
+                },
             )
-        self.state.draining = True
+        self.admission.draining = True
         server.close()
         await trio_asyncio.aio_as_trio(server.wait_closed)()
 

@@ -81,7 +81,7 @@ def method_label(path: str) -> str:
 
 
 class EdgeConfig(msgspec.Struct, frozen=True):
-    """What the handlers need beyond the assembler; defaults live here only."""
+    """What the handlers need beyond the assembler; the settings table's defaults equal these."""
 
     max_message_bytes: int = 4 * 1024 * 1024
     # RecordMemoryFeedback's time for both attempts when the caller sets no deadline.

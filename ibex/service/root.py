@@ -3,7 +3,9 @@
 This module, the CLI and the worker supervisor are the only readers of
 `Settings`. Each layer gets a small frozen config of its own (retrieval
 limits, request limits, pipeline knobs, admission, the edge), so no layer
-sees a secret it does not need and each default lives in its layer.
+sees a secret it does not need. `layer_config` fills each one from the
+settings table (`ibex.config.Settings`, whose rows name the layer fields they
+set); the few values derived from others are computed here by hand.
 
 `open_assembler(settings)` builds the sources the settings name (Redis for
 directives, the memory service over HTTP, or the bundled local sample when
@@ -17,7 +19,9 @@ from __future__ import annotations
 import ssl
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any, TypeVar
 
+import msgspec
 import trio
 
 from ibex.assembly.catalog import Catalog, load_catalog
@@ -25,7 +29,7 @@ from ibex.assembly.nonce import NonceKey
 from ibex.assembly.pipeline import PipelineConfig
 from ibex.assembly.tokens import Tokenizers
 from ibex.assembly.validation import RequestLimits
-from ibex.config import Settings
+from ibex.config import Settings, layer_fields
 from ibex.errors import ConfigError
 from ibex.ops.metrics import Metrics
 from ibex.ops.tracing import setup_tracing
@@ -45,7 +49,10 @@ from ibex.sources.retrieval import RetrievalConfig
 
 __all__ = [
     "Assembler",
+    "admission_config",
     "check_bind_policy",
+    "connections_config",
+    "layer_config",
     "load_static",
     "make_daemon",
     "open_assembler",
@@ -53,82 +60,38 @@ __all__ = [
 ]
 
 
-def retrieval_config(settings: Settings) -> RetrievalConfig:
-    return RetrievalConfig(
-        timeout=settings.timeout,
-        deadline=settings.deadline,
-        directive_timeout=settings.directive_timeout,
-        hot_timeout=settings.hot_timeout,
-        cold_timeout=settings.cold_timeout,
-        pipeline_headroom=settings.pipeline_headroom,
-        hot_limit=settings.hot_limit,
-        cold_limit=settings.cold_limit,
-        min_confidence=settings.min_confidence,
-    )
+T = TypeVar("T", bound=msgspec.Struct)
 
 
-def request_limits(settings: Settings) -> RequestLimits:
-    return RequestLimits(
-        max_history_messages=settings.max_history_messages,
-        max_text_bytes=settings.max_text_bytes,
-        max_tool_schemas=settings.max_tool_schemas,
-    )
-
-
-def pipeline_config(settings: Settings) -> PipelineConfig:
-    return PipelineConfig(
-        dp_cell_ceiling=settings.packer_dp_cell_ceiling,
-        max_consecutive_skips=settings.packer_max_consecutive_skips,
-        nonce_bytes=settings.formatter_nonce_bytes,
-    )
+def layer_config(struct: type[T], settings: Settings, **computed: Any) -> T:
+    """`struct` with every field the settings table targets (`Var.to`) taken from `settings`;
+    `computed` gives the fields whose value the root derives (a default from another value)."""
+    fields = {f: getattr(settings, s) for f, s in layer_fields(struct.__name__).items()}
+    return struct(**fields, **computed)
 
 
 def admission_config(settings: Settings) -> AdmissionConfig:
-    return AdmissionConfig(
-        max_in_flight=settings.max_in_flight,
-        max_in_flight_bytes=settings.max_in_flight_bytes,
-        max_concurrent=settings.max_concurrent_assemblies,
-        min_answer=settings.min_answer,
-        min_useful=settings.min_useful,
-        queue_target=settings.queue_target,
-        queue_interval=settings.queue_interval,
-        read_timeout=settings.request_read_timeout,
+    """Admission; per-org and worker-thread queue defaults derive from the global caps."""
+    return layer_config(
+        AdmissionConfig,
+        settings,
         max_org_concurrent=settings.max_org_assemblies
         or max(1, settings.max_concurrent_assemblies // 2),
-        max_queue_wait=settings.max_queue_wait,
         max_thread_queue=max(1, settings.max_in_flight // 4),
-    )
-
-
-def edge_config(settings: Settings) -> EdgeConfig:
-    return EdgeConfig(max_message_bytes=settings.max_message_bytes)
-
-
-def directive_cache_config(settings: Settings) -> DirectiveCacheConfig:
-    return DirectiveCacheConfig(
-        max_entries=settings.directive_cache_entries,
-        max_bytes=settings.directive_cache_bytes,
-        ttl=settings.directive_cache_ttl,
-        max_age=settings.directive_cache_max_age,
     )
 
 
 def connections_config(settings: Settings) -> ConnectionsConfig:
     """Connection limits; the cap's default is computed from RLIMIT_NOFILE at start-up, the
-    per-peer cap's from the cap."""
+    per-peer cap's from the cap, the age grace's from DRAIN_GRACE."""
     cap = settings.max_connections or default_max_connections()
-    return ConnectionsConfig(
+    grace = settings.max_connection_age_grace
+    return layer_config(
+        ConnectionsConfig,
+        settings,
         max_connections=cap,
         max_per_peer=settings.max_connections_per_peer or max(1, cap // 4),
-        auth_timeout=settings.connection_auth_timeout,
-        tls_handshake_timeout=settings.tls_handshake_timeout,
-        idle_timeout=settings.connection_idle_timeout,
-        max_age=settings.max_connection_age,
-        age_grace=(
-            settings.max_connection_age_grace
-            if settings.max_connection_age_grace is not None
-            else settings.drain_grace
-        ),
+        age_grace=grace if grace is not None else settings.drain_grace,
     )
 
 
@@ -215,7 +178,9 @@ async def open_assembler(
             directive_source = redis
             backend.append(kind)
             if settings.directive_cache_entries > 0:
-                directive_source = DirectiveCache(redis, directive_cache_config(settings))
+                directive_source = DirectiveCache(
+                    redis, layer_config(DirectiveCacheConfig, settings)
+                )
         if settings.memory_base_url is not None:
             http = memory_http_source(settings)
             await http.open()
@@ -227,9 +192,9 @@ async def open_assembler(
             tokenizers=tokenizers,
             directive_source=directive_source,
             memory_source=memory_source,
-            limits=request_limits(settings),
-            retrieval=retrieval_config(settings),
-            pipeline=pipeline_config(settings),
+            limits=layer_config(RequestLimits, settings),
+            retrieval=layer_config(RetrievalConfig, settings),
+            pipeline=layer_config(PipelineConfig, settings),
             backend="+".join(backend),
             feedback_sink=feedback_sink,
             nonce_key=NonceKey(settings.nonce_key) if settings.nonce_key else None,
@@ -319,15 +284,14 @@ def make_daemon(
     process, index 0, on the base itself) so clients can balance per call.
     """
     host, port = split_addr(settings.grpc_addr)
-    own: tuple[int, ...] = ()
-    if settings.worker_port_base is not None:
-        own = (settings.worker_port_base + (worker_index or 0),)
-    config = DaemonConfig(
+    own = settings.worker_port(worker_index or 0)
+    config = layer_config(
+        DaemonConfig,
+        settings,
         host=host,
         port=port,
         reuse_port=reuse_port,
-        drain_grace=settings.drain_grace,
-        own_ports=own,
+        own_ports=() if own is None else (own,),
         worker=worker_index,
         connections=connections_config(settings),
     )
@@ -336,7 +300,7 @@ def make_daemon(
         open_assembler=lambda: open_assembler(settings),
         authenticator=authenticator(settings),
         admission=admission_config(settings),
-        edge=edge_config(settings),
+        edge=layer_config(EdgeConfig, settings),
         metrics=metrics,
         ssl_context=lambda: server_ssl_context(settings),
         startup_warning=lambda: check_bind_policy(settings),

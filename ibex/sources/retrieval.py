@@ -38,7 +38,8 @@ _DETAIL_MAX = 200
 
 
 class RetrievalConfig(msgspec.Struct, frozen=True):
-    """Time and size limits of the retrieval layer (seconds); defaults live here only."""
+    """Time and size limits of the retrieval layer (seconds). The daemon's values come from
+    the settings table, whose defaults equal these (pinned by test_config_table.py)."""
 
     timeout: float = 0.045
     deadline: float = 0.040

@@ -96,11 +96,17 @@ def _cached_static(settings: Settings) -> tuple[Catalog, Tokenizers]:
 
 @contextlib.asynccontextmanager
 async def running_daemon(
-    settings: Settings | None = None, **overrides: Any
+    settings: Settings | None = None,
+    *,
+    prepare: Callable[[Daemon], None] | None = None,
+    **overrides: Any,
 ) -> AsyncIterator[RunningDaemon]:
-    """`Daemon.serve` in a nursery of the current Trio run; drained on exit."""
+    """`Daemon.serve` in a nursery of the current Trio run; drained on exit. `prepare`
+    swaps parts of the daemon (say, its admission policies) before it serves."""
     settings = settings if settings is not None else test_settings(**overrides)
     daemon = make_daemon(settings)
+    if prepare is not None:
+        prepare(daemon)
     shutdown = trio.Event()
     with unittest.mock.patch.object(ibex.service.root, "load_static", _cached_static):
         async with trio.open_nursery() as nursery:

@@ -78,7 +78,7 @@ async def test_single_process_also_serves_on_the_worker_port_base_until_drained(
         assert answered(d) == 1
         d.shutdown.set()
         with trio.fail_after(10):
-            while d.daemon.state.draining is False:  # noqa: ASYNC110  (daemon state flag)
+            while d.daemon.admission.draining is False:  # noqa: ASYNC110  (daemon state flag)
                 await trio.sleep(0.01)
         # Draining: the worker port stops accepting with the shared one.
         with pytest.raises(OSError):

@@ -245,8 +245,8 @@ async def test_health_check_declaring_64_mib_is_refused_before_its_bytes_are_rea
                 out["big_reset"] = big in raw.reset
                 stalled = raw.open(CHECK)
                 raw.send(stalled, prefix(100) + b"\x0a")  # under the cap, then nothing
-                until(lambda: d.daemon.state.in_flight_bytes >= 100, 2)
-                out["counted"] = d.daemon.state.in_flight_bytes
+                until(lambda: d.daemon.admission.in_flight_bytes >= 100, 2)
+                out["counted"] = d.daemon.admission.in_flight_bytes
                 out["stalled"] = raw.wait_status(stalled, timeout=5)
                 ok = raw.open(CHECK)
                 raw.send(ok, health_request(), end=True)
@@ -254,7 +254,7 @@ async def test_health_check_declaring_64_mib_is_refused_before_its_bytes_are_rea
             return out
 
         out = await in_thread(scenario)
-        assert d.daemon.state.in_flight_bytes == 0
+        assert d.daemon.admission.in_flight_bytes == 0
     assert out["big"] == "8"  # RESOURCE_EXHAUSTED, read no further than the prefix
     assert out["big_reset"]  # and reset: the peer stops sending
     assert out["counted"] == 100  # the declared bytes, counted while they arrive
@@ -281,7 +281,7 @@ async def test_a_partly_received_request_counts_toward_the_in_flight_bytes() -> 
     async with running_daemon(
         max_in_flight_bytes=4 * MIB, request_read_timeout=1.5, **RELAXED
     ) as d:
-        state = d.daemon.state
+        state = d.daemon.admission
 
         def scenario() -> dict[str, Any]:
             out: dict[str, Any] = {}
@@ -389,7 +389,7 @@ async def test_watch_is_capped_per_connection_and_is_not_activity() -> None:
                     raw.send(w, health_request(), end=True)
                     watches.append(w)
                 out["fifth"] = raw.wait_status(watches[4], timeout=5)
-                out["gated"] = d.daemon.state.gated  # open Watches are not calls waiting
+                out["gated"] = d.daemon.admission.gated  # open Watches are not calls waiting
                 # Four Watch streams open and nothing else: idle, closed at the idle timeout.
                 out["closed"] = raw.wait_closed(timeout=5)
             return out

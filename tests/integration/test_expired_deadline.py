@@ -144,7 +144,7 @@ async def test_a_standing_queue_refuses_a_short_call_before_grpclib_starts_it(
     """While the queue stands, a call whose deadline the expected wait would eat is answered
     RESOURCE_EXHAUSTED from its HEADERS alone (trailers only), and counted as shed; a call
     with room is still served."""
-    state = daemon.daemon.state
+    state = daemon.daemon.admission
     started = len(state.metrics.requests.collect()[0].samples)
     state.queue.standing, state.queue.estimate, state.pending = True, 0.5, 1
     try:
@@ -183,7 +183,7 @@ async def test_a_refused_stream_already_reset_by_its_caller_leaves_the_connectio
     """Under overload a caller's RST_STREAM often arrives in the same read as its HEADERS.
     The early refusal then has no stream to answer; it must not raise out of
     data_received, which would close the connection and fail every call on it."""
-    state = daemon.daemon.state
+    state = daemon.daemon.admission
     state.queue.standing, state.queue.estimate, state.pending = True, 0.5, 1
     try:
         with caplog.at_level(logging.INFO):
@@ -251,7 +251,7 @@ async def test_an_answer_finished_after_grpclib_gave_up_is_a_deadline_miss_not_a
 async def test_every_call_the_gate_lets_through_is_released(daemon: RunningDaemon) -> None:
     """The gate counts calls between their HEADERS and their handler's start (the CPU wait
     estimate depends on it); whatever becomes of a call, the count returns to zero."""
-    state = daemon.daemon.state
+    state = daemon.daemon.admission
     await in_thread(raw_call, daemon.port, "5S")  # served
     await in_thread(raw_call, daemon.port, "1n")  # expired on arrival
     await in_thread(reset_then_call, daemon.port)  # reset in the same read, then served
@@ -290,7 +290,7 @@ async def test_a_saturated_loop_refuses_assembly_but_never_health_or_reflection(
     """The CPU gate turns away, from its HEADERS, a call the saturated loop could not
     finish in time, as RESOURCE_EXHAUSTED; health probes and reflection always pass (a
     refused probe would take a busy worker out of rotation, or restart it)."""
-    state = daemon.daemon.state
+    state = daemon.daemon.admission
     saved = state.cpu.utilisation, state.cpu.per_call, state.cpu.sample
     state.cpu.utilisation, state.cpu.per_call = 1.0, 10.0  # 10 s of CPU per call
     state.cpu.sample = lambda now: None  # type: ignore[method-assign]
@@ -372,7 +372,7 @@ async def test_a_request_that_stalls_ends_at_the_read_timeout(
         assert took < 10  # the read timeout ended it, not the caller's deadline (20 s)
         assert "deadline_missed" in _events(caplog)
         assert _errors(caplog) == []
-        assert d.daemon.state.in_flight == 0
+        assert d.daemon.admission.in_flight == 0
 
 
 async def test_a_request_sent_in_two_parts_within_the_read_timeout_is_answered() -> None:

@@ -210,12 +210,12 @@ async def test_shutdown_event_drains_in_process(memory: FakeMemoryServer) -> Non
         with d.channel() as channel:
             future = stub(channel).AssembleContext.future(request(), timeout=5)
             with trio.fail_after(3):
-                while d.daemon.state.in_flight == 0:  # noqa: ASYNC110
+                while d.daemon.admission.in_flight == 0:  # noqa: ASYNC110
                     await trio.sleep(0.005)
             d.shutdown.set()
             resp = await in_thread(future.result)
     assert resp.degradation_level == "L0"
-    assert d.daemon.state.draining and d.daemon.state.in_flight == 0
+    assert d.daemon.admission.draining and d.daemon.admission.in_flight == 0
 
 
 # -- caller deadline ---------------------------------------------------------------------------
@@ -307,7 +307,7 @@ async def test_burst_beyond_max_in_flight_is_shed_at_once(memory: FakeMemoryServ
         # Load gone: full quality again, nothing left in flight.
         resp = await in_thread(lambda: _call(d, request()))
         assert resp.degradation_level == "L0" and resp.memories_included > 0
-        assert d.daemon.state.in_flight == 0
+        assert d.daemon.admission.in_flight == 0
 
 
 def _call(d: RunningDaemon, req: Any) -> Any:
@@ -351,7 +351,7 @@ async def test_client_fails_open_when_daemon_sheds(memory: FakeMemoryServer) -> 
 
                 nursery.start_soon(occupy)
                 with trio.fail_after(3):
-                    while d.daemon.state.in_flight == 0:  # noqa: ASYNC110
+                    while d.daemon.admission.in_flight == 0:  # noqa: ASYNC110
                         await trio.sleep(0.005)
                 shed = await client.assemble_trio(
                     org_id=ORG,
@@ -428,4 +428,4 @@ async def test_a_burst_and_the_calls_after_it_are_all_served(daemon: RunningDaem
     answers = await in_thread(burst)
     assert len(answers) == 35
     assert all(a.degradation_level == "L0" and a.memories_included > 0 for a in answers)
-    assert daemon.daemon.state.in_flight == 0 and daemon.daemon.state.pending == 0
+    assert daemon.daemon.admission.in_flight == 0 and daemon.daemon.admission.pending == 0

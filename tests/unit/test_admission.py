@@ -13,6 +13,7 @@ from ibex.errors import DeadlineError, Overloaded, Unavailable
 from ibex.ops.metrics import Metrics
 from ibex.service.admission import Admission, AdmissionConfig, CpuLoad, QueueDelay
 from ibex.service.handlers import METHODS, ContextService, method_label
+from ibex.service.policies import CallFacts, StandingQueue
 from ibex.service.queues import WorkerThreads
 
 CONFIG = AdmissionConfig(
@@ -447,8 +448,9 @@ def test_the_standing_queue_refuses_when_exactly_min_useful_would_be_left() -> N
     """Refused only when less than `min_useful` would be left: exactly that is served."""
     a = admission(AdmissionConfig(max_in_flight=64, min_useful=0.25))
     a.queue.standing, a.queue.estimate, a.pending = True, 0.5, 1
-    assert not a.standing_queue_refuses(0.75)  # 0.75 - 0.5 == 0.25: enough
-    assert a.standing_queue_refuses(0.625)
+    queue = StandingQueue(min_useful=0.25)
+    assert queue.verdict(CallFacts("arrival", remaining=0.75), a, 0.0) is None  # 0.25: enough
+    assert queue.verdict(CallFacts("arrival", remaining=0.625), a, 0.0) is not None
 
 
 # -- fairness: per-org cap, calls without a deadline, the worker-thread queue -----------------

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import re
 import shutil
 import subprocess
@@ -156,9 +155,8 @@ def test_unit_sandbox_exposure_stays_low(tmp_path: Path) -> None:
 
 
 def settings_variables() -> set[str]:
-    """Every IBEX_CONTEXT_* name load_settings reads, taken from its source."""
-    source = inspect.getsource(config.load_settings)
-    return {PREFIX + name for name in re.findall(r'"([A-Z][A-Z0-9_]+)"', source)}
+    """Every IBEX_CONTEXT_* name load_settings reads: the settings table's variables."""
+    return {PREFIX + row.suffix for row in config.TABLE.values()}
 
 
 def env_example_assignments() -> tuple[dict[str, str], dict[str, str]]:
@@ -183,7 +181,7 @@ def test_every_documented_variable_is_read_under_its_exact_name() -> None:
     """The example file is the operators' list: each name in it must be one the parser
     actually reads at run time (a renamed or misspelt key would silently keep its default)."""
     active, commented = env_example_assignments()
-    missing = (set(active) | set(commented)) - config.known_variables({})
+    missing = (set(active) | set(commented)) - config.known_variables()
     assert missing == set()
 
 

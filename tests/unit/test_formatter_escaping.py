@@ -133,10 +133,10 @@ def test_body_piece_ends_each_body_with_a_newline() -> None:
 
 def test_uncached_body_piece_behaves_the_same() -> None:
     # body_piece memoises; the function behind the cache must give the same answers.
-    assert fmt._body_piece("") == ""
-    assert fmt._body_piece("  ") == ""
-    assert fmt._body_piece(" x ") == "x\n"
-    assert fmt._body_piece("<") == "&lt;\n"
+    assert fmt.body_piece_uncached("") == ""
+    assert fmt.body_piece_uncached("  ") == ""
+    assert fmt.body_piece_uncached(" x ") == "x\n"
+    assert fmt.body_piece_uncached("<") == "&lt;\n"
 
 
 def test_long_bodies_skip_the_cache_but_escape_the_same() -> None:

@@ -34,8 +34,8 @@ def exact(tokenizers: Tokenizers) -> int:
 
 
 def test_exact_when_the_messages_fit(counter: TokenCounter, exact: int) -> None:
-    assert dropped_tokens(counter, MESSAGES, 10**9) == exact
-    assert dropped_tokens(counter, MESSAGES, exact) == exact  # exactly at the ceiling
+    assert dropped_tokens(counter, MESSAGES, 10**9, fmt.XML_TAGS) == exact
+    assert dropped_tokens(counter, MESSAGES, exact, fmt.XML_TAGS) == exact  # exactly at the ceiling
 
 
 @pytest.mark.parametrize("short", [1, 40, 200])
@@ -43,9 +43,9 @@ def test_a_bound_above_the_ceiling_when_they_do_not(
     counter: TokenCounter, exact: int, short: int
 ) -> None:
     ceiling = exact - short
-    n = dropped_tokens(counter, MESSAGES, ceiling)
+    n = dropped_tokens(counter, MESSAGES, ceiling, fmt.XML_TAGS)
     assert ceiling < n <= exact
 
 
 def test_nothing_dropped_costs_nothing(counter: TokenCounter) -> None:
-    assert dropped_tokens(counter, [], 100) == 0
+    assert dropped_tokens(counter, [], 100, fmt.XML_TAGS) == 0

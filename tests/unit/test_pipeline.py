@@ -27,6 +27,7 @@ from ibex.assembly.catalog import Catalog, load_catalog
 from ibex.assembly.formatter import new_nonce
 from ibex.assembly.pipeline import (
     AssemblyInputs,
+    PipelineConfig,
     StageTimer,
     assemble_pure,
     degradation_level,
@@ -753,7 +754,7 @@ def test_join_rule(pieces: list[str], clean: bool) -> None:
 
 @pytest.mark.parametrize("model", ["gpt-4o", "gpt-4-turbo", "claude-sonnet-4-5"])
 def test_without_the_join_rule_the_whole_text_is_recounted(
-    tokenizers: Tokenizers, catalog: Catalog, model: str, monkeypatch: pytest.MonkeyPatch
+    tokenizers: Tokenizers, catalog: Catalog, model: str
 ) -> None:
     inp = inputs(
         request(model=model, available_tokens=1500, messages=[Message("user", "hello")]),
@@ -761,8 +762,13 @@ def test_without_the_join_rule_the_whole_text_is_recounted(
         directive=Directive("Be helpful."),
     )
     summed = run(inp, catalog, tokenizers)
-    monkeypatch.setattr(fmt, "joins_split_cleanly", lambda pieces: False)
-    recounted = run(inp, catalog, tokenizers)
+
+    class Recounting(fmt.XmlTagFormat):
+        def counts_add_up(self, pieces: Sequence[str]) -> bool:
+            return False
+
+    config = PipelineConfig(format=Recounting())
+    recounted = assemble_pure(inp, catalog=catalog, tokenizers=tokenizers, config=config)
     assert recounted.assembled_context == summed.assembled_context
     assert recounted.tokens_used <= recounted.budget.ceiling
     if model == "claude-sonnet-4-5":

@@ -378,9 +378,17 @@ def test_an_empty_candidate_set_is_not_a_truncation() -> None:
 # --------------------------------------------------------------------------- drop and re-format
 
 
-def test_a_bad_join_drops_the_lowest_value_memory_and_formats_again(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+class RecountingXml(fmt.XmlTagFormat):
+    """The default pieces with a join rule that never vouches for the sum."""
+
+    def counts_add_up(self, pieces: Sequence[str]) -> bool:
+        return False
+
+
+RECOUNT = PipelineConfig(format=RecountingXml())
+
+
+def test_a_bad_join_drops_the_lowest_value_memory_and_formats_again() -> None:
     # Three memories fit by their pieces with 30 tokens spare; the whole text
     # costs 40 more per memory element. Three cost 120 over the pieces (too
     # many), two cost 80, within the spare plus the dropped memory's own size.
@@ -392,8 +400,7 @@ def test_a_bad_join_drops_the_lowest_value_memory_and_formats_again(
     per = block_len(cold[0])
     window = 500 + memory_overhead() + 3 * per + 30
     cat = catalog(window=window, max_out=500)
-    monkeypatch.setattr(fmt, "joins_split_cleanly", lambda pieces: False)
-    r = run(request(), cold=cold, cat=cat, counter=CharCounter(whole_text_extra=40))
+    r = run(request(), cold=cold, cat=cat, counter=CharCounter(whole_text_extra=40), config=RECOUNT)
     assert r.budget.usable_budget == 3 * per + 30
     assert ids(r) == ["mid", "hi"]  # category order: factual before episodic
     assert reasons(r) == {"lo": "budget"}
@@ -407,12 +414,13 @@ def test_a_bad_join_drops_the_lowest_value_memory_and_formats_again(
     assert 'id="lo"' not in text
 
 
-def test_the_loop_can_drop_every_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_loop_can_drop_every_memory() -> None:
     cold = [hit("a", similarity=0.9), hit("b", similarity=0.5)]
-    monkeypatch.setattr(fmt, "joins_split_cleanly", lambda pieces: False)
     window = 500 + memory_overhead() + 2 * block_len(cold[0])
     cat = catalog(window=window, max_out=500)
-    r = run(request(), cold=cold, cat=cat, counter=CharCounter(whole_text_extra=10_000))
+    r = run(
+        request(), cold=cold, cat=cat, counter=CharCounter(whole_text_extra=10_000), config=RECOUNT
+    )
     assert r.memories_used == ()
     assert reasons(r) == {"a": "budget", "b": "budget"}
     assert r.assembled_context == ""
@@ -432,10 +440,9 @@ def test_clean_joins_are_summed_not_recounted() -> None:
     assert r.assembled_context not in counter.uncached
 
 
-def test_recounting_without_memories_uses_the_whole_text(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(fmt, "joins_split_cleanly", lambda pieces: False)
+def test_recounting_without_memories_uses_the_whole_text() -> None:
     counter = CharCounter()
-    r = run(request(messages=[Message("user", "hello")]), counter=counter)
+    r = run(request(messages=[Message("user", "hello")]), counter=counter, config=RECOUNT)
     assert r.tokens_used == len(r.assembled_context)
     assert r.assembled_context in counter.uncached
 

@@ -1,0 +1,232 @@
+"""The output-format seam: one object decides how the context block is written and priced.
+
+A format writes the block as *pieces* (tag lines and escaped bodies) in this
+shape, each section only when it has something to hold::
+
+    directive_open(directive, nonce)  body  directive_close
+    safety_piece(nonce)                                        (only with memories)
+    history_open(nonce)   { message_open(role)  body  message_close } ...  history_close
+    memories_open(nonce)  { memory_open_prefix + memory_open_suffix(m)  body  memory_close } ...
+                          memories_close
+    tools_open(nonce)     { tool_open  body  tool_close } ...  tools_close
+
+The pipeline (ibex.assembly.pipeline) and the history fit (ibex.assembly.history)
+price exactly those pieces, counting each once (counts are cached by text), and
+render with `render_pieces`; nothing else about the layout is known outside the
+format. The format's join rule, `counts_add_up`, says whether the block's count
+is the sum of its pieces' counts. When it says no, the pipeline re-counts the
+whole text (and drops the lowest-value memory while it is over the ceiling), so
+`tokens_used` is the text's count and within the ceiling for every format; a
+format whose joins always add up only saves that re-count.
+
+What a format must hold for the pricing to be right (a subclass that breaks one
+of these gets wrong sizes, never an answer over the ceiling, but may leave out
+history or memories that would have fit):
+
+- `escape_body` maps a prefix of a text to a prefix of the text's escaped body
+  (history proves a long message too long from a prefix of it), and a body
+  piece starts with the escaped body;
+- a piece carrying the nonce has a non-digit on both sides of it, so a decimal
+  nonce costs what zeros of its width cost (see history.Staged.with_nonce);
+- a memory's opening piece is `memory_open_prefix + memory_open_suffix(m)`,
+  priced as two parts: when `counts_add_up` can say yes, that join must be a
+  split point of the tokeniser too.
+
+`ibex.assembly.formatter.XmlTagFormat` is the default (`PipelineConfig.format`).
+A new format subclasses `Format` and gives the pieces, the body escaper and the
+join rule; the body cache, the sections and `render_pieces` come from here.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+
+from ibex.assembly.lru import ByteLRU, LRUInfo
+from ibex.assembly.structs import Directive, Message, ScoredMemory
+
+BODY_CACHE_MAX_CHARS = 4096
+#: What one format's escaped-body cache may keep alive (keys and values, see ibex.assembly.lru).
+BODY_CACHE_BYTES = 16 * 1024 * 1024
+
+
+class Format(ABC):
+    """Section pieces, the body escaper and the join rule of one output format."""
+
+    directive_close: str
+    history_close: str
+    message_close: str
+    memories_close: str
+    memory_open_prefix: str
+    memory_close: str
+    tools_close: str
+    tool_open: str
+    tool_close: str
+
+    def __init__(self, body_cache_bytes: int = BODY_CACHE_BYTES) -> None:
+        self._bodies: ByteLRU[str] = ByteLRU(body_cache_bytes)
+
+    # --- what a format defines ------------------------------------------------
+
+    @abstractmethod
+    def directive_open(self, directive: Directive, nonce: str) -> str: ...
+
+    @abstractmethod
+    def safety_piece(self, nonce: str) -> str:
+        """What the nonce means; emitted whenever memories are."""
+
+    @abstractmethod
+    def history_open(self, nonce: str) -> str:
+        """An empty nonce is the client's fallback history, which the daemon did not write."""
+
+    @abstractmethod
+    def message_open(self, role: str) -> str: ...
+
+    @abstractmethod
+    def memories_open(self, nonce: str) -> str: ...
+
+    @abstractmethod
+    def memory_open_suffix(self, memory: ScoredMemory) -> str: ...
+
+    @abstractmethod
+    def tools_open(self, nonce: str) -> str: ...
+
+    @abstractmethod
+    def escape_body(self, text: str) -> str:
+        """The body as data: it can neither open nor close a section of this format."""
+
+    @abstractmethod
+    def counts_add_up(self, pieces: Sequence[str]) -> bool:
+        """True when the joined pieces' count is the sum of their counts (no re-count)."""
+
+    def memory_order(self, memories: Iterable[ScoredMemory]) -> list[ScoredMemory]:
+        """The order memories are emitted in; here the packer's (best score first)."""
+        return list(memories)
+
+    # --- bodies -----------------------------------------------------------------
+
+    def body_piece_uncached(self, text: str) -> str:
+        """The escaped body plus its line end; empty text gives an empty piece."""
+        escaped = self.escape_body(text)
+        return escaped + "\n" if escaped else ""
+
+    def body_piece(self, text: str) -> str:
+        """`body_piece_uncached`, memoised for texts up to BODY_CACHE_MAX_CHARS.
+
+        The same hot memories, directives and history turns come back request
+        after request, and escaping each was a tenth of the daemon's CPU per answer.
+        """
+        if len(text) > BODY_CACHE_MAX_CHARS:
+            return self.body_piece_uncached(text)
+        piece = self._bodies.get(text)
+        if piece is None:
+            piece = self.body_piece_uncached(text)
+            self._bodies.put(text, piece)
+        return piece
+
+    def cached_body_piece(self, text: str) -> str | None:
+        """The cached piece for `text`, or None; nothing is computed or stored."""
+        if len(text) > BODY_CACHE_MAX_CHARS:
+            return None
+        return self._bodies.get(text)
+
+    def remember_body_pieces(self, pieces: Iterable[tuple[str, str]]) -> None:
+        """Cache (text, piece) pairs computed uncached, once they are known to be emitted."""
+        self._bodies.put_many((t, p) for t, p in pieces if len(t) <= BODY_CACHE_MAX_CHARS)
+
+    def body_cache_info(self) -> LRUInfo:
+        return self._bodies.info()
+
+    # --- sections and the whole block --------------------------------------------
+
+    def memory_open(self, memory: ScoredMemory) -> str:
+        return self.memory_open_prefix + self.memory_open_suffix(memory)
+
+    def directive_section(self, directive: Directive | None, nonce: str) -> list[str]:
+        if directive is None:
+            return []
+        body = self.body_piece(directive.content)
+        if not body:
+            return []
+        return [self.directive_open(directive, nonce), body, self.directive_close]
+
+    def history_section(self, messages: Sequence[Message], nonce: str) -> list[str]:
+        if not messages:
+            return []
+        out = [self.history_open(nonce)]
+        message_open, body_piece, close = self.message_open, self.body_piece, self.message_close
+        for msg in messages:
+            out += (message_open(msg.role), body_piece(msg.content), close)
+        out.append(self.history_close)
+        return out
+
+    def memory_block(self, memory: ScoredMemory) -> list[str]:
+        return [self.memory_open(memory), self.body_piece(memory.content), self.memory_close]
+
+    def memories_section(self, nonce: str, ordered: Sequence[ScoredMemory]) -> list[str]:
+        if not ordered:
+            return []
+        out = [self.memories_open(nonce)]
+        prefix, suffix, body_piece = (
+            self.memory_open_prefix,
+            self.memory_open_suffix,
+            self.body_piece,
+        )
+        close = self.memory_close
+        for memory in ordered:
+            out += (prefix + suffix(memory), body_piece(memory.content), close)
+        out.append(self.memories_close)
+        return out
+
+    def tools_section(self, schemas: Sequence[str], nonce: str) -> list[str]:
+        if not schemas:
+            return []
+        out = [self.tools_open(nonce)]
+        tool_open, body_piece, tool_close = self.tool_open, self.body_piece, self.tool_close
+        for schema in schemas:
+            out += (tool_open, body_piece(schema), tool_close)
+        out.append(self.tools_close)
+        return out
+
+    def render_pieces(
+        self,
+        *,
+        directive: Directive | None,
+        messages: Sequence[Message],
+        memories: Sequence[ScoredMemory],
+        tool_schemas: Sequence[str],
+        nonce: str,
+    ) -> list[str]:
+        """The block's pieces in order; `render` joins them."""
+        ordered = self.memory_order(memories)
+        pieces = self.directive_section(directive, nonce)
+        if ordered:
+            pieces.append(self.safety_piece(nonce))
+        pieces += self.history_section(messages, nonce)
+        pieces += self.memories_section(nonce, ordered)
+        pieces += self.tools_section(tool_schemas, nonce)
+        return pieces
+
+    def render(
+        self,
+        *,
+        directive: Directive | None,
+        messages: Sequence[Message],
+        memories: Sequence[ScoredMemory],
+        tool_schemas: Sequence[str],
+        nonce: str,
+    ) -> str:
+        """The whole context block.
+
+        Byte-identical for identical inputs and nonce. The safety piece appears
+        whenever memories do, so the model is always told what the nonce means.
+        """
+        return "".join(
+            self.render_pieces(
+                directive=directive,
+                messages=messages,
+                memories=memories,
+                tool_schemas=tool_schemas,
+                nonce=nonce,
+            )
+        )

@@ -1,0 +1,142 @@
+"""Admission policies (ibex.service.policies): swappable rules the gate composes in order."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from ibex.errors import Overloaded, Unavailable
+from ibex.ops.metrics import Metrics
+from ibex.service.admission import GATE_CPU_MESSAGE, Admission, AdmissionConfig
+from ibex.service.policies import (
+    BytesCap,
+    CallFacts,
+    CpuSaturation,
+    InFlightCap,
+    MinAnswer,
+    Refusal,
+    Stage,
+    StandingQueue,
+    default_policies,
+)
+
+MAINTENANCE_MESSAGE = "unavailable: SearchMemories is down for maintenance"
+
+
+class Maintenance:
+    """Test-only policy: refuse one method at the HEADERS gate while a flag is set."""
+
+    stages: frozenset[Stage] = frozenset(("headers",))
+
+    def __init__(self, method: str) -> None:
+        self.method = method
+        self.on = False
+        self.asked = 0
+
+    def verdict(self, call: CallFacts, load: Admission, now: float) -> Refusal | None:
+        self.asked += 1
+        if self.on and call.method == self.method:
+            return Refusal("maintenance", "RESOURCE_EXHAUSTED", MAINTENANCE_MESSAGE)
+        return None
+
+
+class Closed:
+    """Test-only policy: refuse every call before its request is read, as UNAVAILABLE."""
+
+    stages: frozenset[Stage] = frozenset(("open",))
+
+    def verdict(self, call: CallFacts, load: Admission, now: float) -> Refusal | None:
+        return Refusal("", "UNAVAILABLE", "closed for the test")
+
+
+def shed(a: Admission, reason: str) -> float:
+    return a.metrics.shed_requests.labels(reason)._value.get()
+
+
+def _saturated(a: Admission, per_call: float) -> None:
+    a.cpu.utilisation, a.cpu.per_call = 1.0, per_call
+    a.cpu.sample = lambda now: None  # type: ignore[method-assign]  # keep the state set here
+
+
+def test_the_defaults_are_todays_rules_in_todays_order() -> None:
+    config = AdmissionConfig()
+    kinds = [type(p) for p in default_policies(config)]
+    assert kinds == [InFlightCap, BytesCap, MinAnswer, CpuSaturation, StandingQueue]
+    assert [type(p) for p in Admission(config, Metrics()).policies] == kinds
+
+
+def test_a_test_only_policy_composes_with_the_defaults_at_the_gate() -> None:
+    """Added in front of the defaults: it refuses its method while on, with its own label
+    and message; other methods, and all calls while it is off, meet the defaults as before."""
+    config = AdmissionConfig(max_in_flight=64, wait_margin=0.005)
+    maintenance = Maintenance("SearchMemories")
+    a = Admission(config, Metrics(), (maintenance, *default_policies(config)))
+    assert a.gate("SearchMemories", 1.0) is None  # off: admitted
+    maintenance.on = True
+    assert a.gate("SearchMemories", 1.0) == MAINTENANCE_MESSAGE
+    assert a.gate("SearchMemories", None) == MAINTENANCE_MESSAGE  # no deadline: still refused
+    assert a.gate("AssembleContext", 1.0) is None
+    assert a.gated == 2  # refused calls are not counted as let through
+    assert shed(a, "maintenance") == 2
+    assert a.metrics.requests.labels("SearchMemories", "RESOURCE_EXHAUSTED")._value.get() == 2
+    # The defaults still apply behind it: a saturated loop refuses a short call for CPU.
+    _saturated(a, 0.004)
+    a.in_flight = 20
+    assert a.gate("AssembleContext", 0.045) == GATE_CPU_MESSAGE
+    assert shed(a, "cpu") == 1
+
+
+def test_the_first_refusal_wins() -> None:
+    """Behind the defaults, the CPU rule answers first; the test policy is not even asked."""
+    config = AdmissionConfig(max_in_flight=64, wait_margin=0.005)
+    maintenance = Maintenance("AssembleContext")
+    maintenance.on = True
+    a = Admission(config, Metrics(), (*default_policies(config), maintenance))
+    _saturated(a, 0.004)
+    a.in_flight = 20
+    assert a.gate("AssembleContext", 0.045) == GATE_CPU_MESSAGE
+    assert maintenance.asked == 0
+    assert shed(a, "cpu") == 1 and shed(a, "maintenance") == 0
+    assert a.gate("AssembleContext", 1.0) == MAINTENANCE_MESSAGE  # room: the CPU rule passes
+
+
+def test_a_policy_is_asked_only_at_its_own_checkpoints() -> None:
+    """The maintenance policy decides at HEADERS only: a call reaching the handler (an
+    in-process call, no gate) is not refused by it."""
+    maintenance = Maintenance("")
+    maintenance.on = True
+    a = Admission(AdmissionConfig(), Metrics(), (maintenance,))
+    a.check_open()
+    a.reserve_bytes(10)
+    with a.admitted(time.monotonic(), 1.0):
+        pass
+    assert maintenance.asked == 0
+    assert a.gate("", 1.0) == MAINTENANCE_MESSAGE
+
+
+def test_a_refusal_status_other_than_overload_raises_its_own_error_unshed() -> None:
+    a = Admission(AdmissionConfig(), Metrics(), (Closed(), *default_policies(AdmissionConfig())))
+    with pytest.raises(Unavailable, match="closed for the test"):
+        a.check_open()
+    with pytest.raises(Unavailable), a.admitted(time.monotonic(), 1.0):
+        pass
+    assert a.in_flight == 0
+    assert a.gate("AssembleContext", 1.0) is None  # asked at "open" only
+
+
+def test_without_the_cap_policy_nothing_caps_the_calls_in_flight() -> None:
+    """The cap is the policy, not a rule hidden in the gate: a tuple without it admits
+    past `max_in_flight`; with the defaults the same call is refused."""
+    config = AdmissionConfig(max_in_flight=1)
+    bare = Admission(config, Metrics(), ())
+    with bare.admitted(time.monotonic(), 1.0), bare.admitted(time.monotonic(), 1.0):
+        assert bare.in_flight == 2
+    full = Admission(config, Metrics())
+    with (
+        full.admitted(time.monotonic(), 1.0),
+        pytest.raises(Overloaded) as info,
+        full.admitted(time.monotonic(), 1.0),
+    ):
+        pass
+    assert info.value.reason == "in_flight"
