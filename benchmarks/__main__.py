@@ -29,6 +29,7 @@ ORDER = (
     "codec",
     "token_estimate",
     "memory_client",
+    "memory_cut",
     "wakeups",
     "timer_lateness",
     "cache_prefix",

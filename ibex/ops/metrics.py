@@ -7,6 +7,7 @@ name                                   type   labels          meaning
 =====================================  =====  ==============  ====================================
 ibex_grpc_requests_total               C      method, code    finished RPCs by gRPC status name
 ibex_grpc_request_duration_seconds     H      method          RPC handling time
+ibex_answer_seconds                    H      method          HEADERS read to answer's last byte
 ibex_in_flight_requests                G                      RPCs being handled (sum of workers)
 ibex_shed_requests_total               C      reason          RPCs refused by admission
 ibex_branch_outcomes_total             C      source, status  retrieval branches by outcome
@@ -122,6 +123,14 @@ STAGE_BUCKETS: Final = (
 )
 BRANCH_BUCKETS: Final = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.025, 0.045, 0.075, 0.1, 0.25)
 REQUEST_BUCKETS: Final = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0)
+# The server's whole time per call, HEADERS read to last byte written: answers cut
+# at the retrieval wall (40 ms by default) land just above it, so the region from
+# 38 to 50 ms has 1 ms buckets and the time after the wall can be read off them.
+ANSWER_BUCKETS: Final = (
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.035,
+    *(n / 1000 for n in range(38, 51)),
+    0.055, 0.06, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5,
+)  # fmt: skip
 TOKEN_BUCKETS: Final = tuple(float(2**i) for i in range(6, 18))  # 64 .. 131072
 RATIO_BUCKETS: Final = (0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0)
 MEMORY_BUCKETS: Final = (0.0, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0)
@@ -252,6 +261,13 @@ class Metrics:
             buckets=REQUEST_BUCKETS,
             registry=r,
         )
+        self.answer_seconds = Histogram(
+            "ibex_answer_seconds",
+            "Server-side time per call: its HEADERS read to its answer's last byte written.",
+            ["method"],
+            buckets=ANSWER_BUCKETS,
+            registry=r,
+        )
         self.in_flight_requests = Gauge(
             "ibex_in_flight_requests",
             "RPCs being handled now.",
@@ -354,6 +370,7 @@ class Metrics:
         # names (callers map anything else to one label), codes the gRPC status names,
         # so this stays a few dozen entries.
         self._request_children: dict[tuple[str, str], tuple[Any, Any]] = {}
+        self._answer_children: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ recording
 
@@ -365,6 +382,13 @@ class Metrics:
             self._request_children[method, code] = children
         children[0].inc()
         children[1].observe(max(0.0, seconds))
+
+    def observe_answer(self, method: str, seconds: float) -> None:
+        """One answered call (refusals too): short method name, HEADERS to last byte written."""
+        child = self._answer_children.get(method)
+        if child is None:
+            child = self._answer_children[method] = self.answer_seconds.labels(method)
+        child.observe(max(0.0, seconds))
 
     def observe_feedback(self, outcome: str) -> None:
         """One finished RecordMemoryFeedback call; `outcome` is one of `FEEDBACK_OUTCOMES`.

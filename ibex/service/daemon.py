@@ -182,6 +182,7 @@ class Daemon:
                 gate=self._gate,
                 gate_left=self.admission.left_gate,
                 ssl=ssl_ctx,
+                answered=self._answered,
             )
             # Start-up objects (catalog, rank tables, modules) live for the process:
             # move them out of the collector's reach so a full collection cannot
@@ -222,6 +223,10 @@ class Daemon:
                 await self.drain(server)
                 nursery.cancel_scope.cancel()
             log.info("stopped", extra={"in_flight": self.admission.in_flight})
+
+    def _answered(self, path: str, seconds: float) -> None:
+        """A call's answer left: its server-side time, HEADERS to last byte written."""
+        self.metrics.observe_answer(method_label(path), seconds)
 
     def _gate(self, path: str, remaining: float | None) -> str | None:
         """Admission's HEADERS gate, for the service's own methods only.

@@ -106,7 +106,8 @@ def answer_expired_deadlines() -> None:
 async def _stream_send_headers(
     self: grpclib.protocol.Stream, headers: list[tuple[str, str]], end_stream: bool = False
 ) -> None:
-    """grpclib's `Stream.send_headers` (0.4), with the headers from `send_headers_fast`."""
+    """grpclib's `Stream.send_headers` (0.4), with the headers from `send_headers_fast`;
+    trailers also mark the end of the call's answer for its server-side time."""
     assert self.id is not None
     await self.connection.write_ready.wait()
     # grpclib's own workaround: h2 would try to create a stream it has forgotten.
@@ -117,6 +118,11 @@ async def _stream_send_headers(
         h2.send_headers(self.id, headers, end_stream=end_stream)
     self._transport.write(h2.data_to_send())
     self.connection.headers_send_process()
+    if end_stream:
+        arrived = getattr(self, "ibex_arrived", None)
+        ends = getattr(self._transport, "answer_ends", None)  # the server's corked transport
+        if arrived is not None and ends is not None:
+            ends(getattr(self, "ibex_path", ""), arrived)
 
 
 class _Silent:

@@ -103,6 +103,10 @@ GateVerdict = Literal["refused", "admitted", "unasked"]
 GateLeft = Callable[[], None]
 """Called once for every call the gate admitted, when its handler starts or its task ends."""
 
+Answered = Callable[[str, float], None]
+"""Told a call's `:path` and the seconds from its HEADERS being read to its answer's last
+byte (trailers, or a trailers-only refusal) being handed to the socket."""
+
 
 def track_connections(
     server: grpclib.server.Server,
@@ -111,6 +115,7 @@ def track_connections(
     gate_left: GateLeft | None = None,
     *,
     ssl: _ssl.SSLContext | None = None,
+    answered: Answered | None = None,
 ) -> None:
     """Route every connection `server` accepts through `connections` (call before `start`).
 
@@ -120,6 +125,8 @@ def track_connections(
     every new call before grpclib starts a task for it (see `_ask_gate`);
     `gate_left` hears once for each call it let through, when the handler starts
     (`handler_started`) or, if it never does, when the call's task ends.
+    `answered` hears how long each answered call took on the server, from its
+    HEADERS to its last byte written (see `_CorkedTransport.answer_ends`).
 
     With `ssl`, TLS is done here (start the server and `listen_also` without it):
     asyncio's own TLS calls the protocol only once the handshake is done, so a
@@ -132,7 +139,7 @@ def track_connections(
     def factory() -> asyncio.BaseProtocol:
         base = original()
         tracked = _TrackedProtocol(
-            base.handler, base.config, base.h2_config, connections, gate, gate_left
+            base.handler, base.config, base.h2_config, connections, gate, gate_left, answered
         )
         if ssl is None:
             return tracked
@@ -188,15 +195,33 @@ class _CorkedTransport:
     writes (headers, data, trailers), three syscalls and three segments the
     client wakes for. Buffered until the end of the current loop iteration
     (`call_soon`), they leave as one, in order. Closing flushes first.
+
+    The flush is also when an answer's last byte leaves the process: calls whose
+    answer ended in the buffer (`answer_ends`) are reported to `answered` then.
     """
 
-    __slots__ = ("_buffer", "_flush_pending", "_loop", "_transport")
+    __slots__ = ("_answered", "_buffer", "_ended", "_flush_pending", "_loop", "_transport")
 
-    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self,
+        transport: asyncio.Transport,
+        loop: asyncio.AbstractEventLoop,
+        answered: Answered | None = None,
+    ) -> None:
         self._transport = transport
         self._loop = loop  # writes also come from Trio tasks (GOAWAY), outside asyncio
         self._buffer: list[bytes] = []
         self._flush_pending = False
+        self._answered = answered
+        self._ended: list[tuple[str, float]] = []  # (path, HEADERS read) of answers buffered
+
+    def answer_ends(self, path: str, arrived: float) -> None:
+        """A call's answer ended in what was written since the last flush."""
+        if self._answered is not None:
+            self._ended.append((path, arrived))
+            if not self._flush_pending:  # a refusal h2 could not send still gets its report
+                self._flush_pending = True
+                self._loop.call_soon(self._flush)
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         if not data:
@@ -213,6 +238,12 @@ class _CorkedTransport:
             self._buffer.clear()
             if not self._transport.is_closing():
                 self._transport.write(data)
+        if self._ended:
+            ended, self._ended = self._ended, []
+            if self._answered is not None and not self._transport.is_closing():
+                now = time.monotonic()
+                for path, arrived in ended:
+                    self._answered(path, now - arrived)
 
     def close(self) -> None:
         self._flush()
@@ -256,11 +287,14 @@ class _TrackedProtocol(H2Protocol):
         connections: Connections,
         gate: Gate | None = None,
         gate_left: GateLeft | None = None,
+        answered: Answered | None = None,
     ):
         super().__init__(handler, config, h2_config)
         self._connections = connections
         self._gate = gate
         self._gate_left = gate_left
+        self._answered = answered
+        self._corked: _CorkedTransport | None = None
         self._watches: set[int] = set()  # open Health/Watch streams
 
     def accept(self, transport: asyncio.BaseTransport) -> bool:
@@ -286,7 +320,10 @@ class _TrackedProtocol(H2Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         if self._raw is None and not self.accept(transport):
             return
-        corked = _CorkedTransport(cast(asyncio.Transport, transport), asyncio.get_running_loop())
+        corked = _CorkedTransport(
+            cast(asyncio.Transport, transport), asyncio.get_running_loop(), self._answered
+        )
+        self._corked = corked
         super().connection_made(cast(asyncio.Transport, corked))
         self.connection.ibex_protocol = self  # type: ignore[attr-defined]  # caller_authenticated
 
@@ -308,7 +345,8 @@ class _TrackedProtocol(H2Protocol):
                     with contextlib.suppress(ProtocolError):  # reset by the client already
                         h2.reset_stream(event.stream_id, ErrorCodes.REFUSED_STREAM)
                     continue
-                if _path(event) == HEALTH_WATCH and not self._watch(event.stream_id):
+                path = _path(event)
+                if path == HEALTH_WATCH and not self._watch(event.stream_id):
                     with contextlib.suppress(ProtocolError):
                         send_refusal(
                             h2, event.stream_id, Status.RESOURCE_EXHAUSTED.value, WATCH_CAP_MESSAGE
@@ -316,13 +354,17 @@ class _TrackedProtocol(H2Protocol):
                     continue
                 verdict = self._ask_gate(event)
                 if verdict == "refused":
+                    if self._corked is not None:  # answered trailers-only, just now
+                        self._corked.answer_ends(path, now)
                     continue
                 self.processor.process(event)
                 # When the call arrived: its handler task runs later, behind everything
                 # else the loop has to do, and that wait is queueing (see `arrival`).
+                # Its path goes with it, for the answer's time (`answer_ends`).
                 stream = self.processor.streams.get(event.stream_id)
                 if stream is not None:
                     stream.ibex_arrived = now  # type: ignore[attr-defined]
+                    stream.ibex_path = path  # type: ignore[attr-defined]
                 if verdict == "admitted":
                     self._track_gated(stream)
                 continue

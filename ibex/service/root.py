@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import ssl
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any, TypeVar
 
 import msgspec
@@ -165,6 +165,7 @@ async def open_assembler(
     http: MemoryHttpSource | None = None
     feedback_sink: FeedbackSink | None = None
     redis: RedisDirectiveSource | None = None
+    background = AsyncExitStack()  # the memory source with its nursery (drains of cut calls)
     backend: list[str] = []
     if uses_local_sample(settings):
         local = LocalFileSource.load(
@@ -183,7 +184,7 @@ async def open_assembler(
                 )
         if settings.memory_base_url is not None:
             http = memory_http_source(settings)
-            await http.open()
+            await background.enter_async_context(http)
             memory_source = feedback_sink = http
             backend.append("memory-http")
     try:
@@ -201,10 +202,9 @@ async def open_assembler(
         )
     finally:
         with trio.CancelScope(shield=True):
-            if http is not None:
-                await http.aclose()
             if redis is not None:
                 await redis.aclose()
+        await background.aclose()  # the source closes shielded, then its nursery ends
 
 
 def server_ssl_context(settings: Settings) -> ssl.SSLContext | None:

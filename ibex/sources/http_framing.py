@@ -93,6 +93,7 @@ class ResponseParser:
         "_body",
         "_body_len",
         "_close_delimited",
+        "_discard",
         "_done",
         "_error",
         "_fed_head",
@@ -119,6 +120,7 @@ class ResponseParser:
         self._keep = False
         self._error: TransportError | None = None
         self._fed_total = 0  # every byte of this exchange, interim answers included
+        self._discard = False
         self._reset()
 
     def _reset(self) -> None:
@@ -180,6 +182,14 @@ class ResponseParser:
                 self._parser = None
                 raise malformed()
         return False
+
+    def discard_body(self) -> None:
+        """Drop the body read so far and keep none of the rest (still counted and capped).
+
+        For draining an answer nobody waits for any more: only its framing matters.
+        """
+        self._discard = True
+        self._body = []
 
     def feed_eof(self) -> Response:
         """The server closed the connection: the end of a close-delimited body, else an error."""
@@ -246,7 +256,8 @@ class ResponseParser:
         self._body_len += len(body)
         if self._body_len > self._max_body:
             raise self._fail(self._too_large())
-        self._body.append(body)
+        if not self._discard:
+            self._body.append(body)
 
     def on_message_complete(self) -> None:
         if self._status < 200:  # an interim answer: the real one follows

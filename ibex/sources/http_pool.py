@@ -24,11 +24,22 @@ slot, and a pool that leaks slots ends up serving nothing):
 - A pool slot is a `trio.Semaphore` permit held with `async with`: released on
   every exit, and handed FIFO to the longest waiter (trio's parking lot).
 - A connection goes back to the idle list only from the `finally` of a
-  complete, well-formed exchange. Cancelled or failed anywhere (connecting,
-  TLS handshake, writing, reading), it is closed instead. Closing is a
-  synchronous `Link.close()` (`socket.close()` for real connections): it
-  never awaits, so no second cancellation can skip it and no shielded scope
-  is needed.
+  complete, well-formed exchange. Failed anywhere, or cancelled before the
+  whole request was written (connecting, TLS handshake, writing), it is
+  closed instead: its state is unknown. Closing is a synchronous
+  `Link.close()` (`socket.close()` for real connections): it never awaits,
+  so no second cancellation can skip it and no shielded scope is needed.
+- Cancelled after the whole request was written (waiting for or reading the
+  answer), the connection is in a known state. Closing it would cost a new
+  connection for the next call (the daemon cuts slow calls at the wall by
+  design: at 100 rps that was about 100 connects a second), so when the pool
+  was given a nursery it drains the rest of that answer there instead:
+  parsed and discarded, at most `drain_bytes` read and `drain_seconds`
+  waited. The cancelled call's slot goes with the connection and is released
+  only when the drain ends, so a draining connection counts against
+  `max_connections` and no waiter is handed it; it rejoins the idle list
+  only if the answer ended cleanly (complete, keep-alive, nothing after it),
+  else it is closed. `aclose()` cancels every drain.
 - Idle connections expire after `keepalive_expiry`; one that the server closed
   (or that has unexpected bytes waiting) is seen by a zero-timeout readability
   check and dropped before reuse. Over TLS the check also looks inside the TLS
@@ -78,6 +89,9 @@ __all__ = [
 ]
 
 _RECV_BYTES: Final = 64 * 1024
+# Drain caps for a cancelled call's answer: past either, reconnecting is the cheaper way.
+DRAIN_BYTES: Final = 64 * 1024
+DRAIN_SECONDS: Final = 1.0
 _TOKEN_SEPARATORS: Final = frozenset(b' \t"(),/:;<=>?@[\\]{}')
 
 
@@ -99,13 +113,14 @@ Connect = Callable[[], Awaitable[tuple[trio.abc.Stream, Link]]]
 class PoolStats(NamedTuple):
     """A snapshot of the pool, for tests and diagnostics."""
 
-    connections: int  # open connections: idle + in_use
+    connections: int  # open connections: idle + in_use + draining
     idle: int
     in_use: int  # connections leased to a request right now
-    leases: int  # slots held, including requests still connecting
+    leases: int  # slots held, including requests still connecting and drains
     waiters: int  # requests queued for a slot
     opened: int  # connections opened since the pool was created
     limit: int  # max_connections
+    draining: int = 0  # cancelled calls' answers being read off their connections
 
 
 class Origin(NamedTuple):
@@ -271,6 +286,16 @@ def tcp_connect(host: str, port: int, ssl_context: ssl.SSLContext | None) -> Con
     return connect
 
 
+class _Lease:
+    """One request's hold on its slot: which step it is in, and whether a drain took the slot."""
+
+    __slots__ = ("detached", "stage")
+
+    def __init__(self) -> None:
+        self.stage = "PoolTimeout"  # which step the safety-net timeout interrupted
+        self.detached = False
+
+
 class _Conn:
     __slots__ = ("idle_since", "link", "reused", "stream")
 
@@ -299,6 +324,10 @@ class HttpPool:
     (queueing included) for callers that set no deadline of their own.
     `connect` opens one connection (default `tcp_connect` to the origin, with
     `ssl_context` or the system trust for https); tests pass in-memory ones.
+    `background` is where cancelled calls' answers are drained (see the module
+    docstring); it must outlive `aclose()`. Without it such connections are
+    closed. The drain caps are clamped to `max_response_bytes` and
+    `keepalive_expiry`.
     """
 
     def __init__(
@@ -312,6 +341,9 @@ class HttpPool:
         max_response_bytes: int,
         ssl_context: ssl.SSLContext | None = None,
         connect: Connect | None = None,
+        background: trio.Nursery | None = None,
+        drain_bytes: int = DRAIN_BYTES,
+        drain_seconds: float = DRAIN_SECONDS,
     ) -> None:
         origin = split_base_url(base_url)
         if max_connections < 1:
@@ -333,25 +365,33 @@ class HttpPool:
         self._timeout = timeout
         self._max_body = max_response_bytes
         self._closed = False
+        self._background = background
+        self._drain_bytes = min(drain_bytes, max_response_bytes)
+        self._drain_seconds = min(drain_seconds, keepalive_expiry)
+        self._drains: set[trio.CancelScope] = set()
 
     def stats(self) -> PoolStats:
         idle = len(self._idle)
+        draining = len(self._drains)
         return PoolStats(
-            connections=idle + self._in_use,
+            connections=idle + self._in_use + draining,
             idle=idle,
             in_use=self._in_use,
             leases=self._max_connections - self._slots.value,
             waiters=self._slots.statistics().tasks_waiting,
             opened=self._opened,
             limit=self._max_connections,
+            draining=draining,
         )
 
     async def aclose(self) -> None:
-        """Close idle connections now and leased ones when their request ends."""
+        """Close idle connections now, cancel drains, close leased ones when their request ends."""
         self._closed = True
         idle, self._idle = self._idle, []
         for conn in idle:
             conn.close()
+        for scope in self._drains:
+            scope.cancel()
         await trio.lowlevel.checkpoint()
 
     async def request(
@@ -369,17 +409,18 @@ class HttpPool:
         if self._closed:
             raise RuntimeError("HTTP pool is closed")
         data = self._encode(method, target, body, content_type, headers)
-        stage = ["PoolTimeout"]  # which step the safety-net timeout interrupted
+        lease = _Lease()
         with trio.move_on_after(self._timeout):
             try:  # a free slot is taken without a trip through the scheduler
                 self._slots.acquire_nowait()
             except trio.WouldBlock:
                 await self._slots.acquire()
             try:
-                return await self._leased(data, stage)
+                return await self._leased(data, lease)
             finally:
-                self._slots.release()
-        raise TransportTimeout(f"transport timeout ({stage[0]})")
+                if not lease.detached:  # else the drain holds the slot and releases it
+                    self._slots.release()
+        raise TransportTimeout(f"transport timeout ({lease.stage})")
 
     def _encode(
         self,
@@ -400,17 +441,17 @@ class HttpPool:
         tail = f"{extra}Content-Length: {len(body)}\r\n\r\n".encode("latin-1")
         return b"".join((head, tail, body))
 
-    async def _leased(self, data: bytes, stage: list[str]) -> Response:
+    async def _leased(self, data: bytes, lease: _Lease) -> Response:
         conn = self._take_idle()
         if conn is not None:
             try:
-                return await self._exchange(conn, data, stage)
+                return await self._exchange(conn, data, lease)
             except _Stale:
                 pass  # closed by _exchange; go again on a fresh connection
-        stage[0] = "ConnectTimeout"
+        lease.stage = "ConnectTimeout"
         conn = await self._connect()
         try:
-            return await self._exchange(conn, data, stage)
+            return await self._exchange(conn, data, lease)
         except _Stale:
             raise transport_error("ReadError") from None
 
@@ -439,33 +480,88 @@ class HttpPool:
         self._opened += 1
         return _Conn(stream, link)
 
-    async def _exchange(self, conn: _Conn, data: bytes, stage: list[str]) -> Response:
-        """Send and read one answer; the connection is pooled again only if it all went well."""
+    async def _exchange(self, conn: _Conn, data: bytes, lease: _Lease) -> Response:
+        """Send and read one answer; the connection is pooled again only if it all went well,
+        or drained if the call was cancelled while waiting for it."""
         self._in_use += 1
         keep = False
+        parser: ResponseParser | None = None  # set once the whole request is written
         try:
-            stage[0] = "WriteTimeout"
+            lease.stage = "WriteTimeout"
             try:
                 await conn.stream.send_all(data)
             except (trio.BrokenResourceError, OSError):
                 if conn.reused:
                     raise _Stale from None
                 raise transport_error("WriteError") from None
-            stage[0] = "ReadTimeout"
-            response, keep = await self._read_response(conn)
+            lease.stage = "ReadTimeout"
+            parser = ResponseParser(self._max_body)
+            response, keep = await self._read_response(conn, parser)
             return response
+        except trio.Cancelled:
+            if parser is not None and self._drain(conn, parser):
+                lease.detached = True
+            raise
         finally:
             self._in_use -= 1
-            if keep and not self._closed:
+            if lease.detached:
+                pass  # the drain owns the connection now
+            elif keep and not self._closed:
                 conn.reused = True
                 conn.idle_since = trio.current_time()
                 self._idle.append(conn)
             else:
                 conn.close()
 
-    async def _read_response(self, conn: _Conn) -> tuple[Response, bool]:
+    def _drain(self, conn: _Conn, parser: ResponseParser) -> bool:
+        """Hand a cancelled call's connection, and its slot, to a drain; False if there is none."""
+        nursery = self._background
+        if nursery is None or self._closed or self._drain_bytes <= 0 or self._drain_seconds <= 0:
+            return False
+        scope = trio.CancelScope(deadline=trio.current_time() + self._drain_seconds)
+        try:
+            nursery.start_soon(self._drain_task, conn, parser, scope)
+        except RuntimeError:  # the nursery is closing: no new tasks
+            return False
+        self._drains.add(scope)
+        return True
+
+    async def _drain_task(
+        self, conn: _Conn, parser: ResponseParser, scope: trio.CancelScope
+    ) -> None:
+        """Read and discard the rest of the answer; pool the connection if it ended cleanly."""
+        keep = False
+        try:
+            with scope:
+                keep = await self._discard_rest(conn, parser)
+        except (TransportError, OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+            keep = False
+        finally:
+            self._drains.discard(scope)
+            if keep and not self._closed:
+                conn.reused = True
+                conn.idle_since = trio.current_time()
+                self._idle.append(conn)  # before the slot is freed, so its next holder finds it
+            else:
+                conn.close()
+            self._slots.release()
+
+    async def _discard_rest(self, conn: _Conn, parser: ResponseParser) -> bool:
+        """Feed the parser to the end of the answer; True if the connection may be reused."""
+        parser.discard_body()
+        budget = self._drain_bytes
+        while True:
+            chunk = await conn.stream.receive_some(_RECV_BYTES)
+            if not chunk:
+                return False
+            budget -= len(chunk)
+            if budget < 0:
+                return False
+            if parser.feed(chunk):
+                return parser.keep_alive
+
+    async def _read_response(self, conn: _Conn, parser: ResponseParser) -> tuple[Response, bool]:
         """Feed the parser until the answer is complete; (answer, may the connection be reused)."""
-        parser = ResponseParser(self._max_body)
         first = True
         while True:
             try:

@@ -3,10 +3,13 @@
 Lifecycle: the pools are created by `open()` (or `async with`) inside the Trio
 run and closed by `aclose()` in the same run. One instance per process. Hot
 and cold calls have a keep-alive pool each: a cold call cut at the wall (the
-common case when the search is slow) leaves its connection half-read, so it
-is closed; with one shared pool hot calls then often found no idle
-connection and connected anew (40 % of them at 200 rps with the search at
-+100 ms), paying the memory service's accept latency against their 15 ms.
+common case when the search is slow) leaves its connection waiting for an
+answer, which then must be drained or closed; with one shared pool hot calls
+often found no idle connection and connected anew (40 % of them at 200 rps
+with the search at +100 ms), paying the memory service's accept latency
+against their 15 ms. The drain (`ibex.sources.http_pool`) runs in a nursery
+the source's owner gives `open()`; `async with` opens one for the block.
+Without it every cut call costs a new connection.
 
 The client is `ibex.sources.http_pool`, not httpx2: the daemon cancels
 in-flight calls by design (branch timeouts, the wall), so the pool must never
@@ -35,6 +38,7 @@ from __future__ import annotations
 import functools
 import ssl
 import types
+from contextlib import AsyncExitStack
 from typing import Final, Literal, Self
 from urllib.parse import quote
 
@@ -133,6 +137,7 @@ class MemoryHttpSource:
         self._pools: dict[Branch, HttpPool] = {}
         self._feedback_pool: HttpPool | None = None
         self._decode_limiter = trio.CapacityLimiter(DECODE_THREADS)
+        self._background: AsyncExitStack | None = None  # the nursery `async with` opened
 
     def __repr__(self) -> str:  # never show the token
         state = "open" if self._pools else "closed"
@@ -146,16 +151,23 @@ class MemoryHttpSource:
         stats = [self._open_pool(b).stats() for b in BRANCHES]
         return PoolStats(*(sum(column) for column in zip(*stats, strict=True)))
 
-    async def open(self) -> None:
-        """Create the connection pools. Must run inside Trio."""
+    async def open(self, nursery: trio.Nursery | None = None) -> None:
+        """Create the connection pools. Must run inside Trio.
+
+        `nursery` (which must outlive `aclose()`) runs the drains that keep a
+        cancelled read's connection open; without it such connections are closed.
+        """
         _require_trio()
         if self._pools:
             raise RuntimeError("MemoryHttpSource is already open")
-        self._pools = {branch: self._new_pool(self._max_response_bytes) for branch in BRANCHES}
+        self._pools = {
+            branch: self._new_pool(self._max_response_bytes, nursery) for branch in BRANCHES
+        }
         # Feedback has a pool of its own: a slow write never holds a read's connection.
-        self._feedback_pool = self._new_pool(FEEDBACK_MAX_RESPONSE_BYTES)
+        # It is not drained: its calls are cut only when the write itself is late.
+        self._feedback_pool = self._new_pool(FEEDBACK_MAX_RESPONSE_BYTES, None)
 
-    def _new_pool(self, max_response_bytes: int) -> HttpPool:
+    def _new_pool(self, max_response_bytes: int, nursery: trio.Nursery | None) -> HttpPool:
         return HttpPool(
             self._base_url,
             headers={
@@ -168,6 +180,7 @@ class MemoryHttpSource:
             timeout=self._transport_timeout,
             max_response_bytes=max_response_bytes,
             ssl_context=self._ssl_context,
+            background=nursery,
         )
 
     async def aclose(self) -> None:
@@ -178,7 +191,15 @@ class MemoryHttpSource:
             await pool.aclose()
 
     async def __aenter__(self) -> Self:
-        await self.open()
+        """Open with a nursery of its own for the block, so cut calls keep their connections."""
+        stack = AsyncExitStack()
+        nursery = await stack.enter_async_context(trio.open_nursery())
+        try:
+            await self.open(nursery)
+        except BaseException:
+            await stack.aclose()
+            raise
+        self._background = stack
         return self
 
     async def __aexit__(
@@ -187,7 +208,16 @@ class MemoryHttpSource:
         exc: BaseException | None,
         tb: types.TracebackType | None,
     ) -> None:
-        await self.aclose()
+        """Close the pools (cancelling their drains), then wait for the drains to end.
+
+        The block's exception is not passed into the nursery: it leaves as it
+        was raised, not wrapped in an exception group.
+        """
+        stack, self._background = self._background, None
+        with trio.CancelScope(shield=True):
+            await self.aclose()
+        if stack is not None:
+            await stack.aclose()
 
     async def hot(
         self, org_id: str, agent_id: str, *, limit: int, min_confidence: float

@@ -17,7 +17,9 @@ callers). At two calls per answer httpx2 alone took most of the daemon's
 budget of 1.5 ms per answer. The small pool's whole
 cancellation story is a semaphore permit held with `async with` and a
 connection that is pooled again only from the `finally` of a complete
-exchange, closed synchronously otherwise. This test holds it to that: >=
+exchange (or of the drain of a cancelled call's answer, which holds the
+call's permit until it ends), closed synchronously otherwise. This test holds
+it to that: >=
 10,000 real cancellations on a 4-connection pool with many more callers than
 slots and a server adding latency, then plain calls must work, no slot may be
 held, no waiter left, and the server must see exactly the pool's connections.
@@ -104,7 +106,7 @@ async def _storm(server: MemoryServerProcess) -> None:
             f"\nstorm: {stats['calls']} calls, {stats['cancelled']} cancelled, "
             f"{stats['completed']} completed, {stats['errors']} errors, "
             f"{sent} reached the server, {server_stats['accepted_connections']} connections "
-            f"opened (pool: {after.opened}), {storm_s:.1f} s"
+            f"opened (pool: {after.opened}, {after.draining} draining at the end), {storm_s:.1f} s"
         )
 
         assert stats["cancelled"] >= TARGET_CANCELLATIONS
@@ -114,13 +116,23 @@ async def _storm(server: MemoryServerProcess) -> None:
         assert sent < stats["calls"]
         assert sent > stats["completed"]
 
-        # nothing orphaned: no slot held, no waiter parked, no connection leased
-        assert (after.in_use, after.leases, after.waiters) == (0, 0, 0)
-        assert after.connections == after.idle <= 2 * POOL_SIZE
+        # nothing orphaned: no slot held but by a drain, no waiter parked, no connection leased
+        assert (after.in_use, after.waiters) == (0, 0)
+        assert after.leases == after.draining
+        assert after.connections == after.idle + after.draining <= 2 * POOL_SIZE
         assert stats["max_connections"] <= POOL_SIZE
         assert stats["max_leases"] <= POOL_SIZE
-        # every connection a cancelled call touched was closed: the server holds
-        # exactly the pool's idle ones
+        # every connection a cancelled call touched was closed or is being drained:
+        # the server holds exactly the pool's idle and draining ones...
+        open_now = after.idle + after.draining
+        assert await server.settle_open_connections(open_now) == open_now
+        # ...and once the drains end (answer read, or closed at a cap), only the idle ones
+        with trio.fail_after(10):
+            while source.pool_stats().draining:  # noqa: ASYNC110 (a drain is no event)
+                await trio.sleep(0.01)
+        after = source.pool_stats()
+        assert (after.in_use, after.leases, after.waiters) == (0, 0, 0)
+        assert after.connections == after.idle <= 2 * POOL_SIZE
         assert await server.settle_open_connections(after.idle) == after.idle
 
         # and the pool still works at full width

@@ -18,6 +18,7 @@ from typing import Any
 
 import grpc
 import pytest
+import trio
 import trio_asyncio
 from google.protobuf.timestamp_pb2 import Timestamp
 
@@ -25,6 +26,9 @@ from ibex.assembly.formatter import CATEGORY_ORDER, escape_body
 from ibex.assembly.tokens import Tokenizers
 from ibex.client import ContextClient
 from ibex.service import wire
+from ibex.service.admission import Admission
+from ibex.service.daemon import Daemon
+from ibex.service.policies import default_policies
 from ibex.testing.grpc_harness import (
     AGENT,
     ORG,
@@ -36,6 +40,7 @@ from ibex.testing.grpc_harness import (
 )
 from ibex.testing.grpcio_stubs import context_pb2, context_pb2_grpc, principal_context_pb2
 from ibex.testing.memory_server import make_memories, running_memory_server
+from tests.unit.test_policies import Maintenance
 
 SAMPLE = json.loads((Path(__file__).parents[2] / "ibex/data/sample_memories.json").read_text())
 OTHER_TENANT_ID = "20000000-0000-4000-8000-000000000001"
@@ -647,3 +652,68 @@ async def test_a_memory_id_that_is_not_a_uuid_is_a_branch_error_over_grpc() -> N
     assert resp.degradation_level == "L2"
     assert "ODD ID MEMORY TEXT" not in resp.assembled_context
     assert not resp.memories_used
+
+
+def _answers(daemon: RunningDaemon, method: str) -> tuple[float, float]:
+    """`ibex_answer_seconds{method}`: (count, sum) in the daemon's registry."""
+    registry = daemon.daemon.metrics.registry
+    labels = {"method": method}
+    count = registry.get_sample_value("ibex_answer_seconds_count", labels) or 0.0
+    total = registry.get_sample_value("ibex_answer_seconds_sum", labels) or 0.0
+    return count, total
+
+
+async def _answers_seen(daemon: RunningDaemon, method: str, count: int) -> tuple[float, float]:
+    """The metric once `count` answers are in: it is observed right after the last byte is
+    handed to the socket, which can be a moment after the client thread has the answer."""
+    with trio.fail_after(5):
+        while _answers(daemon, method)[0] < count:  # noqa: ASYNC110 (no event for it)
+            await trio.sleep(0.005)
+    return _answers(daemon, method)
+
+
+async def test_the_servers_time_per_answer_is_a_histogram(daemon: RunningDaemon) -> None:
+    """HEADERS read to last byte written: one observation, inside the client's wall time."""
+    assert _answers(daemon, "AssembleContext") == (0.0, 0.0)
+
+    def call() -> float:
+        with daemon.channel() as channel:
+            stub = context_pb2_grpc.ContextAssemblyServiceStub(channel)
+            started = time.monotonic()
+            stub.AssembleContext(grpcio_request(), timeout=5)
+            return time.monotonic() - started
+
+    wall = await in_thread(call)
+    count, seconds = await _answers_seen(daemon, "AssembleContext", 1)
+    assert count == 1
+    assert 0 < seconds < wall
+    # the region just past the retrieval wall (40 ms) is in 1 ms buckets
+    registry = daemon.daemon.metrics.registry
+    for ms in range(38, 51):
+        le = {"method": "AssembleContext", "le": str(ms / 1000)}
+        assert registry.get_sample_value("ibex_answer_seconds_bucket", le) is not None
+
+
+async def test_a_call_refused_at_the_gate_is_answered_and_timed() -> None:
+    gate = Maintenance("AssembleContext")  # refuses at HEADERS while on
+    gate.on = True
+
+    def prepare(d: Daemon) -> None:
+        config = d.admission.config
+        d.admission = Admission(config, d.metrics, (gate, *default_policies(config)))
+
+    async with running_daemon(prepare=prepare) as daemon:
+
+        def call() -> grpc.StatusCode:
+            with daemon.channel() as channel:
+                stub = context_pb2_grpc.ContextAssemblyServiceStub(channel)
+                with pytest.raises(grpc.RpcError) as info:
+                    stub.AssembleContext(grpcio_request(), timeout=5)
+                return info.value.code()
+
+        assert await in_thread(call) == grpc.StatusCode.RESOURCE_EXHAUSTED
+        registry = daemon.daemon.metrics.registry
+        shed = registry.get_sample_value("ibex_shed_requests_total", {"reason": "maintenance"})
+        assert shed == 1
+        count, seconds = await _answers_seen(daemon, "AssembleContext", 1)
+        assert count == 1 and seconds > 0

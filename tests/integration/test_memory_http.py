@@ -287,7 +287,8 @@ async def test_hang_is_cancelled_promptly_and_leaves_nothing(
     memory_server: FakeMemoryServer,
 ) -> None:
     memory_server.hot.fault = "hang"
-    async with memory_server.source() as source:
+    # keepalive_expiry caps the drain's wait (1 s by default) to keep the test short
+    async with memory_server.source(keepalive_expiry=0.3) as source:
         start = trio.current_time()
         with trio.move_on_after(0.05) as scope:
             await source.hot(DEMO_ORG, DEMO_AGENT, limit=10, min_confidence=0.0)
@@ -295,8 +296,16 @@ async def test_hang_is_cancelled_promptly_and_leaves_nothing(
         assert scope.cancelled_caught
         assert elapsed < 2.0  # generous: real sockets, loaded CI
         stats = source.pool_stats()
+        # the call returned at once; its connection drains, holding the call's slot
+        assert (stats.in_use, stats.waiters, stats.idle) == (0, 0, 0)
+        assert (stats.draining, stats.leases, stats.connections) == (1, 1, 1)
+        # the hang outlasts the drain's time cap: then the connection is closed
+        with trio.fail_after(CAP):
+            while source.pool_stats().draining:  # noqa: ASYNC110 (a drain is no event)
+                await trio.sleep(0.01)
+        stats = source.pool_stats()
         assert (stats.in_use, stats.leases, stats.waiters) == (0, 0, 0)
-        assert stats.connections == stats.idle == 0  # the cancelled connection was closed
+        assert stats.connections == stats.idle == 0
         assert await memory_server.settle_open_connections(0) == 0
         # the same client still works afterwards
         memory_server.hot.fault = "none"
