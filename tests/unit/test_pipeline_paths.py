@@ -36,7 +36,7 @@ from ibex.assembly.structs import (
     Message,
     ScoredMemory,
 )
-from tests.samples import AGENT, ORG
+from ibex.testing.samples import AGENT, ORG
 
 NONCE = "1234567890"
 NOW = 1_760_000_000.0
