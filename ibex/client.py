@@ -41,6 +41,7 @@ from ibex.assembly.catalog import Catalog, load_catalog, resolve_model
 from ibex.assembly.formatter import XML_TAGS
 from ibex.assembly.history import Staged, fit_history
 from ibex.assembly.structs import Message
+from ibex.netaddr import split_host_port
 from ibex.service import wire
 
 DEFAULT_DEADLINE = 0.045
@@ -58,10 +59,10 @@ def parse_address(address: Address) -> tuple[str, int]:
     """`host:port`, `[v6]:port` or a (host, port) pair."""
     if isinstance(address, tuple):
         return address[0], int(address[1])
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit():
+    host, port = split_host_port(address)
+    if not host:
         raise ValueError(f"expected host:port, got {address!r}")
-    return host.strip("[]"), int(port)
+    return host, port
 
 
 # The daemon's overload refusals start with this; any other RESOURCE_EXHAUSTED

@@ -28,6 +28,7 @@ from typing import Annotated, Any
 import msgspec
 
 from ibex.errors import ConfigError
+from ibex.netaddr import split_host_port
 
 __all__ = [
     "PREFIX",
@@ -166,8 +167,11 @@ def _http_url(name: str, raw: str) -> str:
 
 def _addr(name: str, raw: str) -> str:
     value = raw.strip()
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+    try:
+        host, _ = split_host_port(value)
+    except ValueError:
+        host = ""
+    if not host:
         raise ConfigError(f"{name}: expected host:port, got {raw!r}")
     return value
 
@@ -473,7 +477,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             raise ConfigError(f"{name}: {ports[0]} + {len(ports)} workers passes port 65535")
         taken = {"GRPC_ADDR": self.grpc_addr, "METRICS_ADDR": self.metrics_addr}
         for setting, addr in taken.items():
-            port = int(addr.rpartition(":")[2]) if addr else None
+            port = split_host_port(addr)[1] if addr else None
             if port in ports:
                 raise ConfigError(
                     f"{name}: worker ports {ports[0]}..{ports[-1]} include "

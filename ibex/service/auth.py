@@ -63,11 +63,6 @@ def _san_key(san_type: str, value: str) -> str:
     return value
 
 
-def split_addr(addr: str) -> tuple[str, int]:
-    host, _, port = addr.rpartition(":")
-    return host.strip("[]"), int(port)
-
-
 class Authenticator:
     """Bearer-token and client-certificate checks; built by the composition root."""
 
