@@ -6,7 +6,7 @@ so the pipeline can be tested, property-tested and benchmarked in isolation.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Final, Literal, get_args
 
 import msgspec
 
@@ -16,6 +16,8 @@ Exclusion = Literal["included", "budget", "filter", "truncated", "failed", "unkn
 InjectionMode = Literal["system_first", "system_append", "user_prepend"]
 PackPath = Literal["dp", "greedy"]
 DegradationLevel = Literal["L0", "L1", "L2"]
+# The values of the Literals above, for checks at run time and metric label sets.
+INJECTION_MODES: Final[tuple[InjectionMode, ...]] = get_args(InjectionMode)
 
 
 class Message(msgspec.Struct, frozen=True):

@@ -73,7 +73,7 @@ import os
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, get_args
 
 import trio
 from prometheus_client import (
@@ -89,17 +89,23 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ibex.assembly.structs import AssemblyResult
+from ibex.assembly.structs import (
+    AssemblyResult,
+    BranchSource,
+    BranchStatus,
+    DegradationLevel,
+    PackPath,
+)
 
 log = logging.getLogger(__name__)
 
 MULTIPROC_ENV: Final = "PROMETHEUS_MULTIPROC_DIR"
 
-SOURCES: Final = ("directive", "hot", "cold")
-STATUSES: Final = ("success", "timeout", "error", "skipped")
+SOURCES: Final[tuple[str, ...]] = get_args(BranchSource)
+STATUSES: Final[tuple[str, ...]] = get_args(BranchStatus)
 STAGES: Final = ("budget", "ranking", "packing", "formatting", "total")
-LEVELS: Final = ("L0", "L1", "L2")
-PACK_PATHS: Final = ("dp", "greedy")
+LEVELS: Final[tuple[str, ...]] = get_args(DegradationLevel)
+PACK_PATHS: Final[tuple[str, ...]] = get_args(PackPath)
 SHED_REASONS: Final = ("in_flight", "queue", "cpu", "org", "threads")
 RESTART_REASONS: Final = ("exited", "unresponsive")
 FEEDBACK_OUTCOMES: Final = (

@@ -85,13 +85,13 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from ibex.assembly.structs import Directive, InjectionMode
+from ibex.assembly.structs import INJECTION_MODES, Directive, InjectionMode
 from ibex.sources.base import SourceError
 
 __all__ = ["RedisDirectiveSource", "decode_directive", "directive_key"]
 
 ENVELOPE_VERSION: Final = 1
-_MODES: Final[frozenset[str]] = frozenset({"system_first", "system_append", "user_prepend"})
+_MODES: Final[frozenset[str]] = frozenset(INJECTION_MODES)
 
 # Backstop timeouts (seconds). Loopback or same-zone Redis answers in well under
 # a millisecond; anything slower than this is useless to a 5 ms branch anyway.
