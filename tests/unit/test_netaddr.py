@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ibex.netaddr import split_host_port
+from ibex.config import ConfigError, load_settings
+from ibex.netaddr import parse_allowed_san, split_host_port
 
 
 def test_splits_host_ipv6_and_bare_port() -> None:
@@ -19,3 +20,21 @@ def test_splits_host_ipv6_and_bare_port() -> None:
 def test_rejects_a_missing_or_out_of_range_port(bad: str) -> None:
     with pytest.raises(ValueError, match="host:port"):
         split_host_port(bad)
+
+
+def test_san_entries_parse_to_the_names_getpeercert_reports() -> None:
+    assert parse_allowed_san("DNS:Client.Example.") == ("DNS", "client.example")
+    assert parse_allowed_san("client.example") == ("DNS", "client.example")
+    assert parse_allowed_san("ip:0:0::1") == ("IP Address", "::1")
+    assert parse_allowed_san("email:Me@Example.COM") == ("email", "Me@example.com")
+    assert parse_allowed_san("URI:spiffe://a/b") == ("URI", "spiffe://a/b")
+
+
+@pytest.mark.parametrize("bad", ["otherName:x", "IP:not-an-ip", "DNS: "])
+def test_the_settings_refuse_what_the_authenticator_could_not_match(bad: str) -> None:
+    """The settings check and the authenticator share one parser, so an entry the daemon
+    would fail on at start is a ConfigError naming the variable."""
+    with pytest.raises(ValueError):
+        parse_allowed_san(bad)
+    with pytest.raises(ConfigError, match="IBEX_CONTEXT_TLS_ALLOWED_SANS"):
+        load_settings({"IBEX_CONTEXT_TLS_ALLOWED_SANS": bad})
