@@ -38,8 +38,7 @@ from ibex.errors import (
 )
 from ibex.ops.logs import bind_request
 from ibex.ops.metrics import Metrics
-from ibex.service import convert
-from ibex.service import wire as pb
+from ibex.service import convert, pb
 from ibex.service.admission import Admission, Ticket
 from ibex.service.assembler import Assembler
 from ibex.service.auth import Authenticator, check_principal

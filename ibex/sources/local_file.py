@@ -53,7 +53,7 @@ from ibex.assembly.feedback import Feedback, ScoreUpdate
 from ibex.assembly.structs import Directive, InjectionMode, MemoryHit
 from ibex.assembly.validation import uuid_text
 from ibex.errors import ConfigError
-from ibex.sources.wire import (
+from ibex.sources.memory_schema import (
     DEFAULT_MAX_CONTENT_BYTES,
     MemoryFields,
     NonEmptyStr,
