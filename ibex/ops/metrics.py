@@ -95,6 +95,7 @@ from ibex.assembly.structs import (
     BranchStatus,
     DegradationLevel,
     PackPath,
+    Stage,
 )
 
 log = logging.getLogger(__name__)
@@ -103,7 +104,7 @@ MULTIPROC_ENV: Final = "PROMETHEUS_MULTIPROC_DIR"
 
 SOURCES: Final[tuple[str, ...]] = get_args(BranchSource)
 STATUSES: Final[tuple[str, ...]] = get_args(BranchStatus)
-STAGES: Final = ("budget", "ranking", "packing", "formatting", "total")
+STAGES: Final[tuple[str, ...]] = (*(s.value for s in Stage), "total")
 LEVELS: Final[tuple[str, ...]] = get_args(DegradationLevel)
 PACK_PATHS: Final[tuple[str, ...]] = get_args(PackPath)
 SHED_REASONS: Final = ("in_flight", "queue", "cpu", "org", "threads")
@@ -141,13 +142,7 @@ TOKEN_BUCKETS: Final = tuple(float(2**i) for i in range(6, 18))  # 64 .. 131072
 RATIO_BUCKETS: Final = (0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0)
 MEMORY_BUCKETS: Final = (0.0, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0)
 
-_STAGE_FIELDS: Final = {
-    "budget": "budget_calculation_ms",
-    "ranking": "ranking_ms",
-    "packing": "packing_ms",
-    "formatting": "formatting_ms",
-    "total": "total_ms",
-}
+_STAGE_FIELDS: Final = {**{s.value: s.field for s in Stage}, "total": "total_ms"}
 
 TokenCacheSource = Callable[[], tuple[int, int]]
 

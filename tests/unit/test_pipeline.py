@@ -14,6 +14,7 @@ import math
 import random
 import re
 import time
+import typing
 from collections import Counter
 from collections.abc import Iterator, Sequence
 
@@ -35,14 +36,17 @@ from ibex.assembly.pipeline import (
     select_candidates,
 )
 from ibex.assembly.structs import (
+    AssemblyMetrics,
     AssemblyOptions,
     AssemblyRequest,
     AssemblyResult,
     BranchOutcome,
     BranchStatus,
     Directive,
+    Lap,
     MemoryHit,
     Message,
+    Stage,
 )
 from ibex.assembly.tokens import ESTIMATE_V1, EXACT, TokenCounter, Tokenizers, estimate_v1
 from ibex.errors import InputError, TooLargeError
@@ -1081,3 +1085,18 @@ def test_a_timer_handed_in_keeps_this_assemblys_stage_laps(
     assert all(a[2] == pytest.approx(b[1], abs=1e-9) for a, b in itertools.pairwise(spans))
     assert all(start <= end for _, start, end in spans)
     assert result.metrics.packing_ms == round((spans[3][2] - spans[3][1]) * 1000)
+    seconds = timer.seconds
+    assert result.metrics.ranking_ms == round((seconds["select"] + seconds["price"]) * 1000)
+    assert result.metrics.budget_calculation_ms == round(seconds["count"] * 1000)
+    assert result.metrics.formatting_ms == round(seconds["render"] * 1000)
+
+
+def test_each_stage_has_one_set_of_names() -> None:
+    """The stage labels (docs/operations.md), the AssemblyMetrics fields and the laps
+    (trace spans `stage.<lap>`) all come from `Stage`: each lap belongs to one stage, in order."""
+    assert [s.value for s in Stage] == ["budget", "ranking", "packing", "formatting"]
+    assert [lap for s in Stage for lap in s.laps] == list(typing.get_args(Lap))
+    assert [s.field for s in Stage] == [
+        "budget_calculation_ms", "ranking_ms", "packing_ms", "formatting_ms",
+    ]  # fmt: skip
+    assert {s.field for s in Stage} <= set(AssemblyMetrics.__struct_fields__)
