@@ -261,11 +261,10 @@ class ContextService:
             deadline = None if remaining is None else trio_now + remaining
             arrived = trio_now - (now - ticket.arrived)
             with bind_request(request.request_id, trace_id or request.trace_id):
-                return await self.assembler.assemble(
+                return await self.assembler.assemble_checked(
                     request,
                     deadline=deadline,
                     arrived=arrived,
-                    validated=True,
                     thread_held=thread_held,
                     trace=call,
                 )
