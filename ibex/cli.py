@@ -138,7 +138,7 @@ def _message(raw: str) -> tuple[str, str]:
 def cmd_assemble(args: argparse.Namespace) -> int:
     from ibex.client import ContextClient
 
-    host, port = split_host_port(args.addr)
+    host, port, token, ssl_ctx = _client_options(args)
     fields: dict[str, Any] = dict(
         org_id=args.org,
         agent_id=args.agent,
@@ -151,13 +151,9 @@ def cmd_assemble(args: argparse.Namespace) -> int:
     )
     if args.max_memories:
         fields["options"] = {"max_memories": args.max_memories}
-    token = args.token or os.environ.get("IBEX_CONTEXT_CLIENT_TOKEN")
-    ssl_ctx = ContextClient.tls_context(args.ca, args.cert, args.key) if args.ca else None
 
     async def run() -> Any:
-        client = ContextClient(
-            host or "127.0.0.1", port, token=token, ssl_context=ssl_ctx, deadline=args.timeout
-        )
+        client = ContextClient(host, port, token=token, ssl_context=ssl_ctx, deadline=args.timeout)
         try:
             return await client.assemble(**fields)
         finally:
