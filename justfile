@@ -85,8 +85,8 @@ bench *ARGS: redis
 mutate *ARGS:
     if [ -z "{{ARGS}}" ]; then rm -rf mutants; fi  # a full run starts clean; named mutants re-run
     .venv/bin/mutmut run --max-children "${IBEX_MUTATE_CHILDREN:-2}" {{ARGS}}
-    {{py}} -m tests.mutation_report --equivalent tests/mutation_equivalent.txt --survivors
-    {{py}} -m tests.mutation_constants
+    {{py}} -m tests.mutation.report --equivalent tests/mutation/equivalent.txt --survivors
+    {{py}} -m tests.mutation.constants
 
 # --- OCI image (deploy/container/Containerfile); not part of `just test` -----------------
 # Host-specific podman flags, all here (override: just PODMAN='podman' BUILD_FLAGS='' ...).

@@ -50,7 +50,7 @@ from ibex.assembly.structs import AssemblyRequest, AssemblyResult, Directive, Me
 from ibex.assembly.tokens import Tokenizers
 from ibex.service.assembler import Assembler
 from ibex.sources.retrieval import RetrievalConfig
-from tests.samples import AGENT, ORG
+from ibex.testing.samples import AGENT, ORG
 
 RESULTS = Path(__file__).parent / "results" / "cache_prefix.json"
 

@@ -26,7 +26,7 @@ from typing import Any
 import trio
 
 from ibex.sources.memory_http import MemoryHttpSource
-from tests.memory_server import DEFAULT_TOKEN, DEMO_AGENT, DEMO_ORG, memory_server_process
+from ibex.testing.memory_server import DEFAULT_TOKEN, DEMO_AGENT, DEMO_ORG, memory_server_process
 
 MODES = ("close", "drain")
 

@@ -19,12 +19,11 @@ import platform
 import random
 import statistics
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
+from benchmarks.timing import timed
 from ibex.assembly.packer import pack
 from ibex.assembly.structs import ScoredMemory
 
@@ -48,21 +47,6 @@ def memory(rng: random.Random, i: int, tokens: int | None = None) -> ScoredMemor
     )
 
 
-def timed(fn: Callable[[], object], reps: int) -> dict[str, float]:
-    for _ in range(min(reps, 50)):
-        fn()
-    samples = []
-    for _ in range(reps):
-        t0 = time.perf_counter_ns()
-        fn()
-        samples.append(time.perf_counter_ns() - t0)
-    samples.sort()
-    return {
-        "median_us": statistics.median(samples) / 1000,
-        "p99_us": samples[int(0.99 * (len(samples) - 1))] / 1000,
-    }
-
-
 def speed() -> list[dict[str, object]]:
     rng = random.Random(20261021)
     cases: list[tuple[str, list[ScoredMemory], int]] = [
@@ -84,7 +68,7 @@ def speed() -> list[dict[str, object]]:
     rows: list[dict[str, object]] = []
     for name, cands, budget in cases:
         result = pack(cands, budget)
-        stats = timed(functools.partial(pack, cands, budget), reps=3_000)
+        stats = timed(functools.partial(pack, cands, budget), reps=3_000, warmup=50)
         rows.append(
             {
                 "case": name,

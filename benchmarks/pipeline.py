@@ -23,11 +23,11 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
 
+from benchmarks.timing import timed
 from ibex.assembly.catalog import Catalog, load_catalog
 from ibex.assembly.formatter import XML_TAGS, new_nonce
 from ibex.assembly.packer import pack
@@ -42,7 +42,7 @@ from ibex.assembly.pipeline import (
 )
 from ibex.assembly.structs import AssemblyRequest, BranchOutcome, Directive, MemoryHit, Message
 from ibex.assembly.tokens import Tokenizers
-from tests.samples import AGENT, ORG
+from ibex.testing.samples import AGENT, ORG
 
 RESULTS = Path(__file__).parent / "results" / "pipeline.json"
 
@@ -132,20 +132,6 @@ def workload(model: str, available_tokens: int = 0, seed: int = 20261021) -> Ass
 
 def _fresh(inputs: AssemblyInputs) -> AssemblyInputs:
     return msgspec.structs.replace(inputs, nonce=new_nonce(16))
-
-
-def timed(fn: Callable[[], object], reps: int) -> dict[str, float]:
-    samples = []
-    for _ in range(reps):
-        t0 = time.perf_counter_ns()
-        fn()
-        samples.append(time.perf_counter_ns() - t0)
-    samples.sort()
-    return {
-        "median_us": statistics.median(samples) / 1000,
-        "p99_us": samples[int(0.99 * (len(samples) - 1))] / 1000,
-        "mean_us": statistics.fmean(samples) / 1000,
-    }
 
 
 def whole(inputs: AssemblyInputs, catalog: Catalog, tokenizers: Tokenizers) -> dict[str, object]:

@@ -33,7 +33,7 @@ from benchmarks.load.driver import METHOD, build_requests
 from benchmarks.load.stack import Stack, free_port
 from ibex.config import load_settings
 from ibex.service.root import make_daemon
-from tests.grpcio_stubs import context_pb2 as pb
+from ibex.testing.grpcio_stubs import context_pb2 as pb
 
 RESULTS = Path(__file__).resolve().parent / "results" / "wakeups.json"
 

@@ -4,7 +4,7 @@ import pytest
 
 from ibex.sources.redis_patches import honour_cancellation_in_redis_writes
 
-pytest_plugins = ["tests.redis_server"]
+pytest_plugins = ["ibex.testing.redis_server"]
 
 
 @pytest.fixture(autouse=True, scope="session")

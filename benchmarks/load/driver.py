@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from tests.grpcio_stubs import context_pb2 as pb
+from ibex.testing.grpcio_stubs import context_pb2 as pb
 
 METHOD = "/ibex.context.v1.ContextAssemblyService/AssembleContext"
 MODELS = ("gpt-4o", "claude-sonnet-4-5")

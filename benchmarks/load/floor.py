@@ -58,7 +58,7 @@ CALLERS = 32
 
 def canned_response() -> bytes:
     """A real AssembleContextResponse of production size (what the driver parses)."""
-    from tests.grpcio_stubs import context_pb2 as pb
+    from ibex.testing.grpcio_stubs import context_pb2 as pb
 
     memories = [
         pb.MemoryUsed(

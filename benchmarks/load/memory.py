@@ -1,6 +1,6 @@
 """The memory stand-in for the load benchmark, run as its own process.
 
-`tests.memory_server.FakeMemoryServer` serves one list per agent to both
+`ibex.testing.memory_server.FakeMemoryServer` serves one list per agent to both
 endpoints; the benchmark wants distinct hot and cold sets (20 hot + 10 cold per
 tenant), so this subclass serves items by their `source` and caches each
 encoded answer: the stand-in shares the 2-core box with the daemon, and every
@@ -20,7 +20,7 @@ import sys
 import uuid
 from typing import Any
 
-from tests.memory_server import DEFAULT_TOKEN, FakeMemoryServer, make_memories
+from ibex.testing.memory_server import DEFAULT_TOKEN, FakeMemoryServer, make_memories
 
 HOT_PER_TENANT = 20
 COLD_PER_TENANT = 10

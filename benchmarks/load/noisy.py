@@ -25,9 +25,9 @@ from typing import Any
 
 import grpc
 
-from tests.grpcio_stubs import context_pb2_grpc
-from tests.memory_server import DEMO_AGENT, DEMO_ORG
-from tests.noisy_tenant import NoisyTenant, daemon_with_memory, probe, request
+from ibex.testing.grpcio_stubs import context_pb2_grpc
+from ibex.testing.memory_server import DEMO_AGENT, DEMO_ORG
+from ibex.testing.noisy_tenant import NoisyTenant, daemon_with_memory, probe, request
 
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "noisy.json"
 

@@ -24,8 +24,8 @@ from typing import Any
 
 from benchmarks.load.driver import directive_version
 from benchmarks.load.memory import tenants
-from tests.memory_server import DEFAULT_TOKEN
-from tests.redis_server import RedisServer
+from ibex.testing.memory_server import DEFAULT_TOKEN
+from ibex.testing.redis_server import RedisServer
 
 ROOT = Path(__file__).resolve().parents[2]
 CLK_TCK = os.sysconf("SC_CLK_TCK")

@@ -5,13 +5,13 @@ Two trees are generated and committed, so a checkout runs without protoc:
 - `ibex/_proto/`: betterproto2 messages, the grpclib server base and client stub,
   a google.protobuf descriptor pool (betterproto2 registers no descriptors on its
   own) and `descriptors.binpb`, a FileDescriptorSet with imports for gRPC reflection.
-- `tests/_grpcio_client/`: classic `*_pb2.py`/`*_pb2_grpc.py` from grpcio-tools, the
+- `ibex/testing/_grpcio_client/`: classic `*_pb2.py`/`*_pb2_grpc.py` from grpcio-tools, the
   stock stack the Go proxy also uses, so interop tests talk to the server through
   an independent implementation of the same contract.
 
 grpcio-tools writes absolute imports (`from ibex.auth.v1 import ...`) that would
 collide with the real `ibex` package; they are rewritten to relative imports so the
-client tree imports as `tests._grpcio_client.ibex...` without touching sys.path.
+client tree imports as `ibex.testing._grpcio_client.ibex...` without touching sys.path.
 
 Generation runs protoc in an empty scratch directory holding a pinned `ruff.toml`:
 the betterproto2 plugin formats its output with whatever ruff config it finds from
@@ -40,7 +40,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PROTO_ROOT = REPO_ROOT / "protos"
 BETTERPROTO_DIR = REPO_ROOT / "ibex" / "_proto"
-GRPCIO_DIR = REPO_ROOT / "tests" / "_grpcio_client"
+GRPCIO_DIR = REPO_ROOT / "ibex" / "testing" / "_grpcio_client"
 DESCRIPTOR_SET = "descriptors.binpb"
 
 # Plugin options: async grpclib client + server, and a descriptor pool for reflection.
@@ -62,8 +62,8 @@ _GRPCIO_ROOT_INIT = '''"""grpcio-tools client made by `python -m ibex.tools.prot
 
 An independent implementation of the contract (the stock stack the Go proxy uses) for
 interop tests. Cross-module imports are rewritten to relative ones so this tree imports
-as `tests._grpcio_client.ibex.context.v1.context_pb2` with no sys.path changes and
-no clash with the real `ibex` package; `tests.grpcio_stubs` wraps the imports.
+as `ibex.testing._grpcio_client.ibex.context.v1.context_pb2` with no sys.path changes and
+no clash with the real `ibex` package; `ibex.testing.grpcio_stubs` wraps the imports.
 """
 '''
 

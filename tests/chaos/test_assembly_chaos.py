@@ -39,6 +39,12 @@ from ibex.assembly.structs import AssemblyResult
 from ibex.service.root import Assembler
 from ibex.sources.memory_http import MemoryHttpSource
 from ibex.sources.redis_directive import RedisDirectiveSource
+from ibex.testing.memory_server import (
+    FakeMemoryServer,
+    Fault,
+    memory_server_fixture,  # noqa: F401
+)
+from ibex.testing.redis_server import RedisServer
 from tests.integration.test_assemble_real import (
     POOL_SIZE,
     TENANTS,
@@ -54,12 +60,6 @@ from tests.integration.test_assemble_real import (
     seed_tenant,
     statuses,
 )
-from tests.memory_server import (
-    FakeMemoryServer,
-    Fault,
-    memory_server_fixture,  # noqa: F401
-)
-from tests.redis_server import RedisServer
 
 DIRECTIVE_S, HOT_S, COLD_S, WALL_S = 0.1, 0.3, 0.6, 0.8
 CHAOS_TIMEOUTS = {

@@ -23,15 +23,15 @@ from ibex.assembly.feedback import Feedback, ScoreUpdate, idempotency_key, valid
 from ibex.errors import SourceError
 from ibex.sources.feedback import Sent, send_feedback
 from ibex.sources.memory_http import MemoryHttpSource
-from tests.grpcio_stubs import context_pb2, context_pb2_grpc
-from tests.integration.grpc_harness import in_thread, running_daemon
-from tests.memory_server import (
+from ibex.testing.grpc_harness import in_thread, running_daemon
+from ibex.testing.grpcio_stubs import context_pb2, context_pb2_grpc
+from ibex.testing.memory_server import (
     Endpoint,
     FakeMemoryServer,
     make_memories,
     memory_server_fixture,  # noqa: F401
 )
-from tests.samples import AGENT, ORG
+from ibex.testing.samples import AGENT, ORG
 
 MEMORIES = make_memories(ORG, AGENT, 3, seed=3)
 IDS = sorted(m["id"] for m in MEMORIES)

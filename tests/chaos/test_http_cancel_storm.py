@@ -41,7 +41,12 @@ from collections import Counter
 import trio
 
 from ibex.sources.base import SourceError
-from tests.memory_server import DEMO_AGENT, DEMO_ORG, MemoryServerProcess, memory_server_process
+from ibex.testing.memory_server import (
+    DEMO_AGENT,
+    DEMO_ORG,
+    MemoryServerProcess,
+    memory_server_process,
+)
 
 TARGET_CANCELLATIONS = 10_000
 MAX_CALLS = 40_000  # bound on the loop whatever the timing

@@ -27,6 +27,11 @@ import uuid
 import trio
 
 from ibex.assembly.structs import AssemblyResult
+from ibex.testing.memory_server import (
+    FakeMemoryServer,
+    memory_server_fixture,  # noqa: F401
+)
+from ibex.testing.redis_server import RedisServer
 from tests.integration.test_assemble_real import (
     TENANTS,
     make_request,
@@ -34,11 +39,6 @@ from tests.integration.test_assemble_real import (
     seed_directive,
     statuses,
 )
-from tests.memory_server import (
-    FakeMemoryServer,
-    memory_server_fixture,  # noqa: F401
-)
-from tests.redis_server import RedisServer
 
 BIG_CALLS = 8
 QUIET_CALLS = 30

@@ -20,7 +20,7 @@ import trio_asyncio
 
 from ibex.sources.base import SourceError
 from ibex.sources.redis_directive import RedisDirectiveSource, directive_key
-from tests.redis_server import RedisServer
+from ibex.testing.redis_server import RedisServer
 
 TENANTS = {
     "a": ("0b6f8f1e-5c3a-4f51-9a8e-0d6f1c2b3a4d", "7c9e6679-7425-40de-944b-e07fc1f90ae7"),

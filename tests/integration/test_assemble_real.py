@@ -30,12 +30,12 @@ from ibex.assembly.tokens import Tokenizers
 from ibex.config import Settings, load_settings
 from ibex.service.root import Assembler, load_static, open_assembler
 from ibex.sources.redis_directive import directive_key
-from tests.memory_server import (
+from ibex.testing.memory_server import (
     FakeMemoryServer,
     make_memories,
     memory_server_fixture,  # noqa: F401
 )
-from tests.redis_server import RedisServer
+from ibex.testing.redis_server import RedisServer
 
 ORG_A = "0b6f8f1e-5c3a-4f51-9a8e-0d6f1c2b3a4d"
 AGENT_A = "7c9e6679-7425-40de-944b-e07fc1f90ae7"

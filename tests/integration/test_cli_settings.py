@@ -6,7 +6,7 @@ import json
 import time
 from pathlib import Path
 
-from .grpc_harness import daemon_process, in_thread, run_cli
+from ibex.testing.grpc_harness import daemon_process, in_thread, run_cli
 
 
 async def test_cli_config_redacts_url_credentials() -> None:

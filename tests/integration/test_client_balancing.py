@@ -7,7 +7,7 @@ import trio
 import trio_asyncio
 
 from ibex.client import ContextClient, parse_address
-from tests.integration.grpc_harness import AGENT, ORG, RunningDaemon, free_port, running_daemon
+from ibex.testing.grpc_harness import AGENT, ORG, RunningDaemon, free_port, running_daemon
 
 CALLS = 30
 

@@ -33,9 +33,7 @@ from hyperframe.frame import (
 )
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.grpcio_stubs import context_pb2, context_pb2_grpc
-
-from .grpc_harness import (
+from ibex.testing.grpc_harness import (
     AGENT,
     ORG,
     DaemonProcess,
@@ -44,6 +42,7 @@ from .grpc_harness import (
     in_thread,
     running_daemon,
 )
+from ibex.testing.grpcio_stubs import context_pb2, context_pb2_grpc
 
 FD_LIMIT = 128
 FLOOD = 300  # idle connections per port, well past the limit

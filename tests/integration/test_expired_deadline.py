@@ -33,9 +33,7 @@ import ibex.service.handlers as handlers_module
 from ibex.service.admission import GATE_CPU_MESSAGE
 from ibex.service.assembler import Assembler
 from ibex.service.handlers import ContextService
-from tests.grpcio_stubs import context_pb2
-
-from .grpc_harness import (
+from ibex.testing.grpc_harness import (
     AGENT,
     ORG,
     SERVICE,
@@ -44,6 +42,7 @@ from .grpc_harness import (
     in_thread,
     running_daemon,
 )
+from ibex.testing.grpcio_stubs import context_pb2
 
 
 def _request_frame() -> bytes:

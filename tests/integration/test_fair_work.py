@@ -25,9 +25,9 @@ from pathlib import Path
 
 import grpc
 
-from tests.grpcio_stubs import context_pb2_grpc
-from tests.memory_server import DEMO_AGENT, DEMO_ORG
-from tests.noisy_tenant import (
+from ibex.testing.grpcio_stubs import context_pb2_grpc
+from ibex.testing.memory_server import DEMO_AGENT, DEMO_ORG
+from ibex.testing.noisy_tenant import (
     NOISY_IN_FLIGHT,
     PROBE_CALLS,
     NoisyTenant,

@@ -1,6 +1,6 @@
 """RecordMemoryFeedback end to end: a stock grpcio client, the real daemon, the memory stand-in.
 
-The stand-in (tests/memory_server.py) counts feedback once per Idempotency-Key
+The stand-in (ibex/testing/memory_server.py) counts feedback once per Idempotency-Key
 and leaves other orgs' ids out of its updates, as the contract says the
 memory service does; its faults on the endpoint record the write first and
 then lose the answer, the case the daemon's same-key retry exists for.
@@ -22,10 +22,7 @@ from ibex.assembly.feedback import idempotency_key, validate_feedback
 from ibex.client import ContextClient
 from ibex.errors import SourceError
 from ibex.sources.feedback import FeedbackRejected, send_feedback
-from tests.grpcio_stubs import context_pb2, context_pb2_grpc
-from tests.memory_server import Endpoint, FakeMemoryServer, make_memories, running_memory_server
-
-from .grpc_harness import (
+from ibex.testing.grpc_harness import (
     AGENT,
     ORG,
     RunningDaemon,
@@ -34,6 +31,13 @@ from .grpc_harness import (
     in_thread,
     run_cli,
     running_daemon,
+)
+from ibex.testing.grpcio_stubs import context_pb2, context_pb2_grpc
+from ibex.testing.memory_server import (
+    Endpoint,
+    FakeMemoryServer,
+    make_memories,
+    running_memory_server,
 )
 
 OTHER_ORG = "00000000-0000-4000-8000-0000000000ff"

@@ -30,9 +30,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from ibex.client import ContextClient
 from ibex.config import ConfigError, load_settings
 from ibex.service.root import make_daemon
-from tests.grpcio_stubs import context_pb2, context_pb2_grpc, principal_context_pb2
-
-from .grpc_harness import (
+from ibex.testing.grpc_harness import (
     AGENT,
     ORG,
     RunningDaemon,
@@ -41,6 +39,7 @@ from .grpc_harness import (
     running_daemon,
     test_settings,
 )
+from ibex.testing.grpcio_stubs import context_pb2, context_pb2_grpc, principal_context_pb2
 
 TOKEN = "proxy-token-Aq7sL0n9-do-not-log"
 OTHER_TOKEN = "second-proxy-token-for-rotation"

@@ -29,11 +29,7 @@ from ibex.service import pb
 from ibex.service.admission import Admission
 from ibex.service.daemon import Daemon
 from ibex.service.policies import default_policies
-from tests.grpcio_stubs import context_pb2, context_pb2_grpc, principal_context_pb2
-from tests.memory_server import make_memories, running_memory_server
-from tests.unit.test_policies import Maintenance
-
-from .grpc_harness import (
+from ibex.testing.grpc_harness import (
     AGENT,
     ORG,
     RunningDaemon,
@@ -42,6 +38,9 @@ from .grpc_harness import (
     run_cli,
     running_daemon,
 )
+from ibex.testing.grpcio_stubs import context_pb2, context_pb2_grpc, principal_context_pb2
+from ibex.testing.memory_server import make_memories, running_memory_server
+from tests.unit.test_policies import Maintenance
 
 SAMPLE = json.loads((Path(__file__).parents[2] / "ibex/data/sample_memories.json").read_text())
 OTHER_TENANT_ID = "20000000-0000-4000-8000-000000000001"
@@ -394,7 +393,7 @@ async def test_cli_assemble_against_cli_serve(tmp_path: Path) -> None:
 
 
 async def test_cli_assemble_without_daemon_falls_back() -> None:
-    from .grpc_harness import free_port
+    from ibex.testing.grpc_harness import free_port
 
     out = await in_thread(
         run_cli, "assemble", "--addr", f"127.0.0.1:{free_port()}", "--message", "user:hello there"

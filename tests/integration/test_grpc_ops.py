@@ -1,7 +1,7 @@
 """Operations over a real socket: drain, caller deadlines, shedding, health, reflection,
 and the client's fail-open behaviour.
 
-Slow branches come from the fake memory service (tests/memory_server.py) with
+Slow branches come from the fake memory service (ibex/testing/memory_server.py) with
 injected latency; the daemon's retrieval timeouts are raised to about a second
 for these tests so a request is reliably still in flight when the test acts.
 Clocks are real; bounds are generous.
@@ -25,10 +25,7 @@ from grpclib.health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
 
 from ibex.assembly.structs import Message
 from ibex.client import ContextClient, history_only
-from tests.grpcio_stubs import context_pb2, context_pb2_grpc
-from tests.memory_server import FakeMemoryServer, make_memories, running_memory_server
-
-from .grpc_harness import (
+from ibex.testing.grpc_harness import (
     AGENT,
     ORG,
     SERVICE,
@@ -39,6 +36,8 @@ from .grpc_harness import (
     in_thread,
     running_daemon,
 )
+from ibex.testing.grpcio_stubs import context_pb2, context_pb2_grpc
+from ibex.testing.memory_server import FakeMemoryServer, make_memories, running_memory_server
 
 SLOW_MS = 400.0
 SERVING = HealthCheckResponse.SERVING

@@ -24,9 +24,15 @@ from ibex.assembly.structs import Message
 from ibex.assembly.tokens import Tokenizers
 from ibex.client import ContextClient, fallback_history, history_only, is_input_error
 from ibex.service import pb
-from tests.grpcio_stubs import context_pb2, context_pb2_grpc
-
-from .grpc_harness import AGENT, ORG, RunningDaemon, free_port, in_thread, running_daemon
+from ibex.testing.grpc_harness import (
+    AGENT,
+    ORG,
+    RunningDaemon,
+    free_port,
+    in_thread,
+    running_daemon,
+)
+from ibex.testing.grpcio_stubs import context_pb2, context_pb2_grpc
 
 _O200K = Tokenizers(None, 0).encoding("o200k_base")
 WINDOW = 2000

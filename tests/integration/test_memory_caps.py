@@ -16,6 +16,12 @@ from typing import Any
 
 from ibex.assembly.structs import AssemblyResult
 from ibex.sources.redis_directive import directive_key
+from ibex.testing.memory_server import (
+    FakeMemoryServer,
+    make_memories,
+    memory_server_fixture,  # noqa: F401
+)
+from ibex.testing.redis_server import RedisServer
 from tests.integration.test_assemble_real import (
     AGENT_A,
     LIMIT,
@@ -28,12 +34,6 @@ from tests.integration.test_assemble_real import (
     seed_tenant,
     statuses,
 )
-from tests.memory_server import (
-    FakeMemoryServer,
-    make_memories,
-    memory_server_fixture,  # noqa: F401
-)
-from tests.redis_server import RedisServer
 
 # Megabytes cross a loopback stand-in that shares the GIL with the test: give
 # every branch plenty of time, these tests are about outcomes, not speed.

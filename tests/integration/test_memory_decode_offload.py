@@ -9,13 +9,13 @@ import pytest
 import trio
 
 import ibex.sources.memory_http as memory_http
-from tests.chaos.test_large_answers import escaped_answer
-from tests.memory_server import (
+from ibex.testing.memory_server import (
     FakeMemoryServer,
     make_memories,
     memory_server_fixture,  # noqa: F401
 )
-from tests.samples import AGENT, ORG
+from ibex.testing.samples import AGENT, ORG
+from tests.chaos.test_large_answers import escaped_answer
 
 
 async def test_large_answers_are_decoded_off_the_loop_and_small_ones_on_it(

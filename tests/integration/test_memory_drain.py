@@ -4,7 +4,7 @@ The daemon cuts slow cold calls at the wall by design. Closing each cut call's
 connection costs the next call a new connection (and the memory service an
 accept); the pool instead reads the rest of the answer in a task of its own,
 under a byte and a time cap, and pools the connection again if the answer
-ended cleanly. Real sockets and the memory stand-in (tests/memory_server.py),
+ended cleanly. Real sockets and the memory stand-in (ibex/testing/memory_server.py),
 so real clocks: every test is capped with trio.fail_after, and the stand-in's
 counters say whether a connection was reused or opened anew.
 """
@@ -20,7 +20,7 @@ import trio
 import trustme
 
 from ibex.sources.memory_http import MemoryHttpSource
-from tests.memory_server import (
+from ibex.testing.memory_server import (
     DEMO_AGENT,
     DEMO_ORG,
     Endpoint,

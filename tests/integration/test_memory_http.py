@@ -1,4 +1,4 @@
-"""MemoryHttpSource against a real HTTP server on loopback (tests/memory_server.py).
+"""MemoryHttpSource against a real HTTP server on loopback (ibex/testing/memory_server.py).
 
 Real sockets, so real clocks: every test is capped with trio.fail_after.
 """
@@ -17,7 +17,7 @@ from ibex.config import Settings
 from ibex.service.root import memory_http_source
 from ibex.sources.base import SourceError
 from ibex.sources.memory_http import MemoryHttpSource
-from tests.memory_server import (
+from ibex.testing.memory_server import (
     DEMO_AGENT,
     DEMO_ORG,
     FakeMemoryServer,

@@ -18,8 +18,8 @@ import trio
 import trio.testing
 import trustme
 
-from tests.memory_server import FakeMemoryServer, make_memories
-from tests.samples import AGENT, ORG
+from ibex.testing.memory_server import FakeMemoryServer, make_memories
+from ibex.testing.samples import AGENT, ORG
 
 STRAY_ORG = "00000000-0000-4000-8000-000000000002"
 STRAY_AGENT = "00000000-0000-4000-8000-0000000000b2"

@@ -9,10 +9,9 @@ import grpc
 from ibex.service.admission import Admission
 from ibex.service.daemon import Daemon
 from ibex.service.policies import default_policies
-from tests.grpcio_stubs import context_pb2, context_pb2_grpc
+from ibex.testing.grpc_harness import AGENT, ORG, in_thread, running_daemon
+from ibex.testing.grpcio_stubs import context_pb2, context_pb2_grpc
 from tests.unit.test_policies import MAINTENANCE_MESSAGE, Maintenance
-
-from .grpc_harness import AGENT, ORG, in_thread, running_daemon
 
 
 def _calls(target: str) -> tuple[Any, Any]:

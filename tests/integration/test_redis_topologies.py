@@ -35,8 +35,8 @@ from ibex.sources.redis_directive import (
     _GuardedConnection,
     directive_key,
 )
-from tests.redis_server import RedisServer, _free_port
-from tests.redis_topology import MASTER_NAME, ClusterSetup, SentinelSetup, admin, wait_until
+from ibex.testing.redis_server import RedisServer, _free_port
+from ibex.testing.redis_topology import MASTER_NAME, ClusterSetup, SentinelSetup, admin, wait_until
 
 TENANTS = [
     (str(uuid.UUID(int=0x1000 + i, version=4)), str(uuid.UUID(int=0x2000 + i, version=4)))

@@ -13,7 +13,7 @@ import subprocess
 import sys
 from typing import Any
 
-from .grpc_harness import SERVICE, child_env, in_thread, running_daemon
+from ibex.testing.grpc_harness import SERVICE, child_env, in_thread, running_daemon
 
 TOKEN = "reflection-test-token-not-logged"
 

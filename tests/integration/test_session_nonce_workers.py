@@ -24,7 +24,7 @@ import pytest
 
 from ibex.assembly.nonce import NonceKey
 from ibex.cli import SAMPLE_AGENT, SAMPLE_ORG
-from tests.grpcio_stubs import context_pb2, context_pb2_grpc
+from ibex.testing.grpcio_stubs import context_pb2, context_pb2_grpc
 from tests.integration.test_workers import ROUND_ROBIN, _supervisor, free_port_run, wait_ready
 
 KEY = "integration-nonce-key-0123456789abcdef"

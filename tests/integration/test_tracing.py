@@ -28,9 +28,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from ibex.ops.logs import JsonFormatter
-from tests.grpcio_stubs import context_pb2, context_pb2_grpc
-
-from .grpc_harness import (
+from ibex.testing.grpc_harness import (
     AGENT,
     ORG,
     SERVICE,
@@ -38,6 +36,7 @@ from .grpc_harness import (
     in_thread,
     running_daemon,
 )
+from ibex.testing.grpcio_stubs import context_pb2, context_pb2_grpc
 
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT = "00f067aa0ba902b7"

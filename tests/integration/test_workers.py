@@ -22,7 +22,7 @@ import trio
 from ibex.cli import SAMPLE_AGENT, SAMPLE_ORG
 from ibex.config import Settings
 from ibex.ops import workers
-from tests.grpcio_stubs import context_pb2, context_pb2_grpc
+from ibex.testing.grpcio_stubs import context_pb2, context_pb2_grpc
 
 
 def free_port() -> int:

@@ -13,7 +13,7 @@ import ibex.service.assembler as assembler_module
 from ibex.assembly.structs import AssemblyRequest, Message
 from ibex.config import Settings
 from ibex.service.root import open_assembler
-from tests.samples import AGENT, ORG
+from ibex.testing.samples import AGENT, ORG
 
 
 @pytest.fixture

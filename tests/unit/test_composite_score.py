@@ -26,7 +26,7 @@ from ibex.assembly.structs import (
 from ibex.assembly.tokens import Tokenizers
 from ibex.sources.base import SourceError
 from ibex.sources.memory_schema import decode_hits
-from tests.samples import AGENT, ORG
+from ibex.testing.samples import AGENT, ORG
 
 NOW = 1_760_000_000.0
 OK = (

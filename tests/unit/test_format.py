@@ -31,7 +31,7 @@ from ibex.assembly.structs import (
 )
 from ibex.assembly.tokens import Tokenizers, estimate_v1
 from ibex.errors import TooLargeError
-from tests.samples import AGENT, ORG
+from ibex.testing.samples import AGENT, ORG
 
 NONCE = "0123456789012345678901234567890123456789"
 NOW = 1_760_000_000.0

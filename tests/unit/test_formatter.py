@@ -18,7 +18,7 @@ from ibex.assembly.formatter import (
     new_nonce,
 )
 from ibex.assembly.structs import Directive, Message, ScoredMemory
-from tests.samples import scored
+from ibex.testing.samples import scored
 
 NONCE = "0f1e2d3c4b5a69788796a5b4c3d2e1f0"
 

@@ -23,7 +23,7 @@ from ibex.sources.local_file import LocalFileError, LocalFileSource
 from ibex.sources.memory_http import DEFAULT_MAX_RESPONSE_BYTES
 from ibex.sources.memory_schema import DEFAULT_MAX_CONTENT_BYTES, decode_hits
 from ibex.sources.redis_directive import decode_directive
-from tests.samples import AGENT, ORG
+from ibex.testing.samples import AGENT, ORG
 
 NOW = 1_760_000_000.0
 NESTED = b"[" * 100_000

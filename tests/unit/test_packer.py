@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from ibex.assembly import packer
 from ibex.assembly.packer import _dp, _grain, _greedy, _improve, _repair, pack
 from ibex.assembly.structs import ScoredMemory
-from tests.samples import scored
+from ibex.testing.samples import scored
 
 # fine_cells=0 forces the 16-token grain even for tiny budgets; the default may
 # refine it, which the exactness test below relies on.

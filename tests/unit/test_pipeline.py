@@ -55,7 +55,7 @@ from ibex.assembly.structs import (
 )
 from ibex.assembly.tokens import ESTIMATE_V1, EXACT, TokenCounter, Tokenizers, estimate_v1
 from ibex.errors import InputError, TooLargeError
-from tests.samples import AGENT, ORG
+from ibex.testing.samples import AGENT, ORG
 
 OTHER_ORG = "00000000-0000-4000-8000-000000000002"
 OTHER_AGENT = "00000000-0000-4000-8000-0000000000b2"

@@ -23,9 +23,9 @@ from ibex._proto.ibex.auth import v1 as bp_auth
 from ibex._proto.ibex.context import v1 as bp
 from ibex.assembly import structs
 from ibex.service import pb as upb
+from ibex.testing.grpcio_stubs import context_pb2 as pb
+from ibex.testing.grpcio_stubs import principal_context_pb2 as pb_auth
 from ibex.tools import protogen
-from tests.grpcio_stubs import context_pb2 as pb
-from tests.grpcio_stubs import principal_context_pb2 as pb_auth
 
 UTC = datetime.UTC
 
@@ -315,7 +315,7 @@ def test_grpcio_client_does_not_shadow_the_ibex_package() -> None:
     import ibex
 
     assert Path(ibex.__file__).parent == protogen.REPO_ROOT / "ibex"
-    assert pb.__name__ == "tests._grpcio_client.ibex.context.v1.context_pb2"
+    assert pb.__name__ == "ibex.testing._grpcio_client.ibex.context.v1.context_pb2"
 
 
 # --- drift check ----------------------------------------------------------------------

@@ -35,7 +35,7 @@ from ibex.sources.base import Answer, DirectiveAnswer, SourceError
 from ibex.sources.directive_cache import DirectiveCache, DirectiveCacheConfig
 from ibex.sources.local_file import SAMPLE_AGENT_ID, SAMPLE_ORG_ID
 from ibex.sources.retrieval import RetrievalConfig, Retrieved, request_wall, retrieve, search
-from tests.samples import AGENT, ORG
+from ibex.testing.samples import AGENT, ORG
 
 MS = 0.001
 DEFAULTS = RetrievalConfig()

@@ -15,7 +15,7 @@ from ibex.assembly.tokens import Tokenizers
 from ibex.config import NONCE_KEY_MIN_CHARS, ConfigError, Settings, load_settings
 from ibex.service.assembler import Assembler
 from ibex.service.root import load_static, open_assembler
-from tests.samples import AGENT, ORG
+from ibex.testing.samples import AGENT, ORG
 
 KEY = "k" * 31 + "!"  # 32 characters
 OTHER_ORG = "00000000-0000-4000-8000-000000000002"

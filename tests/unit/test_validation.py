@@ -29,7 +29,7 @@ from ibex.assembly.validation import (
     validate_search,
 )
 from ibex.errors import InputError, OverLimitError, TooLargeError
-from tests.samples import AGENT, ORG
+from ibex.testing.samples import AGENT, ORG
 
 VERSION = "00000000-0000-4000-8000-00000000d1d1"
 SMALL = RequestLimits(max_history_messages=3, max_text_bytes=12, max_tool_schemas=2)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ibex.assembly import formatter as fmt
 from ibex.assembly.structs import Directive, Message, ScoredMemory
-from tests.samples import scored
+from ibex.testing.samples import scored
 
 GOLDEN_DIR = Path(__file__).resolve().parent
 NONCE = "0123456789"

@@ -19,9 +19,9 @@ from typing import Any
 
 import grpc
 
-from tests.grpcio_stubs import context_pb2
-from tests.integration.grpc_harness import DaemonProcess, daemon_process
-from tests.memory_server import DEMO_AGENT, DEMO_ORG, memory_server_process
+from ibex.testing.grpc_harness import DaemonProcess, daemon_process
+from ibex.testing.grpcio_stubs import context_pb2
+from ibex.testing.memory_server import DEMO_AGENT, DEMO_ORG, memory_server_process
 
 NOISY_ORG = "30000000-0000-4000-8000-000000000001"
 NOISY_AGENT = "30000000-0000-4000-8000-000000000002"

@@ -1,6 +1,6 @@
 """Hand-made mutants of ibex/assembly's module constants, which mutmut leaves alone.
 
-    python -m tests.mutation_constants
+    python -m tests.mutation.constants
 
 mutmut 3 mutates only code inside functions, so a changed bound, default or
 regex at module level is never tried. Each entry below changes one constant in
@@ -17,7 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TESTS = [
     "tests/unit/test_validation.py",
     "tests/unit/test_budget.py",

@@ -2,6 +2,6 @@
 
 An independent implementation of the contract (the stock stack the Go proxy uses) for
 interop tests. Cross-module imports are rewritten to relative ones so this tree imports
-as `tests._grpcio_client.ibex.context.v1.context_pb2` with no sys.path changes and
-no clash with the real `ibex` package; `tests.grpcio_stubs` wraps the imports.
+as `ibex.testing._grpcio_client.ibex.context.v1.context_pb2` with no sys.path changes and
+no clash with the real `ibex` package; `ibex.testing.grpcio_stubs` wraps the imports.
 """

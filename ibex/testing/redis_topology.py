@@ -17,12 +17,13 @@ import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 import redis
 import redis.cluster
 
-from tests.redis_server import RedisServer, _free_port, find_redis_server
+from ibex.testing.redis_server import RedisServer, _free_port, find_redis_server
 
 LOOPBACK = "127.0.0.1"
 MASTER_NAME = "ibex"
@@ -104,7 +105,9 @@ class SentinelSetup:
         if replica.info("replication")["master_link_status"] != "up":
             return False
         for port in self.sentinel_ports:
-            state = admin(port, self.sentinel_password).sentinel_master(MASTER_NAME)
+            # redis-py types the reply loosely; SENTINEL MASTER answers a field map.
+            reply = admin(port, self.sentinel_password).sentinel_master(MASTER_NAME)
+            state = cast("dict[str, Any]", reply)
             if state["num-other-sentinels"] < 2 or state["num-slaves"] < 1:
                 return False
         return True
@@ -112,7 +115,8 @@ class SentinelSetup:
     def master_port(self, sentinel_port: int | None = None) -> int:
         port = self.sentinel_ports[0] if sentinel_port is None else sentinel_port
         sentinel = admin(port, self.sentinel_password)
-        _, master = sentinel.sentinel_get_master_addr_by_name(MASTER_NAME)
+        addr = sentinel.sentinel_get_master_addr_by_name(MASTER_NAME)
+        _, master = cast("tuple[str, str]", addr)
         return int(master)
 
     def set(self, key: str, value: str, db: int = 0) -> None:

@@ -1,6 +1,6 @@
 """Per-module mutation scores from a finished `just mutate` run (reads mutants/**/*.meta).
 
-    python -m tests.mutation_report [--equivalent tests/mutation_equivalent.txt] [--survivors]
+    python -m tests.mutation.report [--equivalent tests/mutation/equivalent.txt] [--survivors]
 
 Score = killed / all mutants, with a survivor, a "no tests" mutant and a
 timeout-free hang alike counted as not killed. With --equivalent, the named
@@ -46,7 +46,7 @@ def _equivalent(path: Path | None) -> set[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.mutation_report")
+    parser = argparse.ArgumentParser(prog="python -m tests.mutation.report")
     parser.add_argument("--root", type=Path, default=Path("mutants"))
     parser.add_argument("--equivalent", type=Path)
     parser.add_argument("--survivors", action="store_true", help="list surviving mutants")

@@ -19,11 +19,11 @@ shares the GIL with the test, so under heavy client CPU its latency stretches
 by up to the interpreter's switch interval: fine for correctness and chaos
 tests. Benchmarks should run it as its own process instead:
 
-    python -m tests.memory_server --port 8089 --hot-latency-ms 2 --cold-latency-ms 8
+    python -m ibex.testing.memory_server --port 8089 --hot-latency-ms 2 --cold-latency-ms 8
 
 Usage in tests (fixtures are imported explicitly, no conftest):
 
-    from tests.memory_server import memory_server_fixture  # noqa: F401
+    from ibex.testing.memory_server import memory_server_fixture  # noqa: F401
 
     async def test_x(memory_server: FakeMemoryServer) -> None:
         memory_server.add_memories(ORG, AGENT, make_memories(ORG, AGENT, 10))
@@ -61,7 +61,7 @@ import pytest
 import trio
 
 from ibex.sources.memory_http import MemoryHttpSource
-from tests.samples import AGENT, ORG
+from ibex.testing.samples import AGENT, ORG
 
 DEFAULT_TOKEN = "test-memory-token-0123456789"
 DEMO_ORG = ORG
@@ -723,14 +723,14 @@ def memory_server_process(
     memories: int = 20,
     seed: int = 0,
 ) -> Iterator[MemoryServerProcess]:
-    """Run `python -m tests.memory_server --control-stdio` for the duration of the block."""
+    """Run `python -m ibex.testing.memory_server --control-stdio` for the duration of the block."""
     root = str(Path(__file__).resolve().parent.parent)
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
     }
     cmd = [
-        sys.executable, "-m", "tests.memory_server", "--port", "0", "--control-stdio",
+        sys.executable, "-m", "ibex.testing.memory_server", "--port", "0", "--control-stdio",
         "--token", token, "--hot-latency-ms", str(hot_latency_ms),
         "--cold-latency-ms", str(cold_latency_ms), "--jitter-ms", str(jitter_ms),
         "--memories", str(memories), "--seed", str(seed),

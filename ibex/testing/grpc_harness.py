@@ -35,7 +35,7 @@ from ibex.assembly.tokens import Tokenizers
 from ibex.config import Settings
 from ibex.service.daemon import Daemon
 from ibex.service.root import load_static, make_daemon
-from tests.samples import AGENT, ORG  # noqa: F401  (re-exported for the gRPC tests)
+from ibex.testing.samples import AGENT, ORG  # noqa: F401  (re-exported for the gRPC tests)
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,11 +1,11 @@
 """The independent grpcio-tools client (pb2 messages and grpc stub) for interop tests.
 
-The modules live in `tests/_grpcio_client/`, generated and drift-checked by
+The modules live in `ibex/testing/_grpcio_client/`, generated and drift-checked by
 `python -m ibex.tools.protogen`. grpcio-tools emits absolute imports
 (`from ibex.auth.v1 import ...`) that would shadow or collide with the real `ibex`
 package if that directory were put on sys.path, so protogen rewrites them to
 relative imports and no sys.path handling is needed: import this module as
-`tests.grpcio_stubs` (pytest's default rootdir handling makes `tests` importable).
+`ibex.testing.grpcio_stubs`.
 
 The pb2 classes register into protobuf's default descriptor pool under the proto
 file names (`ibex/context/v1/context.proto`); the betterproto2 code uses its own

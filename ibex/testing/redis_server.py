@@ -3,8 +3,8 @@
 The process is started and stopped synchronously (it takes a few milliseconds)
 so the fixture works for any test; the one call that must not block the event
 loop, `debug_sleep`, is a Trio task. Expose the fixtures to a test package with
-`from tests.redis_server import redis_server  # noqa: F401` in its conftest, or
-`pytest_plugins = ["tests.redis_server"]` in the top-level conftest.
+`from ibex.testing.redis_server import redis_server  # noqa: F401` in its conftest, or
+`pytest_plugins = ["ibex.testing.redis_server"]` in the top-level conftest.
 """
 
 from __future__ import annotations
