@@ -96,6 +96,8 @@ def hit(
     org_id: str = ORG,
     agent_id: str = AGENT,
     usefulness: float | None = None,
+    rank: int = 1,
+    created_at: str | None = None,
 ) -> MemoryHit:
     return MemoryHit(
         memory_id=mid,
@@ -105,9 +107,10 @@ def hit(
         category=category,
         confidence=confidence,
         similarity=similarity,
-        rank=1,
+        rank=rank,
         branch=branch,  # type: ignore[arg-type]
         usefulness=usefulness,
+        created_at=created_at,
     )
 
 
@@ -1173,29 +1176,9 @@ def stub_catalog(window: int = 100_000, max_out: int = 8_000, safety: float = 0.
     )
 
 
-def stub_hit(
-    mid: str,
-    content: str = "note",
-    *,
-    similarity: float = 0.5,
-    confidence: float = 0.5,
-    category: str = "factual",
-    branch: str = "cold",
-    rank: int = 1,
-    created_at: str | None = None,
-) -> MemoryHit:
-    return MemoryHit(
-        memory_id=mid,
-        org_id=ORG,
-        agent_id=AGENT,
-        content=content,
-        category=category,
-        confidence=confidence,
-        similarity=similarity,
-        rank=rank,
-        branch=branch,  # type: ignore[arg-type]
-        created_at=created_at,
-    )
+def stub_hit(mid: str, content: str = "note", **fields: typing.Any) -> MemoryHit:
+    """`hit` with a short content: the stub counter makes every character a token."""
+    return hit(mid, content, **fields)
 
 
 def stub_request(
