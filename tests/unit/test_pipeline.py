@@ -143,6 +143,7 @@ def inputs(
     directive: Directive | None = None,
     branches: tuple[BranchOutcome, ...] = ALL_OK,
     nonce: str = NONCE,
+    retrieval_ms: float = 0.0,
 ) -> AssemblyInputs:
     return AssemblyInputs(
         request=req,
@@ -152,6 +153,7 @@ def inputs(
         branches=branches,
         nonce=nonce,
         now=NOW,
+        retrieval_ms=retrieval_ms,
     )
 
 
@@ -1217,18 +1219,16 @@ def stub_run(
     nonce: str = STUB_NONCE,
     retrieval_ms: float = 0.0,
 ) -> AssemblyResult:
-    inputs = AssemblyInputs(
-        request=req,
-        directive=directive,
-        hot=tuple(hot),
-        cold=tuple(cold),
-        branches=branches,
-        nonce=nonce,
-        now=NOW,
-        retrieval_ms=retrieval_ms,
-    )
     return assemble_pure(
-        inputs,
+        inputs(
+            req,
+            hot=hot,
+            cold=cold,
+            directive=directive,
+            branches=branches,
+            nonce=nonce,
+            retrieval_ms=retrieval_ms,
+        ),
         catalog=cat or stub_catalog(),
         tokenizers=Source(counter or CharCounter()),
         config=config,
