@@ -46,7 +46,7 @@ from ibex.assembly.structs import (
     PackSummary,
     TokenBudget,
 )
-from ibex.service import convert, wire
+from ibex.service import convert, pb
 
 RESULTS = Path(__file__).parent / "results" / "codec.json"
 TARGET_US = 300.0
@@ -288,7 +288,7 @@ def bp_response(r: AssemblyResult) -> bp.AssembleContextResponse:
     )
 
 
-# --- protobuf (upb): the server's own path, ibex.service.wire + ibex.service.convert ---
+# --- protobuf (upb): the server's own path, ibex.service.pb + ibex.service.convert ---
 
 
 def _time(fn: Callable[[], object], iterations: int) -> dict[str, float]:
@@ -335,7 +335,7 @@ def run(iterations: int) -> dict[str, Any]:
     bp_resp = bp_response(result)
     resp_bytes = bytes(bp_resp)
     pb_resp = convert.response_to_proto(result)
-    if wire.AssembleContextRequest.FromString(req_bytes).tool_schemas != bp_req.tool_schemas:
+    if pb.AssembleContextRequest.FromString(req_bytes).tool_schemas != bp_req.tool_schemas:
         raise AssertionError("pb2 and betterproto2 disagree on the request")
     if pb_resp.SerializeToString() != resp_bytes:
         raise AssertionError("pb2 and betterproto2 disagree on the response")
@@ -360,10 +360,10 @@ def run(iterations: int) -> dict[str, Any]:
         }
     codecs[f"protobuf-{api_implementation.Type()}"] = {
         "request_decode": _time(
-            lambda: wire.AssembleContextRequest.FromString(req_bytes), iterations
+            lambda: pb.AssembleContextRequest.FromString(req_bytes), iterations
         ),
         "request_to_struct": _time(
-            lambda: convert.request_from_proto(wire.AssembleContextRequest.FromString(req_bytes)),
+            lambda: convert.request_from_proto(pb.AssembleContextRequest.FromString(req_bytes)),
             iterations,
         ),
         "response_encode": _time(lambda: pb_resp.SerializeToString(), iterations),

@@ -33,7 +33,7 @@ import trio
 
 from ibex.assembly.structs import MemoryHit
 from ibex.sources.memory_http import MemoryHttpSource
-from ibex.sources.wire import decode_hits
+from ibex.sources.memory_schema import decode_hits
 from ibex.testing.memory_server import DEFAULT_TOKEN, DEMO_AGENT, DEMO_ORG, memory_server_process
 
 RESULTS = Path(__file__).resolve().parent / "results" / "memory_client.json"

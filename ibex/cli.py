@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ibex.config import ConfigError, Settings, load_settings, unknown_variables
+from ibex.netaddr import split_host_port
 
 SAMPLE_ORG = "00000000-0000-4000-8000-000000000001"
 SAMPLE_AGENT = "00000000-0000-4000-8000-0000000000a1"
@@ -137,7 +138,7 @@ def _message(raw: str) -> tuple[str, str]:
 def cmd_assemble(args: argparse.Namespace) -> int:
     from ibex.client import ContextClient
 
-    host, _, port = args.addr.rpartition(":")
+    host, port, token, ssl_ctx = _client_options(args)
     fields: dict[str, Any] = dict(
         org_id=args.org,
         agent_id=args.agent,
@@ -150,13 +151,9 @@ def cmd_assemble(args: argparse.Namespace) -> int:
     )
     if args.max_memories:
         fields["options"] = {"max_memories": args.max_memories}
-    token = args.token or os.environ.get("IBEX_CONTEXT_CLIENT_TOKEN")
-    ssl_ctx = ContextClient.tls_context(args.ca, args.cert, args.key) if args.ca else None
 
     async def run() -> Any:
-        client = ContextClient(
-            host or "127.0.0.1", int(port), token=token, ssl_context=ssl_ctx, deadline=args.timeout
-        )
+        client = ContextClient(host, port, token=token, ssl_context=ssl_ctx, deadline=args.timeout)
         try:
             return await client.assemble(**fields)
         finally:
@@ -183,10 +180,10 @@ def _client_options(args: argparse.Namespace) -> tuple[str, int, str | None, Any
     """Host, port, bearer token and TLS context from the client flags shared by commands."""
     from ibex.client import ContextClient
 
-    host, _, port = args.addr.rpartition(":")
+    host, port = split_host_port(args.addr)
     token = args.token or os.environ.get("IBEX_CONTEXT_CLIENT_TOKEN")
     ssl_ctx = ContextClient.tls_context(args.ca, args.cert, args.key) if args.ca else None
-    return host or "127.0.0.1", int(port), token, ssl_ctx
+    return host or "127.0.0.1", port, token, ssl_ctx
 
 
 def cmd_feedback(args: argparse.Namespace) -> int:

@@ -41,7 +41,8 @@ from ibex.assembly.catalog import Catalog, load_catalog, resolve_model
 from ibex.assembly.formatter import XML_TAGS
 from ibex.assembly.history import Staged, fit_history
 from ibex.assembly.structs import Message
-from ibex.service import wire
+from ibex.netaddr import split_host_port
+from ibex.service import pb
 
 DEFAULT_DEADLINE = 0.045
 # Feedback is sent after the model answered, off the latency path: room for the
@@ -58,10 +59,10 @@ def parse_address(address: Address) -> tuple[str, int]:
     """`host:port`, `[v6]:port` or a (host, port) pair."""
     if isinstance(address, tuple):
         return address[0], int(address[1])
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit():
+    host, port = split_host_port(address)
+    if not host:
         raise ValueError(f"expected host:port, got {address!r}")
-    return host.strip("[]"), int(port)
+    return host, port
 
 
 # The daemon's overload refusals start with this; any other RESOURCE_EXHAUSTED
@@ -252,12 +253,12 @@ class ContextClient:
         timeout: float | None = None,  # noqa: ASYNC109  (gRPC deadline)
         **fields: Any,
     ) -> Assembled:
-        """AssembleContext; `request` is a wire.AssembleContextRequest or its fields."""
+        """AssembleContext; `request` is a pb.AssembleContextRequest or its fields."""
         if request is None:
-            request = wire.AssembleContextRequest(**fields)
+            request = pb.AssembleContextRequest(**fields)
         try:
             msg, meta = await self._unary(
-                "AssembleContext", request, wire.AssembleContextResponse, timeout
+                "AssembleContext", request, pb.AssembleContextResponse, timeout
             )
         except GRPCError as exc:
             if is_input_error(exc):
@@ -284,8 +285,8 @@ class ContextClient:
     ) -> Any:
         msg, _ = await self._unary(
             "SearchMemories",
-            wire.SearchMemoriesRequest(**fields),
-            wire.SearchMemoriesResponse,
+            pb.SearchMemoriesRequest(**fields),
+            pb.SearchMemoriesResponse,
             timeout,
         )
         return msg
@@ -307,7 +308,7 @@ class ContextClient:
         idempotency key from them, so the feedback is still counted once.
         `timeout` defaults to DEFAULT_FEEDBACK_DEADLINE.
         """
-        request = wire.RecordMemoryFeedbackRequest(
+        request = pb.RecordMemoryFeedbackRequest(
             memory_ids=list(memory_ids),
             feedback=feedback,
             org_id=org_id,
@@ -317,7 +318,7 @@ class ContextClient:
         msg, _ = await self._unary(
             "RecordMemoryFeedback",
             request,
-            wire.RecordMemoryFeedbackResponse,
+            pb.RecordMemoryFeedbackResponse,
             DEFAULT_FEEDBACK_DEADLINE if timeout is None else timeout,
         )
         return msg

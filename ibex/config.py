@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import difflib
 import functools
-import ipaddress
 import math
 import os
 import re
@@ -28,6 +27,7 @@ from typing import Annotated, Any
 import msgspec
 
 from ibex.errors import ConfigError
+from ibex.netaddr import parse_allowed_san, split_host_port
 
 __all__ = [
     "PREFIX",
@@ -131,24 +131,14 @@ def _list(raw: str) -> tuple[str, ...]:
     return tuple(p.strip() for p in raw.split(",") if p.strip())
 
 
-_SAN_PREFIX = re.compile(r"^(dns|uri|email|ip):(.+)$", re.IGNORECASE | re.DOTALL)
-
-
 def _sans(name: str, raw: str) -> tuple[str, ...]:
     """`DNS:name`, `URI:...`, `email:...`, `IP:addr` or a bare DNS name, comma-separated."""
     entries = _list(raw)
     for entry in entries:
-        m = _SAN_PREFIX.match(entry)
-        if m is None and ":" in entry:
-            raise ConfigError(
-                f"{name}: {entry!r}: prefix the type (DNS:, URI:, email: or IP:); "
-                "a bare entry is a DNS name"
-            )
-        if m is not None and m.group(1).lower() == "ip":
-            try:
-                ipaddress.ip_address(m.group(2).strip())
-            except ValueError:
-                raise ConfigError(f"{name}: {entry!r} is not an IP address") from None
+        try:
+            parse_allowed_san(entry)
+        except ValueError as exc:
+            raise ConfigError(f"{name}: {entry!r}: {exc}") from None
     return entries
 
 
@@ -166,8 +156,11 @@ def _http_url(name: str, raw: str) -> str:
 
 def _addr(name: str, raw: str) -> str:
     value = raw.strip()
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+    try:
+        host, _ = split_host_port(value)
+    except ValueError:
+        host = ""
+    if not host:
         raise ConfigError(f"{name}: expected host:port, got {raw!r}")
     return value
 
@@ -473,7 +466,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             raise ConfigError(f"{name}: {ports[0]} + {len(ports)} workers passes port 65535")
         taken = {"GRPC_ADDR": self.grpc_addr, "METRICS_ADDR": self.metrics_addr}
         for setting, addr in taken.items():
-            port = int(addr.rpartition(":")[2]) if addr else None
+            port = split_host_port(addr)[1] if addr else None
             if port in ports:
                 raise ConfigError(
                     f"{name}: worker ports {ports[0]}..{ports[-1]} include "

@@ -44,11 +44,13 @@ from ibex.assembly.structs import (
     BranchOutcome,
     DegradationLevel,
     Directive,
+    Lap,
     MemoryHit,
     Message,
     PackResult,
     PackSummary,
     ScoredMemory,
+    Stage,
     TokenBudget,
 )
 from ibex.errors import TooLargeError
@@ -126,12 +128,12 @@ class StageTimer:
 
     def __init__(self) -> None:
         self.start = self._last = time.perf_counter()
-        self.seconds: dict[str, float] = {}
+        self.seconds: dict[Lap, float] = {}
 
-    def lap(self, stage: str) -> None:
-        """Close `stage`: the time since the previous lap (or the start) is its own."""
+    def lap(self, lap: Lap) -> None:
+        """Close `lap`: the time since the previous lap (or the start) is its own."""
         now = time.perf_counter()
-        self.seconds[stage] = now - self._last
+        self.seconds[lap] = now - self._last
         self._last = now
 
     def restart(self) -> StageTimer:
@@ -140,7 +142,7 @@ class StageTimer:
         self.seconds.clear()
         return self
 
-    def spans(self) -> list[tuple[str, float, float]]:
+    def spans(self) -> list[tuple[Lap, float, float]]:
         """Each stage's (name, start, end) in perf_counter seconds: laps are back to back."""
         out, t = [], self.start
         for stage, seconds in self.seconds.items():
@@ -148,8 +150,9 @@ class StageTimer:
             t += seconds
         return out
 
-    def ms(self, stage: str) -> int:
-        return round(self.seconds.get(stage, 0.0) * 1000.0)
+    def stage_ms(self, stage: Stage) -> int:
+        """Whole milliseconds of a reported stage: the sum of its laps."""
+        return _ms(sum(self.seconds.get(lap, 0.0) for lap in stage.laps))
 
     def total(self) -> float:
         return self._last - self.start
@@ -348,13 +351,10 @@ def build_result(
     excluded += (used(m, "budget") for m in packed.excluded)
     excluded += (used(m, "budget") for m in rendered.dropped)
     metrics = AssemblyMetrics(
-        budget_calculation_ms=timer.ms("count"),
+        **{stage.field: timer.stage_ms(stage) for stage in Stage},
         directive_load_ms=_branch_ms(inputs.branches, "directive"),
         hot_memory_retrieval_ms=_branch_ms(inputs.branches, "hot"),
         cold_memory_retrieval_ms=_branch_ms(inputs.branches, "cold"),
-        ranking_ms=_ms(timer.seconds["select"] + timer.seconds["price"]),
-        packing_ms=timer.ms("pack"),
-        formatting_ms=timer.ms("render"),
         total_ms=_ms(timer.total() + inputs.retrieval_ms / 1000.0),
         candidates_evaluated=packed.candidates_evaluated,
     )

@@ -6,7 +6,8 @@ so the pipeline can be tested, property-tested and benchmarked in isolation.
 
 from __future__ import annotations
 
-from typing import Literal
+import enum
+from typing import Final, Literal, get_args
 
 import msgspec
 
@@ -16,6 +17,8 @@ Exclusion = Literal["included", "budget", "filter", "truncated", "failed", "unkn
 InjectionMode = Literal["system_first", "system_append", "user_prepend"]
 PackPath = Literal["dp", "greedy"]
 DegradationLevel = Literal["L0", "L1", "L2"]
+# The values of the Literals above, for checks at run time and metric label sets.
+INJECTION_MODES: Final[tuple[InjectionMode, ...]] = get_args(InjectionMode)
 
 
 class Message(msgspec.Struct, frozen=True):
@@ -181,6 +184,40 @@ class MemoryUsed(msgspec.Struct, frozen=True):
     similarity: float = 0.0
     confidence: float = 0.0
     token_estimate: int = 0
+
+
+# The pipeline's timed steps in order: StageTimer laps and the trace spans `stage.<lap>`.
+Lap = Literal["count", "select", "price", "pack", "render"]
+
+
+class Stage(enum.Enum):
+    """A reported pipeline stage, with every name it goes by.
+
+    `value` is the `stage` label of ibex_stage_duration_seconds, `field` the
+    AssemblyMetrics `*_ms` field, and `laps` the StageTimer laps whose sum it is.
+    The metric's `total` label is not a stage: it is total_ms, retrieval included.
+    """
+
+    BUDGET = "budget"
+    RANKING = "ranking"
+    PACKING = "packing"
+    FORMATTING = "formatting"
+
+    @property
+    def field(self) -> str:
+        return _STAGE_NAMES[self][0]
+
+    @property
+    def laps(self) -> tuple[Lap, ...]:
+        return _STAGE_NAMES[self][1]
+
+
+_STAGE_NAMES: Final[dict[Stage, tuple[str, tuple[Lap, ...]]]] = {
+    Stage.BUDGET: ("budget_calculation_ms", ("count",)),
+    Stage.RANKING: ("ranking_ms", ("select", "price")),
+    Stage.PACKING: ("packing_ms", ("pack",)),
+    Stage.FORMATTING: ("formatting_ms", ("render",)),
+}
 
 
 class AssemblyMetrics(msgspec.Struct, frozen=True):

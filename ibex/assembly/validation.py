@@ -7,7 +7,9 @@ caller learns which field is wrong.
 from __future__ import annotations
 
 import math
+import re
 import uuid
+from typing import Final
 
 import msgspec
 
@@ -29,18 +31,33 @@ class RequestLimits(msgspec.Struct, frozen=True):
     max_tool_schemas: int = 128
 
 
+# The contract's memory ids are UUIDs written 8-4-4-4-12 (hex digits of either case):
+# the proxy drops any other id from its evidence and feedback names memories by it.
+HYPHENATED_UUID: Final = re.compile(
+    r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}"
+)
+
+
+def uuid_text(value: str) -> str | None:
+    """The lower-case canonical form of a UUID in any form `uuid.UUID` reads, else None."""
+    if len(value) > 64:
+        return None
+    try:
+        return str(uuid.UUID(value))
+    except ValueError:
+        return None
+
+
 def canonical_uuid(field: str, value: str, *, required: bool = True) -> str:
     """Lower-case canonical form; the Redis key and the tenant filter compare these."""
     if not value:
         if required:
             raise InputError(field, "is required (a UUID)")
         return ""
-    if len(value) > 64:
+    text = uuid_text(value)
+    if text is None:
         raise InputError(field, "is not a valid UUID")
-    try:
-        return str(uuid.UUID(value))
-    except ValueError:
-        raise InputError(field, "is not a valid UUID") from None
+    return text
 
 
 def _text(field: str, value: str, limit: int) -> None:

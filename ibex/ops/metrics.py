@@ -73,7 +73,7 @@ import os
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, get_args
 
 import trio
 from prometheus_client import (
@@ -89,17 +89,24 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ibex.assembly.structs import AssemblyResult
+from ibex.assembly.structs import (
+    AssemblyResult,
+    BranchSource,
+    BranchStatus,
+    DegradationLevel,
+    PackPath,
+    Stage,
+)
 
 log = logging.getLogger(__name__)
 
 MULTIPROC_ENV: Final = "PROMETHEUS_MULTIPROC_DIR"
 
-SOURCES: Final = ("directive", "hot", "cold")
-STATUSES: Final = ("success", "timeout", "error", "skipped")
-STAGES: Final = ("budget", "ranking", "packing", "formatting", "total")
-LEVELS: Final = ("L0", "L1", "L2")
-PACK_PATHS: Final = ("dp", "greedy")
+SOURCES: Final[tuple[str, ...]] = get_args(BranchSource)
+STATUSES: Final[tuple[str, ...]] = get_args(BranchStatus)
+STAGES: Final[tuple[str, ...]] = (*(s.value for s in Stage), "total")
+LEVELS: Final[tuple[str, ...]] = get_args(DegradationLevel)
+PACK_PATHS: Final[tuple[str, ...]] = get_args(PackPath)
 SHED_REASONS: Final = ("in_flight", "queue", "cpu", "org", "threads")
 RESTART_REASONS: Final = ("exited", "unresponsive")
 FEEDBACK_OUTCOMES: Final = (
@@ -135,13 +142,7 @@ TOKEN_BUCKETS: Final = tuple(float(2**i) for i in range(6, 18))  # 64 .. 131072
 RATIO_BUCKETS: Final = (0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0)
 MEMORY_BUCKETS: Final = (0.0, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0)
 
-_STAGE_FIELDS: Final = {
-    "budget": "budget_calculation_ms",
-    "ranking": "ranking_ms",
-    "packing": "packing_ms",
-    "formatting": "formatting_ms",
-    "total": "total_ms",
-}
+_STAGE_FIELDS: Final = {**{s.value: s.field for s in Stage}, "total": "total_ms"}
 
 TokenCacheSource = Callable[[], tuple[int, int]]
 

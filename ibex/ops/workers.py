@@ -39,6 +39,7 @@ from pathlib import Path
 import trio
 
 from ibex.config import Settings
+from ibex.netaddr import split_host_port
 from ibex.ops.sdnotify import Notifier, run_watchdog
 
 log = logging.getLogger(__name__)
@@ -113,7 +114,7 @@ class Supervisor:
 
                     registry = exposition_registry()
                     registry.register(self.restart_metric)
-                    host, _, port = self.settings.metrics_addr.rpartition(":")
+                    host, port = split_host_port(self.settings.metrics_addr)
                     await nursery.start(
                         functools.partial(
                             serve_metrics,
@@ -121,7 +122,7 @@ class Supervisor:
                         ),
                         registry,
                         host,
-                        int(port),
+                        port,
                     )
                 task_status.started()
                 with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:

@@ -127,19 +127,36 @@ class Assembler:
         *,
         deadline: float | None = None,
         arrived: float | None = None,
-        validated: bool = False,
+        thread_held: bool = False,
+        trace: CallTrace | None = None,
+    ) -> AssemblyResult:
+        """Check the request (`check_request`), then `assemble_checked` it."""
+        return await self.assemble_checked(
+            self.check_request(request),
+            deadline=deadline,
+            arrived=arrived,
+            thread_held=thread_held,
+            trace=trace,
+        )
+
+    async def assemble_checked(
+        self,
+        request: AssemblyRequest,
+        *,
+        deadline: float | None = None,
+        arrived: float | None = None,
         thread_held: bool = False,
         trace: CallTrace | None = None,
     ) -> AssemblyResult:
         """Retrieve within the wall (and the caller's deadline), then run the pipeline.
 
+        `request` is one `check_request` returned (the gRPC handler checks it before
+        taking an assembly slot, so a malformed request never waits for one).
         `deadline` and `arrived` (when the call reached the process) are on the Trio clock.
         `thread_held`: the caller holds a unit of `threads` (admission queued for it
         before the slot), and the pipeline runs under it in a worker thread.
         A `trace` receives each branch's and stage's times once the answer is made.
         """
-        if not validated:
-            request = self.check_request(request)
         starts: dict[BranchSource, float] | None = None
         timer: StageTimer | None = None
         if trace is not None:

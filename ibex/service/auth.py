@@ -20,6 +20,7 @@ from typing import Any
 
 from ibex.assembly.validation import canonical_uuid
 from ibex.errors import AuthError, PermissionDenied
+from ibex.netaddr import parse_allowed_san, san_key
 
 
 def is_loopback(host: str) -> bool:
@@ -30,42 +31,6 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
-
-
-# Entry prefixes of IBEX_CONTEXT_TLS_ALLOWED_SANS -> the type names `ssl.getpeercert` reports.
-SAN_TYPES = {"dns": "DNS", "uri": "URI", "email": "email", "ip": "IP Address"}
-
-
-def parse_allowed_san(entry: str) -> tuple[str, str]:
-    """`DNS:name`, `URI:...`, `email:...`, `IP:addr` or a bare DNS name -> (type, key)."""
-    kind, sep, value = entry.partition(":")
-    if sep and kind.strip().lower() in SAN_TYPES:
-        san_type = SAN_TYPES[kind.strip().lower()]
-    elif not sep:
-        san_type, value = "DNS", entry
-    else:
-        raise ValueError(f"unknown SAN type {kind!r} (expected DNS:, URI:, email: or IP:)")
-    value = value.strip()
-    if not value:
-        raise ValueError(f"empty SAN value in {entry!r}")
-    return san_type, _san_key(san_type, value)
-
-
-def _san_key(san_type: str, value: str) -> str:
-    """The comparable form of a SAN value of this type."""
-    if san_type == "DNS":
-        return value.strip().rstrip(".").lower()
-    if san_type == "IP Address":
-        return str(ipaddress.ip_address(value.strip()))
-    if san_type == "email":
-        local, at, domain = value.partition("@")
-        return f"{local}{at}{domain.lower()}"
-    return value
-
-
-def split_addr(addr: str) -> tuple[str, int]:
-    host, _, port = addr.rpartition(":")
-    return host.strip("[]"), int(port)
 
 
 class Authenticator:
@@ -119,7 +84,7 @@ class Authenticator:
 
 def _san_allowed(san_type: str, value: str, allowed: frozenset[tuple[str, str]]) -> bool:
     try:
-        return (san_type, _san_key(san_type, value)) in allowed
+        return (san_type, san_key(san_type, value)) in allowed
     except ValueError:
         return False  # a malformed IP SAN matches nothing
 

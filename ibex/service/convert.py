@@ -1,4 +1,4 @@
-"""Wire messages (upb classes from ibex.service.wire) to and from the pipeline's structs.
+"""Wire messages (upb classes from ibex.service.pb) to and from the pipeline's structs.
 
 The pipeline never sees generated classes, so a protobuf library change stays
 in this module and the server. Nested messages are passed as dicts, which upb
@@ -19,7 +19,7 @@ from ibex.assembly.structs import (
     Message,
     SearchRequest,
 )
-from ibex.service import wire
+from ibex.service import pb
 
 
 def request_from_proto(msg: Any) -> AssemblyRequest:
@@ -59,7 +59,7 @@ def response_to_proto(r: AssemblyResult) -> Any:
     """The wire response. The nested structs mirror their messages field for field
     (tests/unit/test_proto.py pins the names), so they go across as dicts."""
     asdict = msgspec.structs.asdict
-    return wire.AssembleContextResponse(
+    return pb.AssembleContextResponse(
         assembled_context=r.assembled_context,
         tokens_used=r.tokens_used,
         memories_included=len(r.memories_used),
@@ -100,7 +100,7 @@ def search_from_proto(msg: Any) -> SearchRequest:
 def search_to_proto(found: SearchResult, search_time_ms: int) -> Any:
     """The wire response: the ranked hits, the caller's own candidates, the time taken."""
     memories = [
-        wire.Memory(
+        pb.Memory(
             id=h.hit.memory_id,
             content=h.hit.content,
             category=h.hit.category,
@@ -111,7 +111,7 @@ def search_to_proto(found: SearchResult, search_time_ms: int) -> Any:
         )
         for h in found.hits
     ]
-    return wire.SearchMemoriesResponse(
+    return pb.SearchMemoriesResponse(
         memories=memories,
         total_candidates=found.own_candidates,
         search_time_ms=search_time_ms,

@@ -38,8 +38,7 @@ from ibex.errors import (
 )
 from ibex.ops.logs import bind_request
 from ibex.ops.metrics import Metrics
-from ibex.service import convert
-from ibex.service import wire as pb
+from ibex.service import convert, pb
 from ibex.service.admission import Admission, Ticket
 from ibex.service.assembler import Assembler
 from ibex.service.auth import Authenticator, check_principal
@@ -262,11 +261,10 @@ class ContextService:
             deadline = None if remaining is None else trio_now + remaining
             arrived = trio_now - (now - ticket.arrived)
             with bind_request(request.request_id, trace_id or request.trace_id):
-                return await self.assembler.assemble(
+                return await self.assembler.assemble_checked(
                     request,
                     deadline=deadline,
                     arrived=arrived,
-                    validated=True,
                     thread_held=thread_held,
                     trace=call,
                 )

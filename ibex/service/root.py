@@ -31,11 +31,12 @@ from ibex.assembly.tokens import Tokenizers
 from ibex.assembly.validation import RequestLimits
 from ibex.config import Settings, layer_fields
 from ibex.errors import ConfigError
+from ibex.netaddr import split_host_port
 from ibex.ops.metrics import Metrics
 from ibex.ops.tracing import setup_tracing
 from ibex.service.admission import AdmissionConfig
 from ibex.service.assembler import Assembler
-from ibex.service.auth import Authenticator, is_loopback, split_addr
+from ibex.service.auth import Authenticator, is_loopback
 from ibex.service.connections import ConnectionsConfig, default_max_connections
 from ibex.service.daemon import Daemon, DaemonConfig
 from ibex.service.handlers import EdgeConfig
@@ -130,7 +131,7 @@ def redis_directive_source(settings: Settings) -> tuple[RedisDirectiveSource, st
     """The directive source for the configured Redis topology, and its backend name."""
     if settings.redis_sentinels:
         assert settings.redis_sentinel_master is not None  # load_settings requires it
-        sentinels = [split_addr(a) for a in settings.redis_sentinels]
+        sentinels = [split_host_port(a) for a in settings.redis_sentinels]
         source = RedisDirectiveSource.sentinel(
             sentinels,
             settings.redis_sentinel_master,
@@ -233,7 +234,7 @@ def check_bind_policy(settings: Settings) -> str | None:
     Returns a warning to log at every start when the insecure override is in use.
     """
     metrics_warning = check_metrics_bind_policy(settings)
-    host, _ = split_addr(settings.grpc_addr)
+    host, _ = split_host_port(settings.grpc_addr)
     has_auth = bool(settings.auth_tokens_sha256) or settings.tls_client_ca is not None
     if is_loopback(host) or has_auth:
         return metrics_warning
@@ -255,7 +256,7 @@ def check_metrics_bind_policy(settings: Settings) -> str | None:
     (IBEX_CONTEXT_METRICS_TOKEN_SHA256) unless the insecure override is given."""
     if not settings.metrics_addr or settings.metrics_token_sha256:
         return None
-    host, _ = split_addr(settings.metrics_addr)
+    host, _ = split_host_port(settings.metrics_addr)
     if is_loopback(host):
         return None
     if not settings.allow_insecure:
@@ -283,7 +284,7 @@ def make_daemon(
     WORKER_PORT_BASE set, the process also listens on base + index (a single
     process, index 0, on the base itself) so clients can balance per call.
     """
-    host, port = split_addr(settings.grpc_addr)
+    host, port = split_host_port(settings.grpc_addr)
     own = settings.worker_port(worker_index or 0)
     config = layer_config(
         DaemonConfig,

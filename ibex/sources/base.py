@@ -9,27 +9,40 @@ a short detail that holds no secret and no memory text.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Generic, Protocol, TypeVar
 
 import msgspec
 
 from ibex.assembly.structs import Directive, MemoryHit
 from ibex.errors import SourceError
 
-__all__ = ["Answer", "DirectiveSource", "MemorySource", "SourceError", "cached_directive"]
+__all__ = [
+    "Answer",
+    "DirectiveAnswer",
+    "DirectiveSource",
+    "MemorySource",
+    "SourceError",
+    "cached_directive",
+]
+
+T = TypeVar("T")
 
 
-class Answer(msgspec.Struct, frozen=True):
+class Answer(msgspec.Struct, Generic[T], frozen=True):
     """A branch's value with a short detail for its BranchOutcome (e.g. `cache`)."""
 
-    value: Any
+    value: T
     detail: str = ""
+
+
+# The directive branch's answer: the directive, or None when the agent has none.
+DirectiveAnswer = Answer[Directive | None]
 
 
 class DirectiveSource(Protocol):
     """Where directives come from. A decorator (the in-process cache) is one too.
 
-    A source may also define `cached(org_id, agent_id, version) -> Answer | None`:
+    A source may also define `cached(org_id, agent_id, version) -> DirectiveAnswer | None`:
     an answer it holds in memory, given without I/O, or None. Retrieval asks it
     first (see `cached_directive`), so an answer in hand costs no task.
     """
@@ -49,10 +62,12 @@ class DirectiveSource(Protocol):
 
 def cached_directive(
     source: DirectiveSource, org_id: str, agent_id: str, version: str
-) -> Answer | None:
+) -> DirectiveAnswer | None:
     """The source's in-memory answer when it has an optional `cached` method and a
     usable entry, else None. Duck-typed, so any source (or decorator) may offer one."""
-    lookup: Callable[[str, str, str], Answer | None] | None = getattr(source, "cached", None)
+    lookup: Callable[[str, str, str], DirectiveAnswer | None] | None = getattr(
+        source, "cached", None
+    )
     return None if lookup is None else lookup(org_id, agent_id, version)
 
 

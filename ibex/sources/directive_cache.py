@@ -24,7 +24,7 @@ from collections.abc import Callable
 import msgspec
 
 from ibex.assembly.structs import Directive
-from ibex.sources.base import Answer, DirectiveSource
+from ibex.sources.base import Answer, DirectiveAnswer, DirectiveSource
 
 _ENTRY_OVERHEAD = 256  # key strings, the Directive struct, the dict slot
 
@@ -75,7 +75,7 @@ class DirectiveCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def cached(self, org_id: str, agent_id: str, version: str) -> Answer | None:
+    def cached(self, org_id: str, agent_id: str, version: str) -> DirectiveAnswer | None:
         """The cached answer (detail `cache`) when it may serve, else None; no I/O.
 
         Retrieval asks this first, so a hit costs no task and no scheduler pass.
@@ -88,7 +88,7 @@ class DirectiveCache:
         self.hits += 1
         return Answer(entry.directive, "cache")
 
-    async def fetch(self, org_id: str, agent_id: str, version: str) -> Answer:
+    async def fetch(self, org_id: str, agent_id: str, version: str) -> DirectiveAnswer:
         """The directive (detail `cache` when no round trip was needed)."""
         hit = self.cached(org_id, agent_id, version)
         if hit is not None:

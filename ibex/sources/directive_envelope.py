@@ -12,11 +12,11 @@ client, no loop, so every rule of the format is tested without a server.
 from __future__ import annotations
 
 import uuid
-from typing import Any, Final, cast, get_args
+from typing import Any, Final, cast
 
 import msgspec
 
-from ibex.assembly.structs import Directive, InjectionMode
+from ibex.assembly.structs import INJECTION_MODES, Directive, InjectionMode
 from ibex.errors import SourceError
 
 __all__ = ["ENVELOPE_VERSION", "MAX_VALUE_BYTES", "decode_directive", "directive_key"]
@@ -24,7 +24,7 @@ __all__ = ["ENVELOPE_VERSION", "MAX_VALUE_BYTES", "decode_directive", "directive
 ENVELOPE_VERSION: Final = 1
 # Default bound on one cached value; the source may set its own.
 MAX_VALUE_BYTES: Final = 1024 * 1024
-_MODES: Final[frozenset[str]] = frozenset(get_args(InjectionMode))
+_MODES: Final[frozenset[str]] = frozenset(INJECTION_MODES)
 
 
 class _Envelope(msgspec.Struct, frozen=True):

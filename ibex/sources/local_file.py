@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import math
 import re
-import uuid
 from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from importlib import resources
@@ -52,17 +51,14 @@ import trio
 
 from ibex.assembly.feedback import Feedback, ScoreUpdate
 from ibex.assembly.structs import Directive, InjectionMode, MemoryHit
+from ibex.assembly.validation import uuid_text
 from ibex.errors import ConfigError
-from ibex.sources.wire import (
+from ibex.sources.memory_schema import (
     DEFAULT_MAX_CONTENT_BYTES,
-    Count,
+    MemoryFields,
     NonEmptyStr,
-    UnitFloat,
     WireMemory,
     WireResult,
-    check_memory_id,
-    check_rfc3339,
-    check_unit,
     to_hit,
 )
 
@@ -86,23 +82,12 @@ class LocalFileError(ConfigError):
     """The local source file is missing or invalid; the message names file and item."""
 
 
-class LocalMemory(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    id: NonEmptyStr
-    content: str
-    category: NonEmptyStr
-    confidence: UnitFloat
+class LocalMemory(MemoryFields, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A memory as the service sends it, but strict about keys; org and agent default to
+    the agent entry's."""
+
     org_id: NonEmptyStr | None = None
     agent_id: NonEmptyStr | None = None
-    created_at: str | None = None
-    usefulness: UnitFloat | None = None
-    access_count: Count | None = None
-    tags: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        check_memory_id(self.id)
-        check_unit("confidence", self.confidence)
-        check_unit("usefulness", self.usefulness)
-        check_rfc3339(self.created_at)
 
 
 class LocalDirective(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -329,10 +314,7 @@ class LocalFileSource:
 
 def _canonical(memory_id: str) -> str:
     """A UUID id in the canonical form requests use; any other id as it is (never matched)."""
-    try:
-        return str(uuid.UUID(memory_id)) if len(memory_id) <= 64 else memory_id
-    except ValueError:
-        return memory_id
+    return uuid_text(memory_id) or memory_id
 
 
 def _hit(

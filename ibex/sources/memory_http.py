@@ -58,7 +58,7 @@ from ibex.sources.feedback import (
     decode_updates,
 )
 from ibex.sources.http_pool import HttpPool, PoolStats, TransportError, split_base_url
-from ibex.sources.wire import DEFAULT_MAX_CONTENT_BYTES, decode_hits
+from ibex.sources.memory_schema import DEFAULT_MAX_CONTENT_BYTES, decode_hits
 
 HOT_PATH = "/v1/memories/hot"
 SEARCH_PATH = "/v1/memories/search"
@@ -68,7 +68,7 @@ DEFAULT_MAX_RESPONSE_BYTES = 4 * 1024 * 1024
 USER_AGENT = "ibex-context"
 # Answers longer than this are decoded in a worker thread. msgspec holds the GIL
 # while it runs, so the thread does not make one decode call interruptible; but a
-# large answer is decoded result by result (sources.wire), and between two results
+# large answer is decoded result by result (sources.memory_schema), and between two results
 # the loop gets the GIL back (within the switch interval) instead of waiting for
 # the whole answer: a 4 MB answer of `\u4e2d` escapes held the loop about 20 ms.
 OFF_LOOP_BYTES: Final = 64 * 1024

@@ -29,7 +29,13 @@ from ibex.assembly.structs import (
     MemoryHit,
 )
 from ibex.errors import SourceError
-from ibex.sources.base import Answer, DirectiveSource, MemorySource, cached_directive
+from ibex.sources.base import (
+    Answer,
+    DirectiveAnswer,
+    DirectiveSource,
+    MemorySource,
+    cached_directive,
+)
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +79,7 @@ class _Branch(msgspec.Struct, frozen=True):
     timeout: float
     call: Callable[[], Awaitable[Any]] | None
     skipped: str = ""
-    ready: Answer | None = None  # answered already (a source's `cached`): no task to run
+    ready: DirectiveAnswer | None = None  # answered already (a source's `cached`): no task to run
 
 
 def request_wall(
@@ -179,7 +185,7 @@ def _branches(
     return rows
 
 
-async def _directive(src: DirectiveSource, org: str, agent: str, version: str) -> Answer:
+async def _directive(src: DirectiveSource, org: str, agent: str, version: str) -> DirectiveAnswer:
     """The directive branch's call. The source's in-memory answer is asked for again
     when the branch starts: another request may have filled it meanwhile."""
     hit = cached_directive(src, org, agent, version)

@@ -271,13 +271,13 @@ async def test_the_wall_is_anchored_at_the_calls_arrival(daemon: RunningDaemon) 
     """The handler hands the assembly when the call's HEADERS were read (on the Trio
     clock), so the retrieval wall counts from there, not from when retrieval began."""
     seen: dict[str, Any] = {}
-    real = Assembler.assemble
+    real = Assembler.assemble_checked
 
     async def spy(self: Any, request: Any, **kw: Any) -> Any:
         seen.update(kw, now=trio.current_time())
         return await real(self, request, **kw)
 
-    with unittest.mock.patch.object(Assembler, "assemble", spy):
+    with unittest.mock.patch.object(Assembler, "assemble_checked", spy):
         answer = await in_thread(raw_call, daemon.port, "5S")
     assert answer["grpc-status"] == "0"
     assert seen["arrived"] is not None

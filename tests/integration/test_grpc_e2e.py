@@ -25,7 +25,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from ibex.assembly.formatter import CATEGORY_ORDER, escape_body
 from ibex.assembly.tokens import Tokenizers
 from ibex.client import ContextClient
-from ibex.service import wire
+from ibex.service import pb
 from ibex.service.admission import Admission
 from ibex.service.daemon import Daemon
 from ibex.service.policies import default_policies
@@ -124,8 +124,8 @@ def grpcio_request(**principal: Any) -> Any:
 
 
 def wire_request() -> Any:
-    """The same request built from ibex.service.wire's classes (betterproto2's descriptor pool)."""
-    request = wire.AssembleContextRequest(**request_fields())
+    """The same request built from ibex.service.pb's classes (betterproto2's descriptor pool)."""
+    request = pb.AssembleContextRequest(**request_fields())
     for name, value in principal_fields().items():
         target = request.principal_context
         if isinstance(value, Timestamp):

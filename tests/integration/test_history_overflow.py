@@ -23,7 +23,7 @@ from ibex.assembly.formatter import escape_body
 from ibex.assembly.structs import Message
 from ibex.assembly.tokens import Tokenizers
 from ibex.client import ContextClient, fallback_history, history_only, is_input_error
-from ibex.service import wire
+from ibex.service import pb
 from ibex.testing.grpc_harness import (
     AGENT,
     ORG,
@@ -109,7 +109,7 @@ async def test_reject_history_overflow_is_resource_exhausted(daemon: RunningDaem
 
 
 def _wire_request(messages: list[tuple[str, str]]) -> Any:
-    return wire.AssembleContextRequest(
+    return pb.AssembleContextRequest(
         org_id=ORG,
         agent_id=AGENT,
         model="gpt-4o",

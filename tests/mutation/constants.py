@@ -23,8 +23,8 @@ TESTS = [
     "tests/unit/test_budget.py",
     "tests/unit/test_scoring.py",
     "tests/unit/test_packer.py",
-    "tests/unit/test_pipeline_paths.py",
-    "tests/unit/test_formatter_escaping.py",
+    "tests/unit/test_pipeline.py",
+    "tests/unit/test_formatter.py",
     "tests/unit/test_formatter_golden.py",
     "tests/unit/test_candidates_rules.py",
 ]

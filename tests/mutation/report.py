@@ -28,7 +28,7 @@ def _load(root: Path) -> dict[str, int | None]:
 
 
 def _module(name: str) -> str:
-    """A function's mutant (`ibex.sources.wire.x_to_hit__mutmut_3`) and a method's
+    """A function's mutant (`ibex.sources.memory_schema.x_to_hit__mutmut_3`) and a method's
     (`ibex.service.admission.xǁAdmissionǁgate__mutmut_8`) name their module before `.x`."""
     head = re.split(r"\.x[_ǁ]", name, maxsplit=1)[0]
     return head.rsplit(".", 1)[-1]

@@ -25,7 +25,7 @@ from ibex.assembly.structs import (
 )
 from ibex.assembly.tokens import Tokenizers
 from ibex.sources.base import SourceError
-from ibex.sources.wire import decode_hits
+from ibex.sources.memory_schema import decode_hits
 from ibex.testing.samples import AGENT, ORG
 
 NOW = 1_760_000_000.0

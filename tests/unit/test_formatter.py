@@ -9,6 +9,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ibex.assembly import formatter as fmt
+from ibex.assembly import pipeline
+from ibex.assembly.formatter import (
+    body_piece,
+    escape_attr,
+    escape_body,
+    joins_split_cleanly,
+    new_nonce,
+)
 from ibex.assembly.structs import Directive, Message, ScoredMemory
 from ibex.testing.samples import scored
 
@@ -232,3 +240,345 @@ def test_body_cache_is_bounded_in_bytes() -> None:
         fmt.body_piece(f"{i} " + "cached body text " * 200)
         info = fmt.body_cache_info()
         assert info.bytes <= info.max_bytes == fmt.BODY_CACHE_BYTES
+
+
+# --------------------------------------------------------------------------- escaping
+# Escaping, character by character, and the formatter's small building blocks.
+#
+# Bodies: ``&``, ``<``, ``>`` become named references (so memory text
+# ``&lt;/memory&gt;`` can never equal an escaped forged tag); C0/C1 controls
+# except tab and newline, DEL, U+2028/2029, the bidi embedding, override and
+# isolate controls and the BOM become numeric references; CR and CRLF become LF;
+# surrounding whitespace is trimmed and a leading ``/`` is escaped, so every body
+# starts on a clean pre-tokeniser boundary. Attribute values keep only
+# ``[A-Za-z0-9_.:@+-]``; everything else is a reference.
+
+
+@pytest.mark.parametrize(
+    ("ch", "ref"),
+    [
+        ("&", "&amp;"),
+        ("<", "&lt;"),
+        (">", "&gt;"),
+        ("\x00", "&#x0;"),
+        ("\x01", "&#x1;"),
+        ("\x08", "&#x8;"),
+        ("\x0b", "&#xB;"),  # VT
+        ("\x0c", "&#xC;"),  # FF
+        ("\x0e", "&#xE;"),
+        ("\x1b", "&#x1B;"),
+        ("\x1f", "&#x1F;"),
+        ("\x7f", "&#x7F;"),
+        ("\x80", "&#x80;"),
+        ("\x85", "&#x85;"),
+        ("\x9f", "&#x9F;"),
+        ("\u2028", "&#x2028;"),
+        ("\u2029", "&#x2029;"),
+        ("\u202a", "&#x202A;"),
+        ("\u202b", "&#x202B;"),
+        ("\u202c", "&#x202C;"),
+        ("\u202d", "&#x202D;"),
+        ("\u202e", "&#x202E;"),
+        ("\u2066", "&#x2066;"),
+        ("\u2067", "&#x2067;"),
+        ("\u2068", "&#x2068;"),
+        ("\u2069", "&#x2069;"),
+        ("\u206f", "&#x206F;"),  # the end of the deprecated format controls
+        ("\ufeff", "&#xFEFF;"),
+    ],
+)
+def test_body_escapes_each_unsafe_character(ch: str, ref: str) -> None:
+    assert escape_body(f"a{ch}b") == f"a{ref}b"
+    assert escape_body(f"a{ch}{ch}b") == f"a{ref}{ref}b"
+
+
+@pytest.mark.parametrize(
+    "ch",
+    ['"', "'", "=", "/", "\t", " ", "~", "a", "Z", "0", "é", "中", "😀", "#", ";", "\\"],
+)
+def test_body_keeps_safe_characters(ch: str) -> None:
+    assert escape_body(f"a{ch}b") == f"a{ch}b"
+
+
+def test_every_c0_and_c1_control_but_tab_and_newline_is_a_reference() -> None:
+    for code in [*range(0x00, 0x20), *range(0x7F, 0xA0)]:
+        ch = chr(code)
+        got = escape_body(f"a{ch}b")
+        if ch in "\t\n":
+            assert got == f"a{ch}b"
+        elif ch == "\r":
+            assert got == "a\nb"
+        else:
+            assert got == f"a&#x{code:X};b", hex(code)
+
+
+def test_ampersand_keeps_escaped_text_distinct_from_an_escaped_tag() -> None:
+    assert escape_body("</memory>") == "&lt;/memory&gt;"
+    assert escape_body("&lt;/memory&gt;") == "&amp;lt;/memory&amp;gt;"
+    assert escape_body("&amp;") == "&amp;amp;"
+    assert escape_body("&#x0;") == "&amp;#x0;"
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("a\r\nb", "a\nb"),
+        ("a\rb", "a\nb"),
+        ("a\n\rb", "a\n\nb"),
+        ("a\r\r\nb", "a\n\nb"),
+        ("a\r\n\r\nb", "a\n\nb"),
+        ("a\nb", "a\nb"),
+        ("\r\nab\r\n", "ab"),
+    ],
+)
+def test_line_ends_become_lf(text: str, expected: str) -> None:
+    assert escape_body(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("  body  ", "body"),
+        ("\n\nbody\n\n", "body"),
+        ("\tbody", "body"),
+        ("/etc/passwd", "&#x2F;etc/passwd"),
+        ("  /x", "&#x2F;x"),
+        ("a/b", "a/b"),
+        ("//", "&#x2F;/"),
+        ("", ""),
+        ("   ", ""),
+    ],
+)
+def test_bodies_are_trimmed_and_never_start_with_a_slash(text: str, expected: str) -> None:
+    assert escape_body(text) == expected
+
+
+def test_body_piece_ends_each_body_with_a_newline() -> None:
+    assert body_piece("x") == "x\n"
+    assert body_piece("  <x>  ") == "&lt;x&gt;\n"
+    assert body_piece("") == ""
+    assert body_piece(" \n ") == ""
+
+
+def test_uncached_body_piece_behaves_the_same() -> None:
+    # body_piece memoises; the function behind the cache must give the same answers.
+    assert fmt.body_piece_uncached("") == ""
+    assert fmt.body_piece_uncached("  ") == ""
+    assert fmt.body_piece_uncached(" x ") == "x\n"
+    assert fmt.body_piece_uncached("<") == "&lt;\n"
+
+
+def test_long_bodies_skip_the_cache_but_escape_the_same() -> None:
+    long = "<" + "x" * fmt.BODY_CACHE_MAX_CHARS + "&"
+    assert body_piece(long) == "&lt;" + "x" * fmt.BODY_CACHE_MAX_CHARS + "&amp;\n"
+    at_limit = "<" + "y" * (fmt.BODY_CACHE_MAX_CHARS - 1)
+    assert body_piece(at_limit) == "&lt;" + "y" * (fmt.BODY_CACHE_MAX_CHARS - 1) + "\n"
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("abcXYZ019_.:@+-", "abcXYZ019_.:@+-"),
+        ('"', "&quot;"),
+        ("'", "&#39;"),
+        ("&", "&amp;"),
+        ("<", "&lt;"),
+        (">", "&gt;"),
+        (" ", "&#x20;"),
+        ("=", "&#x3D;"),
+        ("/", "&#x2F;"),
+        ("\n", "&#xA;"),
+        ("\x00", "&#x0;"),
+        ("é", "&#xE9;"),
+        ("😀", "&#x1F600;"),
+        ('a" b="c', "a&quot;&#x20;b&#x3D;&quot;c"),
+    ],
+)
+def test_attribute_values_keep_only_a_safe_set(value: str, expected: str) -> None:
+    assert escape_attr(value) == expected
+
+
+def test_every_ascii_character_in_attributes() -> None:
+    safe = set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.:@+-")
+    for code in range(0x80):
+        ch = chr(code)
+        got = escape_attr(ch)
+        if ch in safe:
+            assert got == ch
+        else:
+            assert got.startswith("&") and got.endswith(";") and ch not in got.strip("&;#x")
+
+
+# --------------------------------------------------------------------------- tags
+
+# Through `render` and by attribute, so that attributes added to a tag later
+# (the nonce on every section) do not break these; the goldens pin whole tags.
+
+
+def _render(
+    directive: Directive | None = None,
+    messages: list[Message] | None = None,
+    memories: list[ScoredMemory] | None = None,
+    tools: list[str] | None = None,
+) -> str:
+    return fmt.render(
+        directive=directive,
+        messages=messages or [],
+        memories=memories or [],
+        tool_schemas=tools or [],
+        nonce="42",
+    )
+
+
+def test_directive_carries_mode_and_escaped_version() -> None:
+    text = _render(Directive("x", "system_first", "v1"))
+    assert text.startswith("<directive ")
+    assert ' mode="system_first"' in text and ' version="v1"' in text
+    assert ' version="a&quot;b"' in _render(Directive("x", "user_prepend", 'a"b'))
+    assert ' mode="user_prepend"' in _render(Directive("x", "user_prepend", 'a"b'))
+    assert "version=" not in _render(Directive("x", "system_append", None))
+    assert "version=" not in _render(Directive("x", "system_append", ""))
+    assert ' mode="system_append"' in _render(Directive("x", "system_append", ""))
+
+
+def test_an_empty_directive_is_left_out() -> None:
+    assert _render(Directive("  \n ")) == ""
+    assert "<directive" not in _render(Directive(""), [Message("user", "hi")])
+    assert "hi\n</directive>\n" in _render(Directive("hi"))
+
+
+def _m(mid: str, category: str = "factual", content: str = "c", score: float = 0.5) -> ScoredMemory:
+    return ScoredMemory(mid, category, content, score, score, score, 1)
+
+
+def test_memory_tags_escape_id_and_category() -> None:
+    text = _render(memories=[_m('i"d', "fact ual", "body")])
+    assert '<memories nonce="42">\n<memory id="i&quot;d" category="fact&#x20;ual">\nbody\n' in text
+    assert "</memory>\n</memories>\n" in text
+    assert text.endswith("</memories>\n")
+    m = _m("a")
+    assert fmt.memory_open(m) == fmt.MEMORY_OPEN_PREFIX + fmt.memory_open_suffix(m)
+    assert fmt.MEMORY_OPEN_PREFIX == "<memory"
+    assert (fmt.MEMORY_CLOSE, fmt.MEMORIES_CLOSE) == ("</memory>\n", "</memories>\n")
+
+
+def test_memory_tags_escape_the_same_when_remembered_and_the_memo_stays_bounded() -> None:
+    fmt._SUFFIX_MEMO.clear()
+    m = _m('<x y="1">', "a&b")
+    expected = ' id="&lt;x&#x20;y&#x3D;&quot;1&quot;&gt;" category="a&amp;b">\n'
+    assert fmt.memory_open_suffix(m) == expected
+    assert fmt.memory_open_suffix(m) == expected  # from the memo
+    assert fmt.memory_open_suffix(_m('<x y="1">', "fact")) != expected  # keyed by category too
+    long_id = "i" * (fmt.SUFFIX_MEMO_KEY_CHARS + 1)
+    assert fmt.memory_open_suffix(_m(long_id)) == f' id="{long_id}" category="factual">\n'
+    assert (long_id, "factual") not in fmt._SUFFIX_MEMO
+    for i in range(fmt.SUFFIX_MEMO_ENTRIES + 10):
+        assert fmt.memory_open_suffix(_m(f"m{i}")) == f' id="m{i}" category="factual">\n'
+        assert len(fmt._SUFFIX_MEMO) <= fmt.SUFFIX_MEMO_ENTRIES
+    fmt._SUFFIX_MEMO.clear()
+
+
+def test_message_role_is_escaped() -> None:
+    assert ' role="user"' in _render(messages=[Message("user", "m")])
+    assert ' role="a&#x20;b"' in _render(messages=[Message("a b", "m")])
+
+
+def test_sections_appear_only_with_content() -> None:
+    assert _render() == ""
+    history = _render(messages=[Message("user", "hi")])
+    assert history.startswith("<history") and history.endswith("</message>\n</history>\n")
+    assert "\nhi\n</message>\n" in history
+    tools = _render(tools=["{}"])
+    assert tools.startswith("<tools") and tools.endswith("\n{}\n</tool>\n</tools>\n")
+    assert "<safety" not in history + tools
+
+
+def test_memory_order_categories_then_score_then_id() -> None:
+    ms = [
+        _m("z", "zeta"),
+        _m("y", "alpha"),
+        _m("e2", "episodic", score=0.9),
+        _m("e1", "episodic", score=0.9),
+        _m("e0", "episodic", score=0.1),
+        _m("b", "behavioral"),
+        _m("p", "preference"),
+        _m("f", "factual"),
+        _m("r", "procedural"),
+    ]
+    assert [m.memory_id for m in fmt.memory_order(ms)] == [
+        "r",
+        "f",
+        "p",
+        "b",
+        "e1",
+        "e2",
+        "e0",
+        "y",
+        "z",
+    ]
+    assert fmt.CATEGORY_ORDER == ("procedural", "factual", "preference", "behavioral", "episodic")
+
+
+def test_render_equals_the_joined_pieces() -> None:
+    kwargs = {
+        "directive": Directive("d"),
+        "messages": [Message("user", "m")],
+        "memories": [_m("b", "episodic"), _m("a", "procedural")],
+        "tool_schemas": ["{}"],
+        "nonce": "77",
+    }
+    pieces = fmt.render_pieces(**kwargs)  # type: ignore[arg-type]
+    assert fmt.render(**kwargs) == "".join(pieces)  # type: ignore[arg-type]
+    assert pieces.index(fmt.safety_piece("77")) == 3  # after the directive's three pieces
+    assert joins_split_cleanly(pieces)
+
+
+# --------------------------------------------------------------------------- join rule
+
+
+@pytest.mark.parametrize(
+    ("pieces", "clean"),
+    [
+        ([], True),
+        (["<a>\n", "b\n"], True),
+        (["<a>\n", "", "b\n"], True),  # empty pieces do not join anything
+        (["<a>\n", "b"], False),  # no newline at the end
+        (["<a>", "b\n"], False),
+        (["<a>\n", " b\n"], False),
+        (["<a>\n", "\tb\n"], False),
+        (["<a>\n", "\nb\n"], False),
+        (["<a>\n", "/b\n"], False),
+        (["<a>\n", "b/\n"], True),
+        (["\n"], False),  # starts with whitespace
+    ],
+)
+def test_join_rule(pieces: list[str], clean: bool) -> None:
+    assert joins_split_cleanly(pieces) is clean
+
+
+# --------------------------------------------------------------------------- nonce
+
+
+@pytest.mark.parametrize(
+    ("nbytes", "width"), [(1, 3), (2, 5), (8, 20), (16, 39), (32, 78), (64, 155)]
+)
+def test_new_nonce_is_fixed_width_decimal(
+    nbytes: int, width: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    got = new_nonce(nbytes)
+    assert len(got) == width and got.isdigit()
+    assert int(got) < 2 ** (8 * nbytes)
+    monkeypatch.setattr(fmt.secrets, "randbits", lambda k: 2**k - 1)
+    assert new_nonce(nbytes) == str(2 ** (8 * nbytes) - 1)  # all bits drawn
+    monkeypatch.setattr(fmt.secrets, "randbits", lambda k: 0)
+    assert new_nonce(nbytes) == "0" * width  # zero-padded
+
+
+def test_every_configurable_nonce_passes_the_pipeline_check() -> None:
+    # IBEX_CONTEXT_FORMATTER_NONCE_BYTES is 1..64: from 3 to 155 digits, within 2..160.
+    for nbytes in range(1, 65):
+        assert pipeline._NONCE.fullmatch(new_nonce(nbytes))
+
+
+def test_new_nonces_differ() -> None:
+    assert len({new_nonce(16) for _ in range(20)}) == 20

@@ -17,12 +17,12 @@ import pytest
 from ibex.assembly.candidates import SearchFilter, rank_search, select
 from ibex.assembly.structs import AssemblyOptions, AssemblyRequest, MemoryHit
 from ibex.config import Settings, load_settings
-from ibex.sources import wire
+from ibex.sources import memory_schema
 from ibex.sources.base import SourceError
 from ibex.sources.local_file import LocalFileError, LocalFileSource
 from ibex.sources.memory_http import DEFAULT_MAX_RESPONSE_BYTES
+from ibex.sources.memory_schema import DEFAULT_MAX_CONTENT_BYTES, decode_hits
 from ibex.sources.redis_directive import decode_directive
-from ibex.sources.wire import DEFAULT_MAX_CONTENT_BYTES, decode_hits
 from ibex.testing.samples import AGENT, ORG
 
 NOW = 1_760_000_000.0
@@ -240,18 +240,18 @@ def test_settings_for_the_caps() -> None:
 def test_remembered_valid_timestamps_change_no_verdict(monkeypatch: pytest.MonkeyPatch) -> None:
     """Valid created_at values are remembered (bounded) so repeats skip the parse; an
     invalid one is still refused after valid ones were seen, and the memory stays bounded."""
-    monkeypatch.setattr(wire, "_VALID_TIMESTAMPS", set())
-    monkeypatch.setattr(wire, "_VALID_TIMESTAMPS_MAX", 3)
+    monkeypatch.setattr(memory_schema, "_VALID_TIMESTAMPS", set())
+    monkeypatch.setattr(memory_schema, "_VALID_TIMESTAMPS_MAX", 3)
     good = "2025-10-26T08:30:00Z"
     for _ in range(2):
         assert decode_hits(_body(_result(0, created_at=good)), "hot")[0].created_at == good
-    assert good in wire._VALID_TIMESTAMPS
+    assert good in memory_schema._VALID_TIMESTAMPS
     with pytest.raises(SourceError):  # matches the pattern, not a real date
         decode_hits(_body(_result(0, created_at="2025-02-30T08:30:00Z")), "hot")
-    assert "2025-02-30T08:30:00Z" not in wire._VALID_TIMESTAMPS
+    assert "2025-02-30T08:30:00Z" not in memory_schema._VALID_TIMESTAMPS
     for day in range(1, 10):
         decode_hits(_body(_result(0, created_at=f"2025-10-0{day}T08:30:00Z")), "hot")
-    assert len(wire._VALID_TIMESTAMPS) <= 3
+    assert len(memory_schema._VALID_TIMESTAMPS) <= 3
 
 
 @pytest.mark.parametrize("branch", ["hot", "cold"])
@@ -276,15 +276,15 @@ def test_an_item_that_is_no_object_is_named_by_its_position() -> None:
 
 
 def test_branch_details_are_cut_to_160_characters() -> None:
-    assert wire._detail("x" * 160) == "x" * 160
-    assert wire._detail("x" * 161) == "x" * 157 + "..."
+    assert memory_schema._detail("x" * 160) == "x" * 160
+    assert memory_schema._detail("x" * 161) == "x" * 157 + "..."
 
 
 def test_content_over_counts_utf8_bytes() -> None:
-    assert wire.content_over("a" * 101, 100)
-    assert not wire.content_over("é" * 50, 100)  # 100 bytes
-    assert wire.content_over("é" * 51, 100)
-    assert not wire.content_over("😀" * 25, 100)  # 4 bytes each
+    assert memory_schema.content_over("a" * 101, 100)
+    assert not memory_schema.content_over("é" * 50, 100)  # 100 bytes
+    assert memory_schema.content_over("é" * 51, 100)
+    assert not memory_schema.content_over("😀" * 25, 100)  # 4 bytes each
 
 
 def test_a_hit_keeps_every_optional_field_of_its_memory() -> None:
@@ -312,18 +312,18 @@ def test_a_bad_timestamp_says_what_is_wrong(created_at: str, why: str) -> None:
 def test_the_timestamp_memo_keeps_short_values_and_empties_when_full(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(wire, "_VALID_TIMESTAMPS", set())
-    monkeypatch.setattr(wire, "_VALID_TIMESTAMPS_MAX", 3)
+    monkeypatch.setattr(memory_schema, "_VALID_TIMESTAMPS", set())
+    monkeypatch.setattr(memory_schema, "_VALID_TIMESTAMPS_MAX", 3)
     longest = "2025-01-01T00:00:00." + "1" * 43 + "Z"  # 64 characters: remembered
     too_long = "2025-01-01T00:00:00." + "1" * 44 + "Z"  # 65: valid, never remembered
     for value in (longest, too_long):
         decode_hits(_body(_result(0, created_at=value)), "hot", limit=1)
-    assert {longest} == wire._VALID_TIMESTAMPS
+    assert {longest} == memory_schema._VALID_TIMESTAMPS
     days = [f"2025-10-0{d}T08:30:00Z" for d in (1, 2, 3)]
     for value in days:
         decode_hits(_body(_result(0, created_at=value)), "hot", limit=1)
     # Full at 3 (the longest and two days): the third day emptied it first.
-    assert {days[2]} == wire._VALID_TIMESTAMPS
+    assert {days[2]} == memory_schema._VALID_TIMESTAMPS
 
 
 @pytest.mark.parametrize(
@@ -358,15 +358,15 @@ def test_canonical_uuid_ids_of_either_case_are_kept_verbatim() -> None:
 def test_the_memory_id_memo_is_bounded_and_holds_only_valid_ids(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(wire, "_VALID_IDS", set())
-    monkeypatch.setattr(wire, "_VALID_IDS_MAX", 3)
-    wire.check_memory_id(_mid(1))
-    assert _mid(1) in wire._VALID_IDS
+    monkeypatch.setattr(memory_schema, "_VALID_IDS", set())
+    monkeypatch.setattr(memory_schema, "_VALID_IDS_MAX", 3)
+    memory_schema.check_memory_id(_mid(1))
+    assert _mid(1) in memory_schema._VALID_IDS
     with pytest.raises(ValueError, match="canonical UUID"):
-        wire.check_memory_id("not-a-uuid")
-    assert "not-a-uuid" not in wire._VALID_IDS
+        memory_schema.check_memory_id("not-a-uuid")
+    assert "not-a-uuid" not in memory_schema._VALID_IDS
     for i in range(10):
-        wire.check_memory_id(_mid(100 + i))
-        assert len(wire._VALID_IDS) <= 3
+        memory_schema.check_memory_id(_mid(100 + i))
+        assert len(memory_schema._VALID_IDS) <= 3
     with pytest.raises(ValueError, match="canonical UUID"):  # a memo never lets one through
-        wire.check_memory_id(_mid(1) + "0")
+        memory_schema.check_memory_id(_mid(1) + "0")

@@ -22,7 +22,7 @@ from ibex._proto import google_proto_descriptor_pool
 from ibex._proto.ibex.auth import v1 as bp_auth
 from ibex._proto.ibex.context import v1 as bp
 from ibex.assembly import structs
-from ibex.service import wire
+from ibex.service import pb as upb
 from ibex.testing.grpcio_stubs import context_pb2 as pb
 from ibex.testing.grpcio_stubs import principal_context_pb2 as pb_auth
 from ibex.tools import protogen
@@ -375,5 +375,5 @@ def test_cli_check_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]
 def test_nested_response_structs_mirror_their_messages(struct_type: str) -> None:
     # ibex.service.convert sends these structs across as dicts of their fields.
     fields = [f.name for f in msgspec.structs.fields(getattr(structs, struct_type))]
-    message = wire.message_class(f"ibex.context.v1.{struct_type}")
+    message = upb.message_class(f"ibex.context.v1.{struct_type}")
     assert fields == [f.name for f in message.DESCRIPTOR.fields]

@@ -31,7 +31,7 @@ from ibex.assembly.structs import (
 )
 from ibex.config import Settings
 from ibex.service.root import open_assembler
-from ibex.sources.base import Answer, SourceError
+from ibex.sources.base import Answer, DirectiveAnswer, SourceError
 from ibex.sources.directive_cache import DirectiveCache, DirectiveCacheConfig
 from ibex.sources.local_file import SAMPLE_AGENT_ID, SAMPLE_ORG_ID
 from ibex.sources.retrieval import RetrievalConfig, Retrieved, request_wall, retrieve, search
@@ -789,7 +789,7 @@ class VersionedSource:
 class InHandSource(VersionedSource):
     """A test-only source that keeps every directive in memory and says so (`cached`)."""
 
-    def cached(self, org_id: str, agent_id: str, version: str) -> Answer | None:
+    def cached(self, org_id: str, agent_id: str, version: str) -> DirectiveAnswer | None:
         d = self.directives.get(version)
         return None if d is None else Answer(d, "in hand")
 

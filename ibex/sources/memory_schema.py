@@ -24,6 +24,7 @@ from typing import Annotated, Final, Literal
 import msgspec
 
 from ibex.assembly.structs import MemoryHit
+from ibex.assembly.validation import HYPHENATED_UUID
 from ibex.sources.base import SourceError
 
 NonEmptyStr = Annotated[str, msgspec.Meta(min_length=1)]
@@ -36,10 +37,7 @@ DEFAULT_MAX_CONTENT_BYTES: Final = 32 * 1024
 _RFC3339 = re.compile(
     r"^\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}:\d{2}(?:\.\d+)?(?:[Zz]|[+-]\d{2}:\d{2})$"
 )
-# The contract's memory ids are UUIDs: the proxy drops any other id from its
-# evidence and feedback names memories by it, so a non-UUID id is a malformed
-# item (the branch fails), never a memory. 8-4-4-4-12 hex, hex digits of either case.
-_UUID = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
+# A memory id that is not a HYPHENATED_UUID is a malformed item (the branch fails), never a memory.
 _VALID_IDS: set[str] = set()
 _VALID_IDS_MAX: Final = 8192
 _DETAIL_MAX = 160
@@ -75,7 +73,7 @@ def check_memory_id(value: str) -> None:
     """
     if value in _VALID_IDS:
         return
-    if _UUID.fullmatch(value) is None:
+    if HYPHENATED_UUID.fullmatch(value) is None:
         raise ValueError("id must be a canonical UUID")
     if len(_VALID_IDS) >= _VALID_IDS_MAX:
         _VALID_IDS.clear()
@@ -88,12 +86,11 @@ def check_unit(name: str, value: float | None) -> None:
         raise ValueError(f"{name} must be a finite number in [0, 1]")
 
 
-class WireMemory(msgspec.Struct, frozen=True):
-    """`memory` object of one result; unknown keys are ignored for forward compatibility."""
+class MemoryFields(msgspec.Struct, frozen=True, kw_only=True):
+    """The fields and checks of one memory, shared by the service's answer
+    (`WireMemory`) and the local source file, which adds only where the tenant comes from."""
 
     id: NonEmptyStr
-    org_id: NonEmptyStr
-    agent_id: NonEmptyStr
     content: str
     category: NonEmptyStr
     confidence: UnitFloat
@@ -109,6 +106,13 @@ class WireMemory(msgspec.Struct, frozen=True):
         check_unit("confidence", self.confidence)
         check_unit("usefulness", self.usefulness)
         check_rfc3339(self.created_at)
+
+
+class WireMemory(MemoryFields, frozen=True, kw_only=True):
+    """`memory` object of one result; unknown keys are ignored for forward compatibility."""
+
+    org_id: NonEmptyStr
+    agent_id: NonEmptyStr
 
 
 class WireResult(msgspec.Struct, frozen=True):
