@@ -27,38 +27,31 @@ IO_LIBRARIES = (
     "ibex.ops",
 )
 
-PROBE = """
-import json, sys
-import ibex.assembly.pipeline, ibex.assembly.candidates, ibex.assembly.validation
-print(json.dumps(sorted(sys.modules)))
-"""
+
+def loaded_after(imports: str) -> set[str]:
+    """Every module a fresh interpreter holds after `import <imports>`."""
+    probe = f"import json, sys\nimport {imports}\nprint(json.dumps(sorted(sys.modules)))"
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60
+    ).stdout
+    return set(json.loads(out))
+
+
+def among(loaded: set[str], packages: tuple[str, ...]) -> list[str]:
+    return sorted(n for n in loaded for p in packages if n == p or n.startswith(p + "."))
 
 
 def test_importing_the_pure_core_loads_no_io_library() -> None:
-    out = subprocess.run(
-        [sys.executable, "-c", PROBE], capture_output=True, text=True, check=True, timeout=60
-    ).stdout
-    loaded = set(json.loads(out))
-    assert "ibex.assembly.pipeline" in loaded  # the probe did import the core
-    leaked = sorted(
-        name for name in loaded for lib in IO_LIBRARIES if name == lib or name.startswith(lib + ".")
+    loaded = loaded_after(
+        "ibex.assembly.pipeline, ibex.assembly.candidates, ibex.assembly.validation"
     )
-    assert leaked == []
-
-
-CLIENT_PROBE = """
-import json, sys
-import ibex.client
-print(json.dumps(sorted(sys.modules)))
-"""
+    assert "ibex.assembly.pipeline" in loaded  # the probe did import the core
+    assert among(loaded, IO_LIBRARIES) == []
 
 
 def test_the_client_library_loads_neither_the_pipeline_nor_numpy() -> None:
     """Proxies embed the client: it formats the fallback history and nothing more."""
-    out = subprocess.run(
-        [sys.executable, "-c", CLIENT_PROBE], capture_output=True, text=True, check=True, timeout=60
-    ).stdout
-    loaded = set(json.loads(out))
+    loaded = loaded_after("ibex.client")
     assert "ibex.client" in loaded
     heavy = ("numpy", "ibex.assembly.pipeline", "ibex.assembly.packer", "tiktoken")
-    assert sorted(n for n in loaded for h in heavy if n == h or n.startswith(h + ".")) == []
+    assert among(loaded, heavy) == []
