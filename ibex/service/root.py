@@ -180,9 +180,8 @@ async def open_assembler(
             directive_source = redis
             backend.append(kind)
             if settings.directive_cache_entries > 0:
-                directive_source = DirectiveCache(
-                    redis, layer_config(DirectiveCacheConfig, settings)
-                )
+                cache = DirectiveCache(redis, layer_config(DirectiveCacheConfig, settings))
+                directive_source = await background.enter_async_context(cache)
         if settings.memory_base_url is not None:
             http = memory_http_source(settings)
             await background.enter_async_context(http)
@@ -202,10 +201,12 @@ async def open_assembler(
             nonce_key=NonceKey(settings.nonce_key) if settings.nonce_key else None,
         )
     finally:
+        # The directive cache's reads end first, then the memory source (closed shielded,
+        # then its nursery ends), then the Redis client those reads used.
+        await background.aclose()
         with trio.CancelScope(shield=True):
             if redis is not None:
                 await redis.aclose()
-        await background.aclose()  # the source closes shielded, then its nursery ends
 
 
 def server_ssl_context(settings: Settings) -> ssl.SSLContext | None:

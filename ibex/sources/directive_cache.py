@@ -17,14 +17,21 @@ entry can only ever answer its own tenant.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from types import TracebackType
 
 import msgspec
+import trio
 
 from ibex.assembly.structs import Directive
+from ibex.errors import SourceError
 from ibex.sources.base import Answer, DirectiveAnswer, DirectiveSource
+
+log = logging.getLogger(__name__)
 
 _ENTRY_OVERHEAD = 256  # key strings, the Directive struct, the dict slot
 
@@ -36,6 +43,20 @@ class DirectiveCacheConfig(msgspec.Struct, frozen=True):
     max_bytes: int = 16 * 1024 * 1024
     ttl: float = 1.0  # seconds an entry answers a call that names no version
     max_age: float = 2.0  # seconds an entry answers a call naming its version
+    # Seconds a refresh (one per key, in the cache's own task) may take; it outlives the
+    # branch that asked for it, so a read cut at the branch's 5 ms still refreshes the entry.
+    refresh_timeout: float = 0.25
+
+
+class _Refresh:
+    """One read of a key in flight: every call that misses on that key waits for it."""
+
+    __slots__ = ("directive", "done", "error")
+
+    def __init__(self) -> None:
+        self.done = trio.Event()
+        self.directive: Directive | None = None
+        self.error = ""
 
 
 class _Entry(msgspec.Struct):
@@ -55,6 +76,15 @@ class DirectiveCache:
 
     A decorator: it is a DirectiveSource over any DirectiveSource, and offers the
     optional `cached` method, so retrieval serves a hit without starting a task.
+
+    Entered with `async with`, misses are read once per key in a task the cache
+    owns, under `refresh_timeout`, and every caller missing on that key waits for
+    that one read (each no longer than its own branch allows). A read is then never
+    cut by a caller's branch timeout: on a saturated loop a Redis GET rarely makes a
+    5 ms branch, and a cut GET closes its connection, so without this an expired
+    entry would stay expired, every call for that agent would reconnect, and the
+    answers would go without their directive. Revocation still takes effect within
+    `max_age` plus `refresh_timeout`. Not entered, a miss reads in the caller's task.
     """
 
     def __init__(
@@ -71,6 +101,27 @@ class DirectiveCache:
         self.bytes = 0
         self.hits = 0
         self.misses = 0
+        self._nursery: trio.Nursery | None = None
+        self._stack: contextlib.AsyncExitStack | None = None
+        self._reading: dict[tuple[str, str], _Refresh] = {}
+
+    async def __aenter__(self) -> DirectiveCache:
+        self._stack = contextlib.AsyncExitStack()
+        self._nursery = await self._stack.enter_async_context(trio.open_nursery())
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        """Cancels the reads still in flight; closes nothing else (`aclose` does)."""
+        nursery, stack = self._nursery, self._stack
+        self._nursery = self._stack = None
+        if nursery is not None and stack is not None:
+            nursery.cancel_scope.cancel()
+            await stack.aclose()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -95,9 +146,36 @@ class DirectiveCache:
             return hit
         key = (org_id, agent_id)
         self.misses += 1
-        directive = await self.source.get_directive(org_id, agent_id, version)
-        self._store(key, directive, self._clock())
-        return Answer(directive, "")
+        if self._nursery is None:
+            directive = await self.source.get_directive(org_id, agent_id, version)
+            self._store(key, directive, self._clock())
+            return Answer(directive, "")
+        read = self._reading.get(key)
+        if read is None:
+            read = self._reading[key] = _Refresh()
+            self._nursery.start_soon(self._read, key, version, read)
+        await read.done.wait()
+        if read.error:
+            raise SourceError(read.error)
+        return Answer(read.directive, "")
+
+    async def _read(self, key: tuple[str, str], version: str, read: _Refresh) -> None:
+        """Read `key` once for every waiter, under `refresh_timeout`; never raises."""
+        timeout = self.config.refresh_timeout
+        try:
+            with trio.fail_after(timeout):
+                read.directive = await self.source.get_directive(key[0], key[1], version)
+            self._store(key, read.directive, self._clock())
+        except trio.TooSlowError:
+            read.error = f"no answer within {timeout * 1000:.0f}ms"
+        except SourceError as exc:
+            read.error = str(exc)
+        except Exception as exc:  # contained as a branch contains it: an error, logged
+            read.error = f"unexpected {type(exc).__name__}"
+            log.exception("directive_refresh_failed")
+        finally:
+            del self._reading[key]
+            read.done.set()
 
     async def get_directive(
         self, org_id: str, agent_id: str, version: str = ""

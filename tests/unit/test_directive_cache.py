@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import pytest
+import trio
+import trio.testing
 
 from ibex.assembly.structs import Directive
+from ibex.errors import SourceError
 from ibex.sources.base import Answer
 from ibex.sources.directive_cache import DirectiveCache, DirectiveCacheConfig
 
@@ -273,3 +276,89 @@ async def test_the_cache_is_a_directive_source_that_passes_the_version_on() -> N
     assert await c.get_directive(ORG, AGENT, V2) == directive(V1)  # the source's current one
     assert store.versions == [V1, V2]
     assert (c.hits, c.misses) == (2, 2)
+
+
+# ------------------------------------------------------------------ reads owned by the cache
+
+
+class SlowStore(Store):
+    """Answers after `delay` seconds of Trio time (forever when None)."""
+
+    def __init__(self, delay: float | None) -> None:
+        super().__init__()
+        self.delay = delay
+        self.finished = 0
+
+    async def get_directive(
+        self, org_id: str, agent_id: str, version: str = ""
+    ) -> Directive | None:
+        self.calls += 1
+        self.versions.append(version)
+        if self.delay is None:
+            await trio.sleep_forever()
+        await trio.sleep(self.delay)
+        self.finished += 1
+        return self.values.get((org_id, agent_id))
+
+
+def owned(store: Store, **config: float) -> DirectiveCache:
+    return DirectiveCache(store, DirectiveCacheConfig(**config), clock=trio.current_time)  # type: ignore[arg-type]
+
+
+async def test_callers_missing_on_one_key_share_one_read(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    store = SlowStore(0.010)
+    store.values[(ORG, AGENT)] = directive(V1)
+    got: list[Answer[Directive | None]] = []
+    async with owned(store) as c:
+
+        async def one() -> None:
+            got.append(await c.fetch(ORG, AGENT, V1))
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(5):
+                nursery.start_soon(one)
+    assert store.calls == 1
+    assert got == [Answer(directive(V1), "")] * 5
+
+
+async def test_a_read_outlives_the_branch_that_asked_and_refreshes_the_entry(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A 5 ms branch gives up on a 20 ms read; the read goes on and the next call hits."""
+    store = SlowStore(0.020)
+    store.values[(ORG, AGENT)] = directive(V1)
+    async with owned(store, refresh_timeout=0.25) as c:
+        with trio.move_on_after(0.005) as scope:
+            await c.fetch(ORG, AGENT, V1)
+        assert scope.cancelled_caught
+        await trio.sleep(0.030)
+        assert store.finished == 1
+        assert c.cached(ORG, AGENT, V1) == Answer(directive(V1), "cache")
+        assert store.calls == 1
+
+
+async def test_a_read_is_bounded_by_the_refresh_timeout(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    store = SlowStore(None)
+    async with owned(store, refresh_timeout=0.25) as c:
+        t0 = trio.current_time()
+        with pytest.raises(SourceError, match="no answer within 250ms"):
+            await c.fetch(ORG, AGENT, V1)
+        assert trio.current_time() - t0 == pytest.approx(0.25)
+        # the failed read is forgotten: the next miss reads again
+        with trio.move_on_after(0.01):
+            await c.fetch(ORG, AGENT, V1)
+        assert store.calls == 2
+
+
+async def test_leaving_the_cache_cancels_its_reads(autojump_clock: trio.testing.MockClock) -> None:
+    store = SlowStore(None)
+    async with trio.open_nursery() as nursery, owned(store, refresh_timeout=60.0) as c:
+        nursery.start_soon(c.fetch, ORG, AGENT, V1)
+        await trio.sleep(1.0)
+        assert store.calls == 1
+        nursery.cancel_scope.cancel()
+    assert c._reading == {}
