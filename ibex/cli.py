@@ -8,7 +8,7 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from ibex.config import ConfigError, Settings, load_settings, unknown_variables
@@ -152,19 +152,12 @@ def cmd_assemble(args: argparse.Namespace) -> int:
     if args.max_memories:
         fields["options"] = {"max_memories": args.max_memories}
 
-    async def run() -> Any:
-        client = ContextClient(host, port, token=token, ssl_context=ssl_ctx, deadline=args.timeout)
-        try:
-            return await client.assemble(**fields)
-        finally:
-            client.close()
-
-    from grpclib.exceptions import GRPCError
-
-    try:
-        result = asyncio.run(run())
-    except GRPCError as exc:
-        print(f"ibex assemble: {exc.status.name}: {exc.message}", file=sys.stderr)
+    ok, result = _call(
+        "assemble",
+        lambda: ContextClient(host, port, token=token, ssl_context=ssl_ctx, deadline=args.timeout),
+        lambda client: client.assemble(**fields),
+    )
+    if not ok:
         return 1
     if args.json:
         from google.protobuf.json_format import MessageToDict
@@ -174,6 +167,28 @@ def cmd_assemble(args: argparse.Namespace) -> int:
         return 0
     print(render_report(result))
     return 0 if result.status == "OK" else 3
+
+
+def _call(
+    command: str, make_client: Callable[[], Any], call: Callable[[Any], Awaitable[Any]]
+) -> tuple[bool, Any]:
+    """One client call on a fresh event loop (the client is made and closed inside it);
+    (False, None) after printing `ibex COMMAND: STATUS: message` on stderr when the daemon
+    answered an error."""
+    from grpclib.exceptions import GRPCError
+
+    async def run() -> Any:
+        client = make_client()
+        try:
+            return await call(client)
+        finally:
+            client.close()
+
+    try:
+        return True, asyncio.run(run())
+    except GRPCError as exc:
+        print(f"ibex {command}: {exc.status.name}: {exc.message}", file=sys.stderr)
+        return False, None
 
 
 def _client_options(args: argparse.Namespace) -> tuple[str, int, str | None, Any]:
@@ -188,30 +203,22 @@ def _client_options(args: argparse.Namespace) -> tuple[str, int, str | None, Any
 
 def cmd_feedback(args: argparse.Namespace) -> int:
     """Report which memories helped; prints each score the memory service moved."""
-    from grpclib.exceptions import GRPCError
-
     from ibex.client import ContextClient
 
     host, port, token, ssl_ctx = _client_options(args)
-
-    async def run() -> Any:
-        client = ContextClient(host, port, token=token, ssl_context=ssl_ctx)
-        try:
-            return await client.record_feedback(
-                args.memory,
-                args.feedback,
-                org_id=args.org,
-                session_id=args.session,
-                trace_id=args.trace,
-                timeout=args.timeout,
-            )
-        finally:
-            client.close()
-
-    try:
-        response = asyncio.run(run())
-    except GRPCError as exc:
-        print(f"ibex feedback: {exc.status.name}: {exc.message}", file=sys.stderr)
+    ok, response = _call(
+        "feedback",
+        lambda: ContextClient(host, port, token=token, ssl_context=ssl_ctx),
+        lambda client: client.record_feedback(
+            args.memory,
+            args.feedback,
+            org_id=args.org,
+            session_id=args.session,
+            trace_id=args.trace,
+            timeout=args.timeout,
+        ),
+    )
+    if not ok:
         return 1
     if args.json:
         from google.protobuf.json_format import MessageToDict
