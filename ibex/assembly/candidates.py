@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from ibex.assembly.scoring import INTERIM, score_hit, score_schema
+from ibex.assembly.scoring import COMPOSITE, INTERIM, as_composite, score_hit, score_schema
 from ibex.assembly.structs import (
     AssemblyOptions,
     AssemblyRequest,
@@ -65,60 +65,122 @@ def _sort_key(m: ScoredMemory) -> tuple[float, str]:
 
 
 class Selection(msgspec.Struct, frozen=True, gc=False):
-    """Scored candidates (best first), exclusions so far, and the other tenants' hit count."""
+    """Scored candidates (best first), exclusions so far, and the other tenants' hit count.
+
+    `tokens`, when the streams were priced before the merge (ibex.assembly.prepare),
+    is each candidate's token_estimate in `candidates` order; the candidates
+    themselves are unpriced either way.
+    """
 
     candidates: list[ScoredMemory]
     excluded: list[MemoryUsed]
     tenant_filtered: int
     score_schema: str = INTERIM
+    tokens: list[int] | None = None
 
 
-def select(
-    request: AssemblyRequest, hot: Sequence[MemoryHit], cold: Sequence[MemoryHit], now: float
-) -> Selection:
-    """Tenant filter, skip options, scoring, dedupe and caps.
+class Scored(msgspec.Struct, frozen=True, gc=False):
+    """One own, wanted hit scored by every schema the whole assembly may choose.
 
-    Another tenant's hit is dropped before anything else: it must never be
-    able to displace a legitimate duplicate or leak through degradation, and
-    it is only counted (`tenant_filtered`), never named in `excluded`. A
-    memory id appears in `excluded` at most once, and never when it was ranked.
-    The score schema is chosen once for all candidates (see ibex.assembly.scoring):
-    the service's composite only when every candidate carries one.
+    `fallback` is the options' own score (weighted_v1 or interim_v1) and
+    `composite` memory_composite_v1's (only when the hit carries a composite and
+    the options carry no weights); None means unusable under that schema
+    (exclusion `failed`). Tokens are each variant's price, -1 when not priced.
+    """
+
+    hit: MemoryHit
+    fallback: ScoredMemory | None
+    composite: ScoredMemory | None
+    fallback_tokens: int = -1
+    composite_tokens: int = -1
+
+
+class Stream(msgspec.Struct, frozen=True, gc=False):
+    """One branch's hits after the work that does not depend on the other branch.
+
+    Entries keep stream order: an exclusion decided by the hit alone (`filter`,
+    `failed` for oversized content) or a `Scored`. `wanted` counts the Scored
+    entries and `all_composite` says whether every one carries a composite: the
+    merge chooses the schema from both streams' (see `select`).
+    """
+
+    hits: tuple[MemoryHit, ...]
+    now: float
+    entries: list[MemoryUsed | Scored]
+    tenant_filtered: int
+    wanted: int
+    all_composite: bool
+    priced: bool = False
+
+
+def stream_candidates(
+    request: AssemblyRequest, hits: Sequence[MemoryHit], now: float, skip: bool
+) -> Stream:
+    """The per-hit work of `select` for one stream: tenant filter, skip, oversize, scores.
+
+    Another tenant's hit is only counted. Each wanted hit is scored under both
+    schemas it can be ranked by, so the choice between them waits for the merge.
     """
     opts = request.options
     org_id, agent_id = request.org_id, request.agent_id
+    fallback_schema = score_schema(opts, False)
+    composite_possible = fallback_schema == INTERIM
+    entries: list[MemoryUsed | Scored] = []
+    tenant_filtered = wanted = 0
+    all_composite = True
+    for hit in hits:
+        if not is_own(hit, org_id, agent_id):
+            tenant_filtered += 1
+            continue
+        if skip:
+            entries.append(hit_used(hit, "filter"))
+            continue
+        if hit.oversized:  # content over the source's cap, dropped: never counted
+            entries.append(hit_used(hit, "failed"))
+            continue
+        wanted += 1
+        fallback = score_hit(hit, opts, now, fallback_schema)
+        if hit.composite_score is None:
+            all_composite = False
+            composite = None
+        else:
+            composite = as_composite(fallback, hit) if composite_possible else None
+        entries.append(Scored(hit, fallback, composite))
+    return Stream(
+        tuple(hits), now, entries, tenant_filtered, wanted, all_composite, priced=not wanted
+    )
+
+
+def merge(request: AssemblyRequest, hot: Stream, cold: Stream) -> Selection:
+    """Schema, dedupe and caps over both streams (hot first): `select`'s second half.
+
+    The score schema is chosen once for all candidates (see ibex.assembly.scoring):
+    the service's composite only when every candidate carries one. When both
+    streams were priced, the selection carries the candidates' prices.
+    """
+    opts = request.options
+    wanted = hot.wanted + cold.wanted
+    schema = score_schema(opts, wanted > 0 and hot.all_composite and cold.all_composite)
+    composite = schema == COMPOSITE
+    priced = hot.priced and cold.priced
     excluded: list[MemoryUsed] = []
-    best: dict[str, ScoredMemory] = {}
-    tenant_filtered = 0
-    streams = ((opts.skip_hot_memories, hot), (opts.skip_cold_memories, cold))
-    # The schema first (one cheap pass), so exclusions keep stream order.
-    has_composite = [
-        hit.composite_score is not None
-        for skip, hits in streams
-        if not skip
-        for hit in hits
-        if not hit.oversized and is_own(hit, org_id, agent_id)
-    ]
-    schema = score_schema(opts, bool(has_composite) and all(has_composite))
-    for skip, hits in streams:
-        for hit in hits:
-            if not is_own(hit, org_id, agent_id):
-                tenant_filtered += 1
+    best: dict[str, tuple[ScoredMemory, int]] = {}
+    for stream in (hot, cold):
+        for entry in stream.entries:
+            if not isinstance(entry, Scored):
+                excluded.append(entry)
                 continue
-            if skip:
-                excluded.append(hit_used(hit, "filter"))
-                continue
-            if hit.oversized:  # content over the source's cap, dropped: never counted
-                excluded.append(hit_used(hit, "failed"))
-                continue
-            scored = score_hit(hit, opts, now, schema)
+            if composite:
+                scored, tokens = entry.composite, entry.composite_tokens
+            else:
+                scored, tokens = entry.fallback, entry.fallback_tokens
             if scored is None:
-                excluded.append(hit_used(hit, "failed"))
+                excluded.append(hit_used(entry.hit, "failed"))
                 continue
             prev = best.get(scored.memory_id)
-            if prev is None or _sort_key(scored) < _sort_key(prev):
-                best[scored.memory_id] = scored
-    ranked = sorted(best.values(), key=_sort_key)
+            if prev is None or _sort_key(scored) < _sort_key(prev[0]):
+                best[scored.memory_id] = (scored, tokens)
+    ranked = sorted(best.values(), key=lambda pair: _sort_key(pair[0]))
     cap = MAX_MEMORIES_HARD_CAP
     if opts.max_memories > 0:
         cap = min(cap, opts.max_memories)
@@ -130,8 +192,35 @@ def select(
                 seen.add(m.memory_id)
                 once.append(m)
         excluded = once
-    excluded += (used(m, "truncated") for m in ranked[cap:])
-    return Selection(ranked[:cap], excluded, tenant_filtered, schema)
+    excluded += (used(m, "truncated") for m, _ in ranked[cap:])
+    kept = ranked[:cap]
+    return Selection(
+        [m for m, _ in kept],
+        excluded,
+        hot.tenant_filtered + cold.tenant_filtered,
+        schema,
+        [t for _, t in kept] if priced else None,
+    )
+
+
+def select(
+    request: AssemblyRequest, hot: Sequence[MemoryHit], cold: Sequence[MemoryHit], now: float
+) -> Selection:
+    """Tenant filter, skip options, scoring, dedupe and caps.
+
+    Another tenant's hit is dropped before anything else: it must never be
+    able to displace a legitimate duplicate or leak through degradation, and
+    it is only counted (`tenant_filtered`), never named in `excluded`. A
+    memory id appears in `excluded` at most once, and never when it was ranked.
+    The work splits into each stream's own (`stream_candidates`, which can run
+    as soon as that branch lands) and the `merge`.
+    """
+    opts = request.options
+    return merge(
+        request,
+        stream_candidates(request, hot, now, opts.skip_hot_memories),
+        stream_candidates(request, cold, now, opts.skip_cold_memories),
+    )
 
 
 def select_candidates(

@@ -21,12 +21,19 @@ import functools
 import re
 import time
 from collections.abc import Iterable, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 
 from ibex.assembly.budget import compute_budget, context_ceiling
-from ibex.assembly.candidates import Selection, select, select_candidates, used
+from ibex.assembly.candidates import (
+    Selection,
+    merge,
+    select,
+    select_candidates,
+    stream_candidates,
+    used,
+)
 from ibex.assembly.catalog import (
     Catalog,
     FamilyPolicy,
@@ -54,6 +61,9 @@ from ibex.assembly.structs import (
     TokenBudget,
 )
 from ibex.errors import TooLargeError
+
+if TYPE_CHECKING:
+    from ibex.assembly.prepare import Prepared
 
 __all__ = [
     "AssemblyInputs",
@@ -389,10 +399,14 @@ def assemble_pure(
     tokenizers: CounterSource,
     config: PipelineConfig = DEFAULT_CONFIG,
     timer: StageTimer | None = None,
+    prepared: Prepared | None = None,
 ) -> AssemblyResult:
     """Count the fixed sections, select, price, pack, render within the ceiling, build.
 
     A `timer` handed in keeps the stage laps for the caller (a traced call's stage spans).
+    `prepared` holds stages done while retrieval waited (ibex.assembly.prepare); a part
+    is used only when it was made from these very inputs, so the answer is the same
+    without it. The laps then time only the work left.
     """
     timer = StageTimer() if timer is None else timer.restart()
     request = inputs.request
@@ -403,11 +417,33 @@ def assemble_pure(
     family = catalog.family(cap.tokenizer_family)
     counter = tokenizers.counter(family.name, family.encoding)
     fmt = config.format
-    fixed = count_fixed_sections(request, inputs.directive, nonce, cap, family, counter, fmt)
+    early = prepared
+    if early is not None and not early.fits(request, nonce, counter, fmt):
+        early = None
+    fixed = early.fixed_for(inputs.directive) if early is not None else None
+    if fixed is None:
+        fixed = count_fixed_sections(request, inputs.directive, nonce, cap, family, counter, fmt)
     timer.lap("count")
-    selection = select(request, inputs.hot, inputs.cold, inputs.now)
+    if early is None:
+        selection = select(request, inputs.hot, inputs.cold, inputs.now)
+    else:
+        early.commit()  # the request fits: its memory prices may be cached
+        opts, now = request.options, inputs.now
+        selection = merge(
+            request,
+            early.stream_for("hot", inputs.hot, now)
+            or stream_candidates(request, inputs.hot, now, opts.skip_hot_memories),
+            early.stream_for("cold", inputs.cold, now)
+            or stream_candidates(request, inputs.cold, now, opts.skip_cold_memories),
+        )
     timer.lap("select")
-    candidates = price(selection.candidates, counter, fmt)
+    if selection.tokens is None:
+        candidates = price(selection.candidates, counter, fmt)
+    else:
+        candidates = [
+            msgspec.structs.replace(m, token_estimate=n)
+            for m, n in zip(selection.candidates, selection.tokens, strict=True)
+        ]
     timer.lap("price")
     packed = pack(
         candidates,

@@ -22,6 +22,8 @@ from __future__ import annotations
 import math
 from datetime import datetime
 
+import msgspec
+
 from ibex.assembly.structs import AssemblyOptions, MemoryHit, ScoredMemory
 
 INTERIM = "interim_v1"
@@ -74,6 +76,18 @@ def recency(created_at: str | None, category: str, now: float) -> float | None:
     age_days = max(0.0, now - ts) / 86400.0
     half_life = HALF_LIFE_DAYS.get(category, DEFAULT_HALF_LIFE_DAYS)
     return float(0.5 ** (age_days / half_life))
+
+
+def as_composite(scored: ScoredMemory | None, hit: MemoryHit) -> ScoredMemory | None:
+    """`score_hit(hit, options, now, COMPOSITE)` from the same hit's interim score.
+
+    `scored` is `score_hit(hit, options, now, INTERIM)` for options without
+    weights: only the packer score differs, so the hit is not scored twice.
+    """
+    if scored is None or not _unit(hit.composite_score):
+        return None
+    assert hit.composite_score is not None
+    return msgspec.structs.replace(scored, composite_score=min(1.0, max(0.0, hit.composite_score)))
 
 
 def score_hit(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -26,7 +26,15 @@ from ibex.assembly.pipeline import (
     assemble_pure,
     resolve_model,
 )
-from ibex.assembly.structs import AssemblyRequest, AssemblyResult, BranchSource, SearchRequest
+from ibex.assembly.prepare import Prepared
+from ibex.assembly.structs import (
+    AssemblyRequest,
+    AssemblyResult,
+    BranchSource,
+    Directive,
+    MemoryHit,
+    SearchRequest,
+)
 from ibex.assembly.tokens import Tokenizers
 from ibex.assembly.validation import RequestLimits, validate_request, validate_search
 from ibex.errors import SourceError
@@ -64,6 +72,68 @@ def _log_tenant_filtered(count: int, **ids: str) -> None:
     """Hits of another tenant were dropped: the memory service answered out of scope."""
     if count:
         log.warning("tenant_filter_dropped", extra={"count": count, **ids})
+
+
+class _Early:
+    """Does a call's pipeline work as its branches land (the retrieval's `Landing`).
+
+    In the loop, synchronously, and bounded: the text handed to the early work
+    stays within `budget` characters in all (what the loop may count for one
+    call, `offload_chars`, less the request's own text), so it never holds the
+    loop longer than a call whose whole pipeline runs on it. Past the budget,
+    the rest is left to the pipeline (which then runs in a worker thread).
+    An answer known before the branches started (a cached directive) is worked
+    on at the first landing, so no branch starts later for it. Any failure but
+    a kept refusal drops the early work: the pipeline then does it all itself.
+    """
+
+    __slots__ = ("budget", "directive", "directive_known", "prepared")
+
+    def __init__(self, prepared: Prepared, budget: int) -> None:
+        self.prepared: Prepared | None = prepared
+        self.budget = budget
+        self.directive: Directive | None = None
+        self.directive_known = False
+
+    def known(self, source: BranchSource, value: Any) -> None:
+        if source == "directive":
+            self.directive, self.directive_known = value, True
+
+    def landed(self, source: BranchSource, value: Any) -> None:
+        if self.prepared is None:
+            return
+        try:
+            if source == "directive":
+                self.directive, self.directive_known = value, True
+            self._fixed()
+            if source != "directive" and value:
+                self._hits(source, value)
+        except Exception:
+            log.exception("early_assembly_failed")
+            self.prepared = None
+
+    def _spend(self, chars: int) -> bool:
+        if chars > self.budget:
+            self.budget = -1  # over: the pipeline goes to a thread, and does the rest there
+            return False
+        self.budget -= chars
+        return True
+
+    def _fixed(self) -> None:
+        prepared = self.prepared
+        if prepared is None or not self.directive_known:
+            return
+        self.directive_known = False  # once
+        chars = len(self.directive.content) if self.directive is not None else 0
+        if self._spend(chars):
+            prepared.directive(self.directive)
+
+    def _hits(self, source: BranchSource, hits: list[MemoryHit]) -> None:
+        prepared = self.prepared
+        if prepared is None or prepared.refused or source == "directive":
+            return
+        if self._spend(sum(len(h.content) for h in hits)):
+            prepared.hits(source, hits)
 
 
 class Assembler:
@@ -161,6 +231,23 @@ class Assembler:
         timer: StageTimer | None = None
         if trace is not None:
             starts, timer = {}, StageTimer()
+        # One nonce and one "now" per request, before retrieval: the work done as
+        # branches land and the pipeline at the wall must see the same values.
+        nonce, now = self.nonce(request), time.time()
+        early: _Early | None = None
+        budget = self.offload_chars - _request_chars(request)
+        if not thread_held and budget >= 0:
+            early = _Early(
+                Prepared(
+                    request,
+                    nonce,
+                    now,
+                    catalog=self.catalog,
+                    tokenizers=self.tokenizers,
+                    config=self.pipeline,
+                ),
+                budget,
+            )
         got = await retrieve(
             request,
             directive_source=self.directive_source,
@@ -169,6 +256,7 @@ class Assembler:
             deadline=deadline,
             arrived=arrived,
             branch_starts=starts,
+            landing=early,
         )
         inputs = AssemblyInputs(
             request=request,
@@ -176,8 +264,8 @@ class Assembler:
             hot=got.hot,
             cold=got.cold,
             branches=got.branches,
-            nonce=self.nonce(request),
-            now=time.time(),
+            nonce=nonce,
+            now=now,
             retrieval_ms=got.elapsed_ms,
         )
         run = functools.partial(
@@ -187,6 +275,7 @@ class Assembler:
             tokenizers=self.tokenizers,
             config=self.pipeline,
             timer=timer,
+            prepared=early.prepared if early is not None else None,
         )
         if thread_held:
             result = await self.threads.run_held(run)

@@ -15,7 +15,7 @@ import asyncio
 import logging
 import math
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 import trio
@@ -70,6 +70,21 @@ class Retrieved(msgspec.Struct, frozen=True):
     branches: tuple[BranchOutcome, ...]
     elapsed_ms: float
     started: float = 0.0  # when retrieval began, on the Trio clock (for trace spans)
+
+
+class Landing(Protocol):
+    """Told each branch's answer as soon as it is known, so work can start before the wall.
+
+    Both methods run synchronously in the loop, inside retrieval, and must not
+    raise. `value` is the branch's answer when it succeeded, else None.
+    """
+
+    def known(self, source: BranchSource, value: Any) -> None:
+        """Known before any branch started (an in-memory answer, a skipped branch):
+        nothing has been sent yet, so record it and do no work now."""
+
+    def landed(self, source: BranchSource, value: Any) -> None:
+        """A running branch has ended; the others may still be in flight."""
 
 
 class _Branch(msgspec.Struct, frozen=True):
@@ -197,6 +212,7 @@ async def _run_branch(
     outcomes: dict[BranchSource, BranchOutcome],
     values: dict[BranchSource, Any],
     starts: dict[BranchSource, float] | None = None,
+    landing: Landing | None = None,
 ) -> None:
     assert row.call is not None
     t0 = trio.current_time()
@@ -222,6 +238,8 @@ async def _run_branch(
         status, detail = "timeout", f"no answer within {row.timeout * 1000:.0f}ms"
     latency = (trio.current_time() - t0) * 1000.0
     outcomes[row.source] = BranchOutcome(row.source, status, latency, detail)
+    if landing is not None:
+        landing.landed(row.source, values.get(row.source) if status == "success" else None)
 
 
 async def retrieve(
@@ -233,11 +251,13 @@ async def retrieve(
     deadline: float | None = None,
     arrived: float | None = None,
     branch_starts: dict[BranchSource, float] | None = None,
+    landing: Landing | None = None,
 ) -> Retrieved:
     """Run the branch table concurrently within the request's wall (see `request_wall`).
 
     `branch_starts`, when given (a traced call), receives each started branch's start
-    time on the Trio clock.
+    time on the Trio clock. `landing`, when given, is told each branch's answer as
+    soon as it is known (a branch cut by the wall is never reported).
     """
     outcomes: dict[BranchSource, BranchOutcome] = {}
     values: dict[BranchSource, Any] = {}
@@ -249,19 +269,23 @@ async def retrieve(
         if row.ready is not None:
             values[row.source] = row.ready.value
             outcomes[row.source] = BranchOutcome(row.source, "success", 0.0, row.ready.detail)
+            if landing is not None:
+                landing.known(row.source, row.ready.value)
         elif row.call is None:
             outcomes[row.source] = BranchOutcome(row.source, "skipped", 0.0, row.skipped)
+            if landing is not None:
+                landing.known(row.source, None)
         else:
             calls.append(row)
     with trio.move_on_after(wall):
         async with trio.open_nursery() as nursery:
             for row in calls[:-1]:
-                nursery.start_soon(_run_branch, row, outcomes, values, branch_starts)
+                nursery.start_soon(_run_branch, row, outcomes, values, branch_starts, landing)
             if calls:
                 # The last branch (cold, usually the slowest) runs in this task: its answer
                 # then wakes the request directly instead of a branch task that wakes the
                 # request, one task and one task step less per answer.
-                await _run_branch(calls[-1], outcomes, values, branch_starts)
+                await _run_branch(calls[-1], outcomes, values, branch_starts, landing)
 
     elapsed = (trio.current_time() - started) * 1000.0
     for source in BRANCH_ORDER:

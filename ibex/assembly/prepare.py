@@ -1,0 +1,197 @@
+"""The pipeline's work that can be done while retrieval is still waiting.
+
+A call whose cold branch hangs waits at the wall with its directive and hot
+memories long in hand. `Prepared` lets the service do their share of
+`assemble_pure` as each branch lands: the fixed sections (directive, history,
+tools, markup: the budget) once the directive branch has ended, and for each
+memory branch the tenant filter, both scores a hit may be ranked by, and the
+price of each variant. At the wall only the merge (schema, dedupe, caps), the
+pack and the render remain.
+
+`assemble_pure` uses a prepared part only when it was made from exactly the
+inputs it is given, and does whatever is missing itself, so its answer is the
+same with or without this work (the stages are the same functions). What the
+timing changes:
+
+- `now` (recency) and the nonce are fixed once per request before retrieval,
+  so every branch is scored against the same instant whenever it lands;
+- a refused request (TooLargeError counting the fixed sections) is refused
+  where the pipeline would have refused it: the error is kept and raised there;
+- memory prices are counted into a `Staged` and cached only once the fixed
+  sections are known to fit, as `price` would have cached them.
+
+Pure and synchronous: the service decides when to call it and bounds how much
+text it hands over in the loop (see ibex.service.assembler).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+from ibex.assembly.candidates import Scored, Stream, stream_candidates
+from ibex.assembly.catalog import Catalog, resolve_model
+from ibex.assembly.format import Format
+from ibex.assembly.history import Counter, Staged
+from ibex.assembly.pipeline import (
+    DEFAULT_CONFIG,
+    CounterSource,
+    FixedSections,
+    PipelineConfig,
+    count_fixed_sections,
+)
+from ibex.assembly.structs import (
+    AssemblyRequest,
+    Directive,
+    MemoryHit,
+    MemoryUsed,
+    ScoredMemory,
+)
+from ibex.errors import TooLargeError
+
+__all__ = ["Prepared", "price_stream"]
+
+MemoryBranch = Literal["hot", "cold"]
+
+
+def price_stream(stream: Stream, staged: Staged, fmt: Format) -> Stream:
+    """Each scored variant's token_estimate, as `pipeline.price` computes it.
+
+    New counts and escaped bodies go to `staged`, not to the caches.
+    """
+    if stream.priced:
+        return stream
+    count = staged.count
+    fixed = count(fmt.memory_open_prefix) + count(fmt.memory_close)
+    suffix = fmt.memory_open_suffix
+
+    def cost(m: ScoredMemory | None, body_tokens: int) -> int:
+        return -1 if m is None else fixed + count(suffix(m)) + body_tokens
+
+    entries: list[MemoryUsed | Scored] = []
+    for e in stream.entries:
+        if isinstance(e, Scored) and e.fallback is not None:
+            body_tokens = count(staged.body(e.hit.content))
+            e = Scored(
+                e.hit,
+                e.fallback,
+                e.composite,
+                cost(e.fallback, body_tokens),
+                cost(e.composite, body_tokens),
+            )
+        entries.append(e)
+    return Stream(
+        stream.hits,
+        stream.now,
+        entries,
+        stream.tenant_filtered,
+        stream.wanted,
+        stream.all_composite,
+        priced=True,
+    )
+
+
+class Prepared:
+    """One request's pipeline work done early; filled by the service, read by `assemble_pure`.
+
+    Not thread-safe while it is being filled: the service fills it from the
+    loop during retrieval and hands it to the pipeline only after retrieval.
+    """
+
+    __slots__ = (
+        "_fixed",
+        "cap",
+        "counter",
+        "family",
+        "fmt",
+        "nonce",
+        "now",
+        "request",
+        "staged",
+        "streams",
+    )
+
+    def __init__(
+        self,
+        request: AssemblyRequest,
+        nonce: str,
+        now: float,
+        *,
+        catalog: Catalog,
+        tokenizers: CounterSource,
+        config: PipelineConfig = DEFAULT_CONFIG,
+    ) -> None:
+        self.request = request
+        self.nonce = nonce
+        self.now = now
+        self.cap = resolve_model(catalog, request.model, request.available_tokens)
+        self.family = catalog.family(self.cap.tokenizer_family)
+        self.counter: Counter = tokenizers.counter(self.family.name, self.family.encoding)
+        self.fmt = config.format
+        self._fixed: tuple[Directive | None, FixedSections | TooLargeError] | None = None
+        self.streams: dict[MemoryBranch, Stream] = {}
+        self.staged = Staged(self.counter, self.fmt)
+
+    # --- filled as branches land ------------------------------------------------
+
+    def directive(self, directive: Directive | None) -> None:
+        """The directive branch has ended (None: no directive): count the fixed sections."""
+        try:
+            fixed: FixedSections | TooLargeError = count_fixed_sections(
+                self.request, directive, self.nonce, self.cap, self.family, self.counter, self.fmt
+            )
+        except TooLargeError as exc:
+            fixed = exc  # raised where the pipeline counts, as it would have been
+        self._fixed = (directive, fixed)
+
+    @property
+    def refused(self) -> bool:
+        """The fixed sections do not fit: the request will be refused, memories are moot."""
+        return self._fixed is not None and isinstance(self._fixed[1], TooLargeError)
+
+    def hits(self, branch: MemoryBranch, hits: Sequence[MemoryHit]) -> None:
+        """A memory branch has landed: its share of select and price."""
+        opts = self.request.options
+        skip = opts.skip_hot_memories if branch == "hot" else opts.skip_cold_memories
+        stream = stream_candidates(self.request, hits, self.now, skip)
+        self.streams[branch] = price_stream(stream, self.staged, self.fmt)
+
+    # --- read by the pipeline -----------------------------------------------------
+
+    def fits(
+        self,
+        request: AssemblyRequest,
+        nonce: str,
+        counter: Counter,
+        fmt: Format,
+    ) -> bool:
+        """Whether this was made for the same request, nonce, counter and format."""
+        return (
+            request is self.request
+            and nonce == self.nonce
+            and counter is self.counter
+            and fmt is self.fmt
+        )
+
+    def fixed_for(self, directive: Directive | None) -> FixedSections | None:
+        """The fixed sections counted for this directive, or None; raises a kept refusal."""
+        if self._fixed is None or self._fixed[0] != directive:
+            return None
+        fixed = self._fixed[1]
+        if isinstance(fixed, TooLargeError):
+            raise fixed
+        return fixed
+
+    def stream_for(
+        self, branch: MemoryBranch, hits: Sequence[MemoryHit], now: float
+    ) -> Stream | None:
+        """The branch's prepared stream when made from these very hits at `now`, else None."""
+        stream = self.streams.get(branch)
+        if stream is None or stream.now != now or stream.hits != tuple(hits):
+            return None
+        return stream
+
+    def commit(self) -> None:
+        """The fixed sections fit: cache the memory prices' new counts and bodies."""
+        self.staged.commit()
+        self.staged = Staged(self.counter, self.fmt)
