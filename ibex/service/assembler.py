@@ -234,20 +234,7 @@ class Assembler:
         # One nonce and one "now" per request, before retrieval: the work done as
         # branches land and the pipeline at the wall must see the same values.
         nonce, now = self.nonce(request), time.time()
-        early: _Early | None = None
-        budget = self.offload_chars - _request_chars(request)
-        if not thread_held and budget >= 0:
-            early = _Early(
-                Prepared(
-                    request,
-                    nonce,
-                    now,
-                    catalog=self.catalog,
-                    tokenizers=self.tokenizers,
-                    config=self.pipeline,
-                ),
-                budget,
-            )
+        early = None if thread_held else self._early(request, nonce, now)
         got = await retrieve(
             request,
             directive_source=self.directive_source,
@@ -298,6 +285,25 @@ class Assembler:
             request_id=request.request_id,
         )
         return result
+
+    def _early(self, request: AssemblyRequest, nonce: str, now: float) -> _Early | None:
+        """The call's early work, or None when its own text already sends its pipeline
+        to a worker thread (or the request is one the pipeline will refuse at once)."""
+        budget = self.offload_chars - _request_chars(request)
+        if budget < 0:
+            return None
+        try:
+            prepared = Prepared(
+                request,
+                nonce,
+                now,
+                catalog=self.catalog,
+                tokenizers=self.tokenizers,
+                config=self.pipeline,
+            )
+        except Exception:
+            return None  # an unchecked request: the pipeline raises it where it always has
+        return _Early(prepared, budget)
 
     def check_search(self, request: SearchRequest) -> SearchFilter:
         """Validate a SearchMemories request before any I/O (and before it waits for a

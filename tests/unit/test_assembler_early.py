@@ -1,0 +1,171 @@
+"""The assembler's early work: what it does as branches land, and what it leaves alone.
+
+In-process sources on Trio's mock clock: the directive is answered from memory,
+hot lands after 1 ms, cold hangs past the wall. The pipeline is watched for the
+`Prepared` it is handed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import trio
+
+import ibex.service.assembler as assembler_module
+from ibex.assembly.catalog import load_catalog
+from ibex.assembly.prepare import Prepared
+from ibex.assembly.structs import AssemblyRequest, Directive, MemoryHit, Message
+from ibex.assembly.tokens import Tokenizers
+from ibex.service.assembler import Assembler
+from ibex.sources.base import Answer, DirectiveAnswer
+from ibex.sources.retrieval import RetrievalConfig
+from ibex.testing.samples import AGENT, ORG
+
+DIRECTIVE = Directive("Answer briefly and cite the runbook step.")
+OFFLOAD = 4000
+
+
+class CachedDirective:
+    def cached(self, org_id: str, agent_id: str, version: str) -> DirectiveAnswer:
+        return Answer(DIRECTIVE, "cache")
+
+    async def get_directive(self, org_id: str, agent_id: str, version: str = "") -> Directive:
+        return DIRECTIVE
+
+    async def aclose(self) -> None:
+        pass
+
+
+class HotThenHang:
+    def __init__(self, content: str, n: int = 3) -> None:
+        self.hits = [
+            MemoryHit(
+                memory_id=f"00000000-0000-4000-8000-00000000000{i}",
+                org_id=ORG,
+                agent_id=AGENT,
+                content=content,
+                category="factual",
+                confidence=0.9,
+                similarity=0.5,
+                rank=i + 1,
+                branch="hot",
+            )
+            for i in range(n)
+        ]
+
+    async def hot(
+        self, org_id: str, agent_id: str, *, limit: int, min_confidence: float
+    ) -> list[MemoryHit]:
+        await trio.sleep(0.001)
+        return list(self.hits)
+
+    async def cold(
+        self, org_id: str, agent_id: str, query: str, *, limit: int, min_confidence: float
+    ) -> list[MemoryHit]:
+        await trio.sleep(10)
+        return []
+
+    async def aclose(self) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def tokenizers() -> Tokenizers:
+    tk = Tokenizers(None, 4096)
+    tk.preload(["o200k_base"])
+    return tk
+
+
+@pytest.fixture
+def handed(monkeypatch: pytest.MonkeyPatch) -> list[Prepared | None]:
+    seen: list[Prepared | None] = []
+    real = assembler_module.assemble_pure
+
+    def watching(*args: Any, **kwargs: Any) -> Any:
+        seen.append(kwargs.get("prepared"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(assembler_module, "assemble_pure", watching)
+    return seen
+
+
+def assembler(tokenizers: Tokenizers, memory: HotThenHang) -> Assembler:
+    return Assembler(
+        catalog=load_catalog(),
+        tokenizers=tokenizers,
+        directive_source=CachedDirective(),
+        memory_source=memory,
+        retrieval=RetrievalConfig(timeout=0.05, deadline=0.05, cold_timeout=1.0),
+        offload_chars=OFFLOAD,
+    )
+
+
+def request(history: str = "Which environment failed?") -> AssemblyRequest:
+    return AssemblyRequest(
+        agent_id=AGENT,
+        org_id=ORG,
+        query="deploy?",
+        model="gpt-4o",
+        recent_messages=(Message("user", history),),
+    )
+
+
+async def test_the_directive_and_hot_are_prepared_while_cold_hangs(
+    autojump_clock: trio.testing.MockClock,
+    tokenizers: Tokenizers,
+    handed: list[Prepared | None],
+) -> None:
+    result = await assembler(tokenizers, HotThenHang("Deploys go out on Tuesdays.")).assemble(
+        request()
+    )
+    assert result.degradation_level == "L1" and len(result.memories_used) == 3
+    prepared = handed[-1]
+    assert prepared is not None
+    assert prepared.fixed_for(DIRECTIVE) is not None
+    assert set(prepared.streams) == {"hot"}
+
+
+async def test_memories_past_the_loop_budget_are_left_to_the_pipeline(
+    autojump_clock: trio.testing.MockClock,
+    tokenizers: Tokenizers,
+    handed: list[Prepared | None],
+) -> None:
+    """Hot answers more text than the loop may count for one call: the loop prepares
+    the fixed sections only, the pipeline (in a worker thread) does the memories."""
+    big = HotThenHang("Rotate the signing key only after publishing the JWKS. " * 40)
+    result = await assembler(tokenizers, big).assemble(request())
+    assert result.degradation_level == "L1" and result.memories_used
+    prepared = handed[-1]
+    assert prepared is not None
+    assert prepared.fixed_for(DIRECTIVE) is not None
+    assert prepared.streams == {}
+
+
+async def test_a_request_that_goes_to_a_thread_gets_no_early_work(
+    autojump_clock: trio.testing.MockClock,
+    tokenizers: Tokenizers,
+    handed: list[Prepared | None],
+) -> None:
+    result = await assembler(tokenizers, HotThenHang("short")).assemble(
+        request("A long history turn. " * (OFFLOAD // 10))
+    )
+    assert result.memories_used
+    assert handed == [None]
+
+
+async def test_a_failing_early_step_is_dropped_and_the_pipeline_does_it_all(
+    autojump_clock: trio.testing.MockClock,
+    tokenizers: Tokenizers,
+    handed: list[Prepared | None],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def broken(self: Prepared, *args: Any) -> None:
+        raise RuntimeError("a bug in the early work")
+
+    monkeypatch.setattr(Prepared, "hits", broken)
+    result = await assembler(tokenizers, HotThenHang("Deploys go out on Tuesdays.")).assemble(
+        request()
+    )
+    assert result.degradation_level == "L1" and len(result.memories_used) == 3
+    assert handed == [None]
