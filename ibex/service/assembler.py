@@ -8,6 +8,7 @@ benchmarks may build one directly from parts.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
@@ -147,6 +148,7 @@ class Assembler:
         arrived: float | None = None,
         thread_held: bool = False,
         trace: CallTrace | None = None,
+        retrieving: contextlib.AbstractContextManager[object] | None = None,
     ) -> AssemblyResult:
         """Retrieve within the wall (and the caller's deadline), then run the pipeline.
 
@@ -156,20 +158,23 @@ class Assembler:
         `thread_held`: the caller holds a unit of `threads` (admission queued for it
         before the slot), and the pipeline runs under it in a worker thread.
         A `trace` receives each branch's and stage's times once the answer is made.
+        `retrieving` is entered for the retrieval alone (admission counts calls waiting
+        on their branches, see `Admission.retrieving_for`).
         """
         starts: dict[BranchSource, float] | None = None
         timer: StageTimer | None = None
         if trace is not None:
             starts, timer = {}, StageTimer()
-        got = await retrieve(
-            request,
-            directive_source=self.directive_source,
-            memory_source=self.memory_source,
-            config=self.retrieval,
-            deadline=deadline,
-            arrived=arrived,
-            branch_starts=starts,
-        )
+        with retrieving if retrieving is not None else contextlib.nullcontext():
+            got = await retrieve(
+                request,
+                directive_source=self.directive_source,
+                memory_source=self.memory_source,
+                config=self.retrieval,
+                deadline=deadline,
+                arrived=arrived,
+                branch_starts=starts,
+            )
         inputs = AssemblyInputs(
             request=request,
             directive=got.directive,
