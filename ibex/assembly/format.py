@@ -64,7 +64,7 @@ class Format(ABC):
     tool_close: str
 
     def __init__(self, body_cache_bytes: int = BODY_CACHE_BYTES) -> None:
-        self._bodies: ByteLRU[str] = ByteLRU(body_cache_bytes)
+        self._bodies: ByteLRU[str, str] = ByteLRU(body_cache_bytes)
 
     # --- what a format defines ------------------------------------------------
 

@@ -19,9 +19,10 @@ from __future__ import annotations
 import sys
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from typing import Generic, NamedTuple, TypeVar
 
+K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
 
 #: Bytes an entry costs beyond its key and value: the OrderedDict's hash slot,
@@ -30,7 +31,7 @@ V = TypeVar("V")
 ENTRY_OVERHEAD = 128
 
 
-def text_size(key: str, value: object) -> int:
+def text_size(key: Hashable, value: object) -> int:
     """Key plus value as CPython stores them (small ints are shared: not counted)."""
     size = sys.getsizeof(key) + ENTRY_OVERHEAD
     if isinstance(value, str):
@@ -46,7 +47,7 @@ class LRUInfo(NamedTuple):
     max_bytes: int
 
 
-class ByteLRU(Generic[V]):
+class ByteLRU(Generic[K, V]):
     """Least recently used entries are evicted until the stored bytes fit `max_bytes`."""
 
     __slots__ = (
@@ -67,7 +68,7 @@ class ByteLRU(Generic[V]):
         *,
         max_entries: int | None = None,
         max_item_bytes: int | None = None,
-        sizeof: Callable[[str, V], int] = text_size,
+        sizeof: Callable[[K, V], int] = text_size,
     ) -> None:
         self.max_bytes = max(0, max_bytes)
         self.max_entries = max_entries if max_entries is not None else sys.maxsize
@@ -75,7 +76,7 @@ class ByteLRU(Generic[V]):
         # of huge texts can never flush everything else.
         self.max_item_bytes = max_item_bytes if max_item_bytes is not None else self.max_bytes // 16
         self._sizeof = sizeof
-        self._data: OrderedDict[str, V] = OrderedDict()
+        self._data: OrderedDict[K, V] = OrderedDict()
         self._lock = threading.Lock()
         self.bytes = 0
         self.hits = 0
@@ -84,7 +85,7 @@ class ByteLRU(Generic[V]):
     def __len__(self) -> int:
         return len(self._data)
 
-    def get(self, key: str) -> V | None:
+    def get(self, key: K) -> V | None:
         """The value, marked as recently used; None (and a miss) when absent."""
         value = self._data.get(key)
         if value is None:
@@ -97,7 +98,7 @@ class ByteLRU(Generic[V]):
         self.hits += 1
         return value
 
-    def put(self, key: str, value: V) -> bool:
+    def put(self, key: K, value: V) -> bool:
         """Store `value`, evicting the least recently used; False when the entry is too big."""
         if self.max_entries <= 0:
             return False
@@ -116,7 +117,7 @@ class ByteLRU(Generic[V]):
                 self.bytes -= self._sizeof(evicted, evicted_value)
         return True
 
-    def put_many(self, items: Iterable[tuple[str, V]]) -> None:
+    def put_many(self, items: Iterable[tuple[K, V]]) -> None:
         for key, value in items:
             self.put(key, value)
 

@@ -99,7 +99,7 @@ class _CachedCount:
     def __init__(self, fn: Callable[[str], int], capacity: int, max_bytes: int) -> None:
         self._fn = fn
         self._capacity = max(0, capacity)
-        self._lru: ByteLRU[int] = ByteLRU(
+        self._lru: ByteLRU[str, int] = ByteLRU(
             max_bytes, max_entries=self._capacity, sizeof=_count_entry_size
         )
         self.hits = 0

@@ -29,7 +29,9 @@ is served with whatever time its deadline leaves. What is refused, and why:
   gate (before grpclib spends a task on the call) refuses it when that
   exceeds its deadline less `wait_margin`. Calls waiting on a slow dependency
   hold no CPU, so the estimate is used only while the loop thread is busy at
-  least `saturated` of the time; and a call with less than `min_useful` left
+  least `saturated` of the time, and a call whose branches are in flight
+  counts as the part of an answer it has left (`retrieving_share`), not a
+  whole one; and a call with less than `min_useful` left
   is never refused as overload (an idle daemon could not serve it either).
 
 - `RESOURCE_EXHAUSTED` (`org`): the call's org already runs its limit of
@@ -108,6 +110,10 @@ class AdmissionConfig(msgspec.Struct, frozen=True):
     read_timeout: float = 5.0
     saturated: float = 0.5
     wait_margin: float = 0.015
+    #: The share of an answer's loop CPU still ahead of a call whose branches are in
+    #: flight: its intake is done, and what is left is taking the answers in, the
+    #: pipeline and the send (about half an answer in `python -m benchmarks.load --profile`).
+    retrieving_share: float = 0.5
     max_org_concurrent: int = 8  # assemblies one org may run at once
     max_queue_wait: float = 1.0  # longest wait for a thread or a slot without a deadline
     max_thread_queue: int = 64  # calls waiting for a worker thread before the next is refused
@@ -178,7 +184,7 @@ class CpuLoad:
             self.per_call += _CPU_EWMA * (sample - self.per_call)
             self._calls_cpu0, self._calls = cpu, 0
 
-    def latency(self, ahead: int, saturated: float) -> float:
+    def latency(self, ahead: float, saturated: float) -> float:
         """A new call's expected time to finish behind `ahead` calls, when CPU-bound.
 
         0 while the loop is less than `saturated` busy: then calls wait on I/O, not
@@ -230,6 +236,7 @@ class Admission:
         self.gated = 0  # passed the HEADERS gate, handler not yet started
         self.untimed = 0  # in flight without a deadline: never work ahead of one with a deadline
         self.thread_waiting = 0  # in flight, queued for a worker thread (no slot, no CPU)
+        self.retrieving = 0  # in flight with a deadline, waiting on its retrieval branches
         self.cpu = CpuLoad()
         self.draining = False
         self.idle = asyncio.Event()
@@ -346,6 +353,22 @@ class Admission:
             self.cpu.finished(time.monotonic())
             if self.in_flight == 0:
                 self.idle.set()
+
+    @contextmanager
+    def retrieving_for(self, ticket: Ticket) -> Iterator[None]:
+        """Around a call's retrieval: while its branches are in flight it holds no CPU and
+        has only part of an answer's work left, which the CPU gate counts (`retrieving_share`).
+
+        Without this, calls parked on a slow dependency (a hung cold endpoint keeps every
+        call until its wall) read as a full answer of CPU each, and the gate refused
+        servable calls on a loop with room to spare.
+        """
+        timed = ticket.deadline is not None
+        self.retrieving += timed
+        try:
+            yield
+        finally:
+            self.retrieving -= timed
 
     def _wait_limit(self, ticket: Ticket, now: float) -> float:
         """How long the call may wait in a queue: until `min_answer` before its deadline,

@@ -8,6 +8,7 @@ benchmarks may build one directly from parts.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
@@ -217,6 +218,7 @@ class Assembler:
         arrived: float | None = None,
         thread_held: bool = False,
         trace: CallTrace | None = None,
+        retrieving: contextlib.AbstractContextManager[object] | None = None,
     ) -> AssemblyResult:
         """Retrieve within the wall (and the caller's deadline), then run the pipeline.
 
@@ -226,6 +228,8 @@ class Assembler:
         `thread_held`: the caller holds a unit of `threads` (admission queued for it
         before the slot), and the pipeline runs under it in a worker thread.
         A `trace` receives each branch's and stage's times once the answer is made.
+        `retrieving` is entered for the retrieval alone (admission counts calls waiting
+        on their branches, see `Admission.retrieving_for`).
         """
         starts: dict[BranchSource, float] | None = None
         timer: StageTimer | None = None
@@ -235,16 +239,17 @@ class Assembler:
         # branches land and the pipeline at the wall must see the same values.
         nonce, now = self.nonce(request), time.time()
         early = None if thread_held else self._early(request, nonce, now)
-        got = await retrieve(
-            request,
-            directive_source=self.directive_source,
-            memory_source=self.memory_source,
-            config=self.retrieval,
-            deadline=deadline,
-            arrived=arrived,
-            branch_starts=starts,
-            landing=early,
-        )
+        with retrieving if retrieving is not None else contextlib.nullcontext():
+            got = await retrieve(
+                request,
+                directive_source=self.directive_source,
+                memory_source=self.memory_source,
+                config=self.retrieval,
+                deadline=deadline,
+                arrived=arrived,
+                branch_starts=starts,
+                landing=early,
+            )
         inputs = AssemblyInputs(
             request=request,
             directive=got.directive,

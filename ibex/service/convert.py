@@ -57,26 +57,27 @@ def request_from_proto(msg: Any) -> AssemblyRequest:
 
 def response_to_proto(r: AssemblyResult) -> Any:
     """The wire response. The nested structs mirror their messages field for field
-    (tests/unit/test_proto.py pins the names), so they go across as dicts."""
-    asdict = msgspec.structs.asdict
+    (tests/unit/test_proto.py pins the names), so they go across as dicts, built by one
+    `msgspec.to_builtins` call per list (a C loop, half the cost of `asdict` per item)."""
+    builtins = msgspec.to_builtins
     return pb.AssembleContextResponse(
         assembled_context=r.assembled_context,
         tokens_used=r.tokens_used,
         memories_included=len(r.memories_used),
-        memories_used=[asdict(m) for m in r.memories_used],
+        memories_used=builtins(r.memories_used),
         directive_tokens=r.directive_tokens,
         history_tokens=r.history_tokens,
         memory_tokens=r.memory_tokens,
-        metrics=asdict(r.metrics),
+        metrics=builtins(r.metrics),
         request_id=r.request_id,
         trace_id=r.trace_id,
         span_id=r.span_id,
         score_schema=r.score_schema,
         degradation_level=r.degradation_level,
-        branches=[asdict(x) for x in r.branches],
-        budget=asdict(r.budget),
-        pack=asdict(r.pack),
-        excluded=[asdict(m) for m in r.excluded],
+        branches=builtins(r.branches),
+        budget=builtins(r.budget),
+        pack=builtins(r.pack),
+        excluded=builtins(r.excluded),
     )
 
 

@@ -267,6 +267,7 @@ class ContextService:
                     arrived=arrived,
                     thread_held=thread_held,
                     trace=call,
+                    retrieving=self.admission.retrieving_for(ticket),
                 )
 
     # --- SearchMemories ------------------------------------------------------

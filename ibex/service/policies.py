@@ -148,10 +148,17 @@ class CpuSaturation:
 
     stages: frozenset[Stage] = frozenset(("headers",))
 
-    def __init__(self, min_useful: float, saturated: float, wait_margin: float) -> None:
+    def __init__(
+        self,
+        min_useful: float,
+        saturated: float,
+        wait_margin: float,
+        retrieving_share: float = 1.0,
+    ) -> None:
         self.min_useful = min_useful
         self.saturated = saturated
         self.wait_margin = wait_margin
+        self.retrieving_share = retrieving_share
 
     def verdict(self, call: CallFacts, load: Admission, now: float) -> Refusal | None:
         remaining = call.remaining
@@ -159,8 +166,11 @@ class CpuSaturation:
             return None
         load.cpu.sample(now)
         # Calls without a deadline and calls parked in the thread queue are not ahead of
-        # a new call: both are served after it, or paced by the threads, not the loop.
-        ahead = max(0, load.gated) + max(0, load.in_flight - load.untimed - load.thread_waiting)
+        # a new call: both are served after it, or paced by the threads, not the loop. A
+        # call waiting on its branches counts for the share of an answer it has left.
+        retrieving = max(0, load.retrieving)
+        working = load.in_flight - load.untimed - load.thread_waiting - retrieving
+        ahead = max(0, load.gated) + max(0, working) + self.retrieving_share * retrieving
         if load.cpu.latency(ahead, self.saturated) > remaining - self.wait_margin:
             return CPU_REFUSAL
         return None
@@ -201,6 +211,8 @@ def default_policies(config: AdmissionConfig) -> tuple[AdmissionPolicy, ...]:
         InFlightCap(config.max_in_flight),
         BytesCap(config.max_in_flight_bytes),
         MinAnswer(config.min_answer),
-        CpuSaturation(config.min_useful, config.saturated, config.wait_margin),
+        CpuSaturation(
+            config.min_useful, config.saturated, config.wait_margin, config.retrieving_share
+        ),
         StandingQueue(config.min_useful),
     )

@@ -58,7 +58,7 @@ from ibex.sources.feedback import (
     decode_updates,
 )
 from ibex.sources.http_pool import HttpPool, PoolStats, TransportError, split_base_url
-from ibex.sources.memory_schema import DEFAULT_MAX_CONTENT_BYTES, decode_hits
+from ibex.sources.memory_schema import DEFAULT_MAX_CONTENT_BYTES, DecodedAnswers, decode_hits
 
 HOT_PATH = "/v1/memories/hot"
 SEARCH_PATH = "/v1/memories/search"
@@ -137,6 +137,7 @@ class MemoryHttpSource:
         self._pools: dict[Branch, HttpPool] = {}
         self._feedback_pool: HttpPool | None = None
         self._decode_limiter = trio.CapacityLimiter(DECODE_THREADS)
+        self._decoded = DecodedAnswers()  # answers decoded on the loop, by their bytes
         self._background: AsyncExitStack | None = None  # the nursery `async with` opened
 
     def __repr__(self) -> str:  # never show the token
@@ -296,6 +297,10 @@ class MemoryHttpSource:
             raise SourceError(f"{branch}: {exc}") from None
         if not 200 <= response.status < 300:
             raise SourceError(f"{branch}: HTTP {response.status}")
+        if len(response.body) <= OFF_LOOP_BYTES:
+            return self._decoded.decode(
+                response.body, branch, limit=limit, max_content_bytes=self._max_content_bytes
+            )
         decode = functools.partial(
             decode_hits,
             response.body,
@@ -303,8 +308,6 @@ class MemoryHttpSource:
             limit=limit,
             max_content_bytes=self._max_content_bytes,
         )
-        if len(response.body) <= OFF_LOOP_BYTES:
-            return decode()
         # Abandoned on cancel: a branch cut at its timeout ends then, not when the
         # decode does; the limiter stays held until the thread has finished, so
         # abandoned decodes are bounded too.

@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 from datetime import datetime
 from typing import Annotated, Final, Literal
 
 import msgspec
 
+from ibex.assembly.lru import ENTRY_OVERHEAD, ByteLRU, LRUInfo
 from ibex.assembly.structs import MemoryHit
 from ibex.assembly.validation import HYPHENATED_UUID
 from ibex.sources.base import SourceError
@@ -190,6 +192,64 @@ def to_hit(
         oversized=oversized,
         composite_score=None if result.composite_score is None else float(result.composite_score),
     )
+
+
+#: Bytes one decoded hit is counted at besides its content: the struct, its id, tenant,
+#: category, source and timestamp strings (about 400 on 64-bit CPython, rounded up).
+HIT_BYTES: Final = 512
+DEFAULT_DECODED_CACHE_BYTES: Final = 4 * 1024 * 1024
+
+AnswerKey = tuple[bytes, str, int | None]
+
+
+def _answer_size(key: AnswerKey, hits: tuple[MemoryHit, ...]) -> int:
+    return (
+        sys.getsizeof(key[0])
+        + sum(sys.getsizeof(h.content) + HIT_BYTES for h in hits)
+        + ENTRY_OVERHEAD
+    )
+
+
+class DecodedAnswers:
+    """Decoded answers by their exact bytes, bounded in bytes.
+
+    The hot endpoint answers an agent with the same memories call after call
+    until they change, and validating a 20-memory answer is most of a branch's
+    CPU. A hit is reused only for byte-identical answers (the tenant fields are
+    in those bytes; the tenant filter still runs on every call), and a body that
+    fails to decode is never stored: the next copy fails the same way.
+    """
+
+    __slots__ = ("_lru",)
+
+    def __init__(self, max_bytes: int = DEFAULT_DECODED_CACHE_BYTES) -> None:
+        self._lru: ByteLRU[AnswerKey, tuple[MemoryHit, ...]] = ByteLRU(
+            max_bytes, sizeof=_answer_size
+        )
+
+    def decode(
+        self,
+        body: bytes,
+        branch: Literal["hot", "cold"],
+        *,
+        limit: int | None = None,
+        max_content_bytes: int = DEFAULT_MAX_CONTENT_BYTES,
+    ) -> list[MemoryHit]:
+        """`decode_hits`, from the cache when these exact bytes were decoded before.
+
+        `max_content_bytes` must be the same for every call (one per source).
+        """
+        key = (body, branch, limit)
+        hits = self._lru.get(key)
+        if hits is None:
+            hits = tuple(
+                decode_hits(body, branch, limit=limit, max_content_bytes=max_content_bytes)
+            )
+            self._lru.put(key, hits)
+        return list(hits)
+
+    def info(self) -> LRUInfo:
+        return self._lru.info()
 
 
 def decode_hits(

@@ -218,6 +218,40 @@ async def test_shutdown_event_drains_in_process(memory: FakeMemoryServer) -> Non
     assert d.daemon.admission.draining and d.daemon.admission.in_flight == 0
 
 
+async def test_calls_parked_on_a_slow_branch_do_not_read_as_cpu_work_at_the_gate(
+    memory: FakeMemoryServer,
+) -> None:
+    """Calls waiting on a slow cold endpoint are counted as retrieving, and the CPU gate
+    counts each for half an answer: on a loop it reads as saturated at 30 ms of CPU per
+    call, a new 100 ms call behind 3 parked ones needs (3 x 0.5 + 1) x 30 = 75 ms, within
+    100 - 15 ms, and is served; counted as working calls it would need 120 ms, refused."""
+    async with running_daemon(**slow_settings(memory)) as d:
+        state = d.daemon.admission
+        with d.channel() as channel:
+            parked = [stub(channel).AssembleContext.future(request(), timeout=5) for _ in range(3)]
+            with trio.fail_after(3):
+                while memory.requests["cold"] < 3:  # noqa: ASYNC110
+                    await trio.sleep(0.005)
+            assert state.retrieving == 3 and state.in_flight == 3
+            saved = state.cpu.utilisation, state.cpu.per_call, state.cpu.sample
+            state.cpu.utilisation, state.cpu.per_call = 1.0, 0.030
+            state.cpu.sample = lambda now: None  # type: ignore[method-assign]
+            try:
+                future = stub(channel).AssembleContext.future(request(), timeout=0.1)
+                try:
+                    status = (await in_thread(future.result)).degradation_level
+                except grpc.RpcError as exc:
+                    status = exc.code().name
+            finally:
+                state.cpu.utilisation, state.cpu.per_call, state.cpu.sample = saved
+            # Served: its own cold branch was cut by its wall (L1), or it ran out of time.
+            assert status in {"L1", "DEADLINE_EXCEEDED"}
+            assert state.metrics.shed_requests.labels("cpu")._value.get() == 0
+            for f in parked:
+                assert (await in_thread(f.result)).degradation_level == "L0"
+    assert state.retrieving == 0 and state.in_flight == 0
+
+
 # -- caller deadline ---------------------------------------------------------------------------
 
 

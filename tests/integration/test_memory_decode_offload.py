@@ -9,6 +9,7 @@ import pytest
 import trio
 
 import ibex.sources.memory_http as memory_http
+import ibex.sources.memory_schema as memory_schema
 from ibex.testing.memory_server import (
     FakeMemoryServer,
     make_memories,
@@ -29,6 +30,7 @@ async def test_large_answers_are_decoded_off_the_loop_and_small_ones_on_it(
         return real(*args, **kwargs)
 
     monkeypatch.setattr(memory_http, "decode_hits", recording)
+    monkeypatch.setattr(memory_schema, "decode_hits", recording)  # small answers: DecodedAnswers
     memory_server.add_memories(ORG, AGENT, make_memories(ORG, AGENT, 3))
     big = escaped_answer(ORG, AGENT, results=3, chars=10_000)
     assert len(big) > memory_http.OFF_LOOP_BYTES

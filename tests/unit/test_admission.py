@@ -576,6 +576,37 @@ def test_calls_without_a_deadline_are_not_work_ahead_at_the_cpu_gate() -> None:
     assert a.untimed == 0
 
 
+def test_calls_waiting_on_their_branches_count_for_their_share_of_an_answer() -> None:
+    """A call whose branches are in flight has only `retrieving_share` of an answer's CPU
+    left: 16 of them parked on a hung endpoint are 16 x 0.5 = 8 answers of work, not 16."""
+    a = admission(AdmissionConfig(max_in_flight=64, wait_margin=0.005, retrieving_share=0.5))
+    _saturated(a, 0.004)
+    with contextlib.ExitStack() as stack:
+        tickets = [stack.enter_context(a.admitted(time.monotonic(), 1.0)) for _ in range(16)]
+        # As working calls: (16 + 1) x 4 ms = 68 ms > 40 ms, refused.
+        assert a.gate("/svc/AssembleContext", 0.045) is not None
+        for ticket in tickets:
+            stack.enter_context(a.retrieving_for(ticket))
+        assert a.retrieving == 16
+        # Parked: (16 x 0.5 + 1) x 4 ms = 36 ms <= 40 ms, admitted.
+        assert a.gate("/svc/AssembleContext", 0.045) is None
+        a.left_gate()
+        # Two more working calls: (2 + 8 + 1) x 4 ms = 44 ms > 40 ms, refused again.
+        for _ in range(2):
+            stack.enter_context(a.admitted(time.monotonic(), 1.0))
+        assert a.gate("/svc/AssembleContext", 0.045) is not None
+    assert a.retrieving == 0 and a.in_flight == 0
+
+
+def test_an_untimed_call_waiting_on_its_branches_is_not_counted_as_retrieving() -> None:
+    """Calls without a deadline are never work ahead (see above), retrieving or not."""
+    a = admission(AdmissionConfig(max_in_flight=64, wait_margin=0.005))
+    _saturated(a, 0.004)
+    with a.admitted(time.monotonic(), None) as ticket, a.retrieving_for(ticket):
+        assert a.retrieving == 0 and a.untimed == 1
+    assert a.retrieving == 0
+
+
 async def test_a_large_call_queues_for_its_thread_before_it_takes_a_slot(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

@@ -6,7 +6,7 @@ from ibex.assembly.lru import ByteLRU
 
 
 def test_each_lookup_counts_one_hit_or_one_miss() -> None:
-    cache: ByteLRU[int] = ByteLRU(1 << 20)
+    cache: ByteLRU[str, int] = ByteLRU(1 << 20)
     assert cache.put("a", 1)
     assert cache.get("a") == 1
     assert cache.get("a") == 1

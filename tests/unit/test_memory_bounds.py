@@ -370,3 +370,51 @@ def test_the_memory_id_memo_is_bounded_and_holds_only_valid_ids(
         assert len(memory_schema._VALID_IDS) <= 3
     with pytest.raises(ValueError, match="canonical UUID"):  # a memo never lets one through
         memory_schema.check_memory_id(_mid(1) + "0")
+
+
+# -- decoded answers cache ---------------------------------------------------------------------
+
+
+def test_a_byte_identical_answer_is_decoded_once_and_gives_the_same_hits() -> None:
+    cache = memory_schema.DecodedAnswers()
+    body = _body(*(_result(i) for i in range(5)))
+    first = cache.decode(body, "hot", limit=20)
+    again = cache.decode(bytes(bytearray(body)), "hot", limit=20)  # a new bytes object
+    assert again == first == decode_hits(body, "hot", limit=20)
+    info = cache.info()
+    assert (info.hits, info.misses, info.entries) == (1, 1, 1)
+    # The branch and the limit are part of what an answer decodes to.
+    assert [h.branch for h in cache.decode(body, "cold", limit=20)] == ["cold"] * 5
+    assert len(cache.decode(body, "hot", limit=2)) == 2
+    assert cache.info().entries == 3
+    # Another answer (one byte differs) is decoded afresh.
+    other = body.replace(b'"confidence": 0.5', b'"confidence": 0.6', 1)
+    assert cache.decode(other, "hot", limit=20)[0].confidence == 0.6
+
+
+def test_a_bad_answer_is_never_stored_and_fails_every_time() -> None:
+    cache = memory_schema.DecodedAnswers()
+    bad = _body(_result(0, confidence=7.0))
+    for _ in range(2):
+        with pytest.raises(SourceError, match="bad response shape"):
+            cache.decode(bad, "hot", limit=20)
+    assert cache.info().entries == 0
+
+
+def test_the_decoded_answers_cache_is_bounded_in_bytes() -> None:
+    """Each entry counts its body, its hits' contents and `HIT_BYTES` per hit; the least
+    recently used answers go first, and one answer never takes more than 1/16 of it."""
+    cache = memory_schema.DecodedAnswers(max_bytes=256 * 1024)
+    bodies = [_body(*(_result(i, "x" * 400) for i in range(k, k + 4))) for k in range(100)]
+    for body in bodies:
+        cache.decode(body, "hot", limit=20)
+    info = cache.info()
+    one = memory_schema._answer_size((bodies[0], "hot", 20), tuple(decode_hits(bodies[0], "hot")))
+    assert one > len(bodies[0]) + 4 * (400 + memory_schema.HIT_BYTES)
+    assert info.entries == (256 * 1024) // one and info.bytes <= 256 * 1024
+    cache.decode(bodies[-1], "hot", limit=20)  # the newest is still there
+    cache.decode(bodies[0], "hot", limit=20)  # the oldest is gone
+    assert (cache.info().hits, cache.info().misses) == (1, 101)
+    big = _body(*(_result(i, "y" * 4000) for i in range(4)))  # over 16 KiB counted
+    cache.decode(big, "hot", limit=20)
+    assert cache.decode(big, "hot", limit=20) and cache.info().hits == 1
