@@ -8,7 +8,7 @@ through degradation; AssembleContext and SearchMemories both go through
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import msgspec
 
@@ -30,7 +30,7 @@ def is_own(hit: MemoryHit, org_id: str, agent_id: str) -> bool:
     return hit.org_id.lower() == org_id and hit.agent_id.lower() == agent_id
 
 
-def used(m: ScoredMemory, exclusion: Exclusion) -> MemoryUsed:
+def used(m: ScoredMemory, exclusion: Exclusion, *, unpriced: bool = False) -> MemoryUsed:
     return MemoryUsed(
         memory_id=m.memory_id,
         composite_score=m.composite_score,
@@ -42,7 +42,7 @@ def used(m: ScoredMemory, exclusion: Exclusion) -> MemoryUsed:
         exclusion=exclusion,
         similarity=m.similarity,
         confidence=m.confidence,
-        token_estimate=m.token_estimate,
+        token_estimate=0 if unpriced else m.token_estimate,
     )
 
 
@@ -67,16 +67,15 @@ def _sort_key(m: ScoredMemory) -> tuple[float, str]:
 class Selection(msgspec.Struct, frozen=True, gc=False):
     """Scored candidates (best first), exclusions so far, and the other tenants' hit count.
 
-    `tokens`, when the streams were priced before the merge (ibex.assembly.prepare),
-    is each candidate's token_estimate in `candidates` order; the candidates
-    themselves are unpriced either way.
+    `priced`: the candidates carry their token_estimate already (both streams
+    were priced as they landed, see ibex.assembly.prepare).
     """
 
     candidates: list[ScoredMemory]
     excluded: list[MemoryUsed]
     tenant_filtered: int
     score_schema: str = INTERIM
-    tokens: list[int] | None = None
+    priced: bool = False
 
 
 class Scored(msgspec.Struct, frozen=True, gc=False):
@@ -85,14 +84,12 @@ class Scored(msgspec.Struct, frozen=True, gc=False):
     `fallback` is the options' own score (weighted_v1 or interim_v1) and
     `composite` memory_composite_v1's (only when the hit carries a composite and
     the options carry no weights); None means unusable under that schema
-    (exclusion `failed`). Tokens are each variant's price, -1 when not priced.
+    (exclusion `failed`). Both carry their token_estimate when the stream is priced.
     """
 
     hit: MemoryHit
     fallback: ScoredMemory | None
     composite: ScoredMemory | None
-    fallback_tokens: int = -1
-    composite_tokens: int = -1
 
 
 class Stream(msgspec.Struct, frozen=True, gc=False):
@@ -114,12 +111,17 @@ class Stream(msgspec.Struct, frozen=True, gc=False):
 
 
 def stream_candidates(
-    request: AssemblyRequest, hits: Sequence[MemoryHit], now: float, skip: bool
+    request: AssemblyRequest,
+    hits: Sequence[MemoryHit],
+    now: float,
+    skip: bool,
+    price: Callable[[ScoredMemory], ScoredMemory] | None = None,
 ) -> Stream:
     """The per-hit work of `select` for one stream: tenant filter, skip, oversize, scores.
 
     Another tenant's hit is only counted. Each wanted hit is scored under both
     schemas it can be ranked by, so the choice between them waits for the merge.
+    `price`, when given, returns a scored variant with its token_estimate.
     """
     opts = request.options
     org_id, agent_id = request.org_id, request.agent_id
@@ -145,10 +147,13 @@ def stream_candidates(
             composite = None
         else:
             composite = as_composite(fallback, hit) if composite_possible else None
+        if price is not None and fallback is not None:
+            fallback = price(fallback)
+            if composite is not None:
+                composite = price(composite)
         entries.append(Scored(hit, fallback, composite))
-    return Stream(
-        tuple(hits), now, entries, tenant_filtered, wanted, all_composite, priced=not wanted
-    )
+    priced = price is not None or not wanted
+    return Stream(tuple(hits), now, entries, tenant_filtered, wanted, all_composite, priced)
 
 
 def merge(request: AssemblyRequest, hot: Stream, cold: Stream) -> Selection:
@@ -164,23 +169,20 @@ def merge(request: AssemblyRequest, hot: Stream, cold: Stream) -> Selection:
     composite = schema == COMPOSITE
     priced = hot.priced and cold.priced
     excluded: list[MemoryUsed] = []
-    best: dict[str, tuple[ScoredMemory, int]] = {}
+    best: dict[str, ScoredMemory] = {}
     for stream in (hot, cold):
         for entry in stream.entries:
             if not isinstance(entry, Scored):
                 excluded.append(entry)
                 continue
-            if composite:
-                scored, tokens = entry.composite, entry.composite_tokens
-            else:
-                scored, tokens = entry.fallback, entry.fallback_tokens
+            scored = entry.composite if composite else entry.fallback
             if scored is None:
                 excluded.append(hit_used(entry.hit, "failed"))
                 continue
             prev = best.get(scored.memory_id)
-            if prev is None or _sort_key(scored) < _sort_key(prev[0]):
-                best[scored.memory_id] = (scored, tokens)
-    ranked = sorted(best.values(), key=lambda pair: _sort_key(pair[0]))
+            if prev is None or _sort_key(scored) < _sort_key(prev):
+                best[scored.memory_id] = scored
+    ranked = sorted(best.values(), key=_sort_key)
     cap = MAX_MEMORIES_HARD_CAP
     if opts.max_memories > 0:
         cap = min(cap, opts.max_memories)
@@ -192,14 +194,14 @@ def merge(request: AssemblyRequest, hot: Stream, cold: Stream) -> Selection:
                 seen.add(m.memory_id)
                 once.append(m)
         excluded = once
-    excluded += (used(m, "truncated") for m, _ in ranked[cap:])
-    kept = ranked[:cap]
+    # A truncated candidate is reported unpriced, as when pricing followed the caps.
+    excluded += (used(m, "truncated", unpriced=True) for m in ranked[cap:])
     return Selection(
-        [m for m, _ in kept],
+        ranked[:cap],
         excluded,
         hot.tenant_filtered + cold.tenant_filtered,
         schema,
-        [t for _, t in kept] if priced else None,
+        priced,
     )
 
 

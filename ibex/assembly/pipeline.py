@@ -437,13 +437,9 @@ def assemble_pure(
             or stream_candidates(request, inputs.cold, now, opts.skip_cold_memories),
         )
     timer.lap("select")
-    if selection.tokens is None:
-        candidates = price(selection.candidates, counter, fmt)
-    else:
-        candidates = [
-            msgspec.structs.replace(m, token_estimate=n)
-            for m, n in zip(selection.candidates, selection.tokens, strict=True)
-        ]
+    candidates = (
+        selection.candidates if selection.priced else price(selection.candidates, counter, fmt)
+    )
     timer.lap("price")
     packed = pack(
         candidates,

@@ -26,10 +26,12 @@ text it hands over in the loop (see ibex.service.assembler).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal
 
-from ibex.assembly.candidates import Scored, Stream, stream_candidates
+import msgspec
+
+from ibex.assembly.candidates import Stream, stream_candidates
 from ibex.assembly.catalog import Catalog, resolve_model
 from ibex.assembly.format import Format
 from ibex.assembly.history import Counter, Staged
@@ -40,55 +42,32 @@ from ibex.assembly.pipeline import (
     PipelineConfig,
     count_fixed_sections,
 )
-from ibex.assembly.structs import (
-    AssemblyRequest,
-    Directive,
-    MemoryHit,
-    MemoryUsed,
-    ScoredMemory,
-)
+from ibex.assembly.structs import AssemblyRequest, Directive, MemoryHit, ScoredMemory
 from ibex.errors import TooLargeError
 
-__all__ = ["Prepared", "price_stream"]
+__all__ = ["Prepared", "pricer"]
 
 MemoryBranch = Literal["hot", "cold"]
 
 
-def price_stream(stream: Stream, staged: Staged, fmt: Format) -> Stream:
-    """Each scored variant's token_estimate, as `pipeline.price` computes it.
+def pricer(staged: Staged, fmt: Format) -> Callable[[ScoredMemory], ScoredMemory]:
+    """A scored variant with its token_estimate, as `pipeline.price` computes it.
 
-    New counts and escaped bodies go to `staged`, not to the caches.
+    New counts and escaped bodies go to `staged`, not to the caches; a body
+    shared by two variants of one hit is counted once.
     """
-    if stream.priced:
-        return stream
     count = staged.count
     fixed = count(fmt.memory_open_prefix) + count(fmt.memory_close)
     suffix = fmt.memory_open_suffix
+    bodies: dict[str, int] = {}
 
-    def cost(m: ScoredMemory | None, body_tokens: int) -> int:
-        return -1 if m is None else fixed + count(suffix(m)) + body_tokens
+    def priced(m: ScoredMemory) -> ScoredMemory:
+        body = bodies.get(m.content)
+        if body is None:
+            body = bodies[m.content] = count(staged.body(m.content))
+        return msgspec.structs.replace(m, token_estimate=fixed + count(suffix(m)) + body)
 
-    entries: list[MemoryUsed | Scored] = []
-    for e in stream.entries:
-        if isinstance(e, Scored) and e.fallback is not None:
-            body_tokens = count(staged.body(e.hit.content))
-            e = Scored(
-                e.hit,
-                e.fallback,
-                e.composite,
-                cost(e.fallback, body_tokens),
-                cost(e.composite, body_tokens),
-            )
-        entries.append(e)
-    return Stream(
-        stream.hits,
-        stream.now,
-        entries,
-        stream.tenant_filtered,
-        stream.wanted,
-        stream.all_composite,
-        priced=True,
-    )
+    return priced
 
 
 class Prepared:
@@ -153,8 +132,9 @@ class Prepared:
         """A memory branch has landed: its share of select and price."""
         opts = self.request.options
         skip = opts.skip_hot_memories if branch == "hot" else opts.skip_cold_memories
-        stream = stream_candidates(self.request, hits, self.now, skip)
-        self.streams[branch] = price_stream(stream, self.staged, self.fmt)
+        self.streams[branch] = stream_candidates(
+            self.request, hits, self.now, skip, pricer(self.staged, self.fmt)
+        )
 
     # --- read by the pipeline -----------------------------------------------------
 
