@@ -53,19 +53,15 @@ MemoryBranch = Literal["hot", "cold"]
 def pricer(staged: Staged, fmt: Format) -> Callable[[ScoredMemory], ScoredMemory]:
     """A scored variant with its token_estimate, as `pipeline.price` computes it.
 
-    New counts and escaped bodies go to `staged`, not to the caches; a body
-    shared by two variants of one hit is counted once.
+    New counts and escaped bodies go to `staged`, not to the caches.
     """
-    count = staged.count
+    count, body = staged.count, staged.body
     fixed = count(fmt.memory_open_prefix) + count(fmt.memory_close)
     suffix = fmt.memory_open_suffix
-    bodies: dict[str, int] = {}
+    replace = msgspec.structs.replace
 
     def priced(m: ScoredMemory) -> ScoredMemory:
-        body = bodies.get(m.content)
-        if body is None:
-            body = bodies[m.content] = count(staged.body(m.content))
-        return msgspec.structs.replace(m, token_estimate=fixed + count(suffix(m)) + body)
+        return replace(m, token_estimate=fixed + count(suffix(m)) + count(body(m.content)))
 
     return priced
 
@@ -173,5 +169,7 @@ class Prepared:
 
     def commit(self) -> None:
         """The fixed sections fit: cache the memory prices' new counts and bodies."""
-        self.staged.commit()
-        self.staged = Staged(self.counter, self.fmt)
+        staged = self.staged
+        if staged.counts or staged.bodies:
+            staged.commit()
+            self.staged = Staged(self.counter, self.fmt)
