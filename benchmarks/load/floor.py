@@ -44,7 +44,7 @@ import grpclib.const
 import grpclib.server
 from grpclib.encoding.base import CodecBase
 
-from benchmarks.load.driver import METHOD, Driver, build_requests, fixed_rate
+from benchmarks.load.driver import METHOD, Driver, build_requests, fixed_rate, warm_up
 from benchmarks.load.report import summarize
 from benchmarks.load.speed import reference_cpu_ms, spread
 from benchmarks.load.stack import ROOT, Daemon, Stack, cpu_seconds, free_port, wait_listening
@@ -185,13 +185,7 @@ async def alternate(
     targets: dict[str, Any] = {**bare, "ibex": daemon}
     drivers = {m: Driver(targets[m].addr, channels=4) for m in MODES}
     try:
-        for d in drivers.values():
-            await d.ready()
-        salt = 0
-        for m in MODES:  # warm-up: connections, caches, first-call imports
-            salt += 1
-            reqs = build_requests(stack.tenants, 400, salt, versions=True)
-            await drivers[m].open_loop(reqs, fixed_rate((100, 1.0)), 1.0)
+        salt = await warm_up([drivers[m] for m in MODES], stack.tenants, 100)
         for _ in range(repeats):
             for load in LOADS:
                 for m in MODES:
