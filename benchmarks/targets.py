@@ -7,10 +7,12 @@ The rows, in order:
 
 1. CPU per answer, ibex / the trio-asyncio floor, open loop at 100 and 200 rps
    (<= 2.0x) and a closed loop of 32 callers (<= 2.5x): the three floor modes
-   run alternately, medians of `--repeats`. The ratio to the `asyncio` floor
-   mode (grpclib on plain asyncio, canned answer) is printed beside it: the
-   asyncio implementation of the same contract that issue 24 compares with is
-   not in this repository, and that mode is its nearest stand-in.
+   run alternately, `--repeats` times; the ratio is the median of each repeat's
+   ibex row over the floor row beside it (the CPU figures are plain medians).
+   The ratio to the `asyncio` floor mode (grpclib on plain asyncio, canned
+   answer) is printed beside it: the asyncio implementation of the same
+   contract that issue 24 compares with is not in this repository, and that
+   mode is its nearest stand-in.
 2. Cold endpoint +100 ms, 45 ms caller deadline, 100 and 200 rps: >= 99.9 % OK,
    and every OK answer L1 with its hot memories. Counts pooled over repeats
    (a rate of rare misses is measured on all the calls, not as a median).
@@ -39,10 +41,11 @@ import argparse
 import asyncio
 import json
 import math
+import statistics
 import sys
 import urllib.request
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -161,19 +164,32 @@ def answer_wall(env: Mapping[str, str], caller_deadline: float) -> float:
     return min(config.wall, caller_deadline - config.pipeline_headroom)
 
 
+def paired_ratio(runs: Sequence[float | None], base_runs: Sequence[float | None]) -> float | None:
+    """Median of run-by-run ratios: each of `runs` over the `base_runs` row of the same repeat.
+
+    The modes alternate within a repeat, seconds apart, so each pair shares the
+    machine's speed of that moment; the median of the pairs drifts less with it than
+    the ratio of two medians taken minutes apart.
+    """
+    pairs = [r for a, b in zip(runs, base_runs, strict=True) if (r := ratio(a, b)) is not None]
+    return statistics.median(pairs) if pairs else None
+
+
 def cpu_rows(medians: Mapping[str, Any]) -> list[Row]:
-    """Target 1 from `floor.alternate`'s medians: ibex over each floor mode, per load."""
+    """Target 1 from `floor.alternate`'s output: ibex over each floor mode, per load."""
     rows = []
     for load, limit in CPU_LIMITS.items():
-        ibex = medians[f"ibex_{load}"]["cpu_ms_per_answer"]
-        trio_floor = medians[f"trio-asyncio_{load}"]["cpu_ms_per_answer"]
-        aio_floor = medians[f"asyncio_{load}"]["cpu_ms_per_answer"]
+        ibex, trio_floor, aio_floor = (
+            medians[f"{m}_{load}"] for m in ("ibex", "trio-asyncio", "asyncio")
+        )
+        runs = "cpu_ms_per_answer_runs"
         where = f"{floor.CALLERS} callers (saturation)" if load == "closed" else load[:-3] + " rps"
-        r = ratio(ibex, trio_floor)
+        r = paired_ratio(ibex[runs], trio_floor[runs])
         rows.append(
             Row(
                 f"CPU/answer, {where}: ibex / trio-asyncio floor <= {limit:.1f}x",
-                f"ibex {_ms(ibex, 2)}, floor {_ms(trio_floor, 2)} ms",
+                f"ibex {_ms(ibex['cpu_ms_per_answer'], 2)}, "
+                f"floor {_ms(trio_floor['cpu_ms_per_answer'], 2)} ms",
                 r,
                 verdict(r, limit),
             )
@@ -181,8 +197,8 @@ def cpu_rows(medians: Mapping[str, Any]) -> list[Row]:
         rows.append(
             Row(
                 "   the same / asyncio floor mode (no target)",
-                f"asyncio floor {_ms(aio_floor, 2)} ms",
-                ratio(ibex, aio_floor),
+                f"asyncio floor {_ms(aio_floor['cpu_ms_per_answer'], 2)} ms",
+                paired_ratio(ibex[runs], aio_floor[runs]),
                 "-",
             )
         )

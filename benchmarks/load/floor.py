@@ -221,6 +221,7 @@ async def alternate(
                 "p99_ms": statistics.median(r["p99_ms"] for r in rs),
                 "errors": sum(r["error_count"] for r in rs),
                 "samples": len(rs),
+                "cpu_ms_per_answer_runs": [r["daemon_cpu_ms_per_answer"] for r in rs],
             }
     return out
 

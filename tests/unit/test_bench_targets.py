@@ -8,6 +8,7 @@ wall: min(TIMEOUT, DEADLINE_MS, caller deadline - PIPELINE_HEADROOM_MS)).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
@@ -70,19 +71,25 @@ def test_ratio_and_verdicts() -> None:
     assert t.verdict(math.nan, 2.0) == "short"
 
 
-def _cpu(ibex: float, trio: float, aio: float) -> dict[str, dict[str, float]]:
+def _cpu(ibex: list[float], trio: list[float], aio: list[float]) -> dict[str, dict[str, Any]]:
     return {
-        "ibex": {"cpu_ms_per_answer": ibex},
-        "trio-asyncio": {"cpu_ms_per_answer": trio},
-        "asyncio": {"cpu_ms_per_answer": aio},
+        m: {"cpu_ms_per_answer": sorted(runs)[len(runs) // 2], "cpu_ms_per_answer_runs": runs}
+        for m, runs in (("ibex", ibex), ("trio-asyncio", trio), ("asyncio", aio))
     }
+
+
+def test_the_cpu_ratio_is_the_median_of_each_repeats_pair() -> None:
+    # Pairs 3.0/1.0, 4.4/2.0, 2.0/1.6 = 3.0, 2.2, 1.25: median 2.2 (not 3.0/1.6 of the medians).
+    assert t.paired_ratio([3.0, 4.4, 2.0], [1.0, 2.0, 1.6]) == pytest.approx(2.2)
+    assert t.paired_ratio([3.0, None], [1.0, 2.0]) == pytest.approx(3.0)  # a row without answers
+    assert t.paired_ratio([None], [1.0]) is None
 
 
 def test_cpu_rows_divide_by_the_trio_asyncio_floor_against_each_loads_limit() -> None:
     loads = {
-        "100rps": _cpu(3.0, 1.5, 1.2),
-        "200rps": _cpu(3.3, 1.5, 1.5),
-        "closed": _cpu(1.25, 0.5, 0.5),
+        "100rps": _cpu([3.0], [1.5], [1.2]),
+        "200rps": _cpu([3.3], [1.5], [1.5]),
+        "closed": _cpu([1.25], [0.5], [0.5]),
     }
     medians = {f"{m}_{load}": v for load, d in loads.items() for m, v in d.items()}
     rows = t.cpu_rows(medians)
