@@ -55,7 +55,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from benchmarks.load import floor
 from benchmarks.load.deadlines import LONG, PROXY, Run, cold_slow, short_deadlines, zero_refusals
 from benchmarks.load.driver import Driver, fixed_rate
-from benchmarks.load.report import percentile
+from benchmarks.load.report import percentile, table
 from benchmarks.load.speed import spread
 from benchmarks.load.stack import Daemon, Stack, free_port, wait_listening
 
@@ -90,8 +90,8 @@ def ratio(value: float | None, base: float | None) -> float | None:
 
 
 def verdict(value: float | None, limit: float, *, at_least: bool = False) -> str:
-    """ "met" when `value` is within `limit` (<= it, or >= it with `at_least`); a missing
-    value is "short": a target nothing measured is not met."""
+    """Whether `value` is within `limit` (<= it, or >= it with `at_least`): "met" or "short".
+    A missing value is "short": a target nothing measured is not met."""
     if value is None or math.isnan(value):
         return "short"
     return "met" if (value >= limit if at_least else value <= limit) else "short"
@@ -119,6 +119,7 @@ def bucket_deltas(
 
 
 def add_buckets(a: Mapping[float, float], b: Mapping[float, float]) -> dict[float, float]:
+    """Two repeats' deltas as one histogram."""
     return {le: a.get(le, 0.0) + b.get(le, 0.0) for le in set(a) | set(b)}
 
 
@@ -326,6 +327,10 @@ async def served_targets(
                 statuses, l1 = pooled[rate]
                 statuses.update(row["statuses"])
                 pooled[rate] = (statuses, l1 + row["l1_with_hot"])
+            print(
+                table("cold endpoint +100 ms, 45 ms deadlines", [r for r, _ in measured]),
+                flush=True,
+            )
         out["cold_45ms"] = {
             f"{r}rps": {"statuses": dict(s), "l1_with_hot": l1} for r, (s, l1) in pooled.items()
         }
@@ -338,6 +343,7 @@ async def served_targets(
             after = answer_buckets(await asyncio.to_thread(scrape, metrics_port))
             buckets = add_buckets(buckets, bucket_deltas(before, after))
             latencies += [x * 1000.0 for x in rec.latency]
+            print(table("cold endpoint +100 ms, 1 s deadlines", [row]), flush=True)
         wall = answer_wall(stack.env(daemon.port), LONG)
         out["cold_1s"] = {
             "client_p99_ms": percentile(sorted(latencies), 99) if latencies else None,
@@ -349,6 +355,10 @@ async def served_targets(
         closed, busy, burst = await zero_refusals(run, args.step)
         out["refusals"] = {"closed_32": closed, "busy_core_80pct": busy, "burst": burst}
         out["deadline_5ms"] = await short_deadlines(run)
+        print(
+            table("no refusals; 5 ms deadlines", [closed, busy, burst, out["deadline_5ms"]]),
+            flush=True,
+        )
         out["speed_samples"] = run.speed
     finally:
         await driver.close()
@@ -375,6 +385,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     with Stack() as stack:
         with stack.daemon(1) as daemon:
             out["floor"] = await floor.alternate(stack, daemon, args.repeats, args.seconds, speed)
+        print(floor.table({**out["floor"], "machine_speed": spread(speed)}), flush=True)
         metrics_port = free_port()
         with stack.daemon(1, IBEX_CONTEXT_METRICS_ADDR=f"127.0.0.1:{metrics_port}") as daemon:
             if not wait_listening(daemon.proc, metrics_port):
