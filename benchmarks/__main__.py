@@ -3,7 +3,9 @@
 Each benchmark is a module with a `main()` that prints its tables and writes
 `benchmarks/results/<name>.json`; running them as subprocesses keeps one
 benchmark's imports, caches and garbage from skewing the next. The load
-benchmark goes last: it starts servers and takes the longest.
+benchmarks come after the others (they start servers and take the longest),
+and `targets` last of all: the run ends by printing its table, issue 24's
+targets measured in one run, each met or short.
 
     .venv/bin/python -m benchmarks                 # all of them
     .venv/bin/python -m benchmarks --quick         # shorter runs where supported
@@ -36,6 +38,7 @@ ORDER = (
     "load",
     "load.deadlines",
     "load.floor",
+    "targets",
 )
 # Arguments that shorten a benchmark under --quick (only for modules that accept them).
 QUICK_ARGS = {
@@ -45,6 +48,7 @@ QUICK_ARGS = {
     "load": ["--quick"],
     "load.deadlines": ["--quick"],
     "load.floor": ["--quick"],
+    "targets": ["--quick"],
 }
 
 
@@ -92,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(f"## done: {json.dumps(summary)}")
+    targets = RESULTS / "targets.json"
+    if "targets" in names and summary["targets"].get("status") == "ok" and targets.exists():
+        print(json.loads(targets.read_text())["table"])
     return 1 if failed else 0
 
 

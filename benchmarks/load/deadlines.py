@@ -29,6 +29,7 @@ import os
 import statistics
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -131,51 +132,22 @@ async def scenarios(args: argparse.Namespace) -> dict[str, Any]:
             out["cpu_ms_per_answer_200rps_without_version"] = no_version["daemon_cpu_ms_per_answer"]
             print(table("without directive_version_id", [no_version]), flush=True)
 
-            closed = await run.closed("closed 32 callers, 1 s", 32, step, LONG)
+            closed, busy, burst = await zero_refusals(run, step)
             capacity = closed["achieved_rps"]
             out["closed_32"] = closed
             out["capacity_rps"] = capacity
             out["cpu_ms_per_answer_closed_32"] = closed["daemon_cpu_ms_per_answer"]
-
-            hog = cpu_hog()
-            try:
-                await asyncio.sleep(0.5)
-                busy, _ = await run.open(
-                    f"80% of capacity ({0.8 * capacity:.0f} rps) + busy core",
-                    fixed_rate((0.8 * capacity, step)),
-                )
-            finally:
-                hog.kill()
-                hog.wait()
             out["busy_core_80pct"] = busy
-
-            burst_sched = [0.0] * 30 + [0.5 + i / 100 for i in range(100)]
-            burst, _ = await run.open("burst of 30, then 100 rps", burst_sched)
             out["burst"] = burst
             print(table("zero refusals", [closed, busy, burst]), flush=True)
 
-            cold_rows = []
-            stack.memory.set_latency("cold", stack.cold_ms + 100.0)
-            try:
-                for rate in (100, 200):
-                    row, rec = await run.open(f"cold +100 ms @{rate}", fixed_rate((rate, step)))
-                    ok = [i for i, s in enumerate(rec.status) if s == "OK"]
-                    row["l1_with_hot"] = sum(
-                        1 for i in ok if rec.level[i] == "L1" and rec.memories[i] > 0
-                    )
-                    cold_rows.append(row)
-            finally:
-                stack.memory.set_latency("cold", stack.cold_ms)
+            cold_rows = [row for row, _ in await cold_slow(run, (100, 200), step, LONG)]
             out["cold_slow"] = cold_rows
             print(table("cold endpoint +100 ms (1 s deadlines)", cold_rows), flush=True)
             for r in cold_rows:
                 print(f"   {r['run']}: L1 with hot memories {r['l1_with_hot']}/{r['calls']}")
 
-            log_mark = len(daemon.output())
-            short, rec = await run.open("5 ms deadlines @50", fixed_rate((50, 4.0)), deadline=0.005)
-            log = daemon.output()[log_mark:]
-            short["statuses"] = {s: rec.status.count(s) for s in sorted(set(rec.status))}
-            short["error_log_lines"] = log.count('"level":"error"')
+            short = await short_deadlines(run)
             out["deadline_5ms"] = short
             print(table("5 ms deadlines", [short]), flush=True)
             print(
@@ -211,6 +183,64 @@ async def scenarios(args: argparse.Namespace) -> dict[str, Any]:
             await driver.close()
     out["daemon_cpu_seconds_total"] = cpu_seconds(daemon.root_pid)
     return out
+
+
+async def zero_refusals(
+    run: Run, step: float
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """Rows that must refuse nothing: a closed loop of 32 callers (1 s deadlines, its rate is
+    the capacity), 80 % of that capacity while another process keeps a core busy, and the
+    calls right after a burst of 30 concurrent calls."""
+    closed = await run.closed("closed 32 callers, 1 s", 32, step, LONG)
+    capacity = closed["achieved_rps"]
+    hog = cpu_hog()
+    try:
+        await asyncio.sleep(0.5)
+        busy, _ = await run.open(
+            f"80% of capacity ({0.8 * capacity:.0f} rps) + busy core",
+            fixed_rate((0.8 * capacity, step)),
+        )
+    finally:
+        hog.kill()
+        hog.wait()
+    burst_sched = [0.0] * 30 + [0.5 + i / 100 for i in range(100)]
+    burst, _ = await run.open("burst of 30, then 100 rps", burst_sched)
+    return closed, busy, burst
+
+
+async def cold_slow(
+    run: Run, rates: tuple[int, ...], step: float, deadline: float
+) -> list[tuple[dict[str, Any], Calls]]:
+    """The cold endpoint 100 ms slower than usual, open loop at each rate with `deadline`.
+
+    Each row also counts `l1_with_hot` (OK answers at L1 carrying memories: the hot
+    branch's, since the cold one cannot answer in time) and all `statuses`.
+    """
+    out = []
+    run.stack.memory.set_latency("cold", run.stack.cold_ms + 100.0)
+    try:
+        for rate in rates:
+            label = f"cold +100 ms @{rate}" + (
+                "" if deadline == LONG else f", {deadline * 1e3:g} ms"
+            )
+            row, rec = await run.open(label, fixed_rate((rate, step)), deadline)
+            ok = [i for i, s in enumerate(rec.status) if s == "OK"]
+            row["l1_with_hot"] = sum(1 for i in ok if rec.level[i] == "L1" and rec.memories[i] > 0)
+            row["statuses"] = dict(sorted(Counter(rec.status).items()))
+            out.append((row, rec))
+    finally:
+        run.stack.memory.set_latency("cold", run.stack.cold_ms)
+    return out
+
+
+async def short_deadlines(run: Run) -> dict[str, Any]:
+    """5 ms deadlines at 50 rps: the statuses given and the daemon's error-level log lines."""
+    log_mark = len(run.daemon.output())
+    short, rec = await run.open("5 ms deadlines @50", fixed_rate((50, 4.0)), deadline=0.005)
+    log = run.daemon.output()[log_mark:]
+    short["statuses"] = dict(sorted(Counter(rec.status).items()))
+    short["error_log_lines"] = log.count('"level":"error"')
+    return short
 
 
 async def overload(

@@ -206,6 +206,20 @@ class Driver:
         return rec
 
 
+async def warm_up(drivers: list[Driver], tenants: list[tuple[str, str]], rate: float) -> int:
+    """Connect every driver, then send each a second of calls at `rate` (connections, caches,
+    first-call imports) before anything is measured. Returns the last request salt used."""
+    for d in drivers:
+        await d.ready()
+    salt = 0
+    for d in drivers:
+        salt += 1
+        await d.open_loop(
+            build_requests(tenants, 400, salt, versions=True), fixed_rate((rate, 1.0)), 1.0
+        )
+    return salt
+
+
 async def health(driver: Driver, request: bytes) -> dict[str, object]:
     """One normal call with a generous deadline: does the daemon still return memories?"""
     t0 = time.perf_counter()

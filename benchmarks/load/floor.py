@@ -44,10 +44,10 @@ import grpclib.const
 import grpclib.server
 from grpclib.encoding.base import CodecBase
 
-from benchmarks.load.driver import METHOD, Driver, build_requests, fixed_rate
+from benchmarks.load.driver import METHOD, Driver, build_requests, fixed_rate, warm_up
 from benchmarks.load.report import summarize
 from benchmarks.load.speed import reference_cpu_ms, spread
-from benchmarks.load.stack import ROOT, Stack, cpu_seconds, free_port, wait_listening
+from benchmarks.load.stack import ROOT, Daemon, Stack, cpu_seconds, free_port, wait_listening
 
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "load.floor.json"
 MODES = ("asyncio", "trio-asyncio", "ibex")
@@ -172,48 +172,45 @@ class _Bare:
         self.proc.wait()
 
 
-async def measure(args: argparse.Namespace) -> dict[str, Any]:
+async def alternate(
+    stack: Stack, daemon: Daemon, repeats: int, seconds: float, speed: list[float]
+) -> dict[str, Any]:
+    """The three stacks at each load, alternately, `repeats` times: medians per `{mode}_{load}`.
+
+    `daemon` is the `ibex` mode (its CPU is what `cpu()` reads, its `addr` is called);
+    the two bare servers are started here. Each row's speed probe is appended to `speed`.
+    """
     rows: dict[str, dict[str, list[dict[str, Any]]]] = {m: {r: [] for r in LOADS} for m in MODES}
-    speed: list[float] = []
-    with Stack() as stack, stack.daemon(1) as daemon:
-        bare = {"asyncio": _Bare("asyncio"), "trio-asyncio": _Bare("trio-asyncio")}
-        targets: dict[str, Any] = {**bare, "ibex": daemon}
-        drivers = {m: Driver(targets[m].addr, channels=4) for m in MODES}
-        try:
-            for d in drivers.values():
-                await d.ready()
-            salt = 0
-            for m in MODES:  # warm-up: connections, caches, first-call imports
-                salt += 1
-                reqs = build_requests(stack.tenants, 400, salt, versions=True)
-                await drivers[m].open_loop(reqs, fixed_rate((100, 1.0)), 1.0)
-            for _ in range(args.repeats):
-                for load in LOADS:
-                    for m in MODES:
-                        salt += 1
-                        ref = reference_cpu_ms()
-                        speed.append(ref)
-                        cpu0 = targets[m].cpu()
-                        if load == "closed":
-                            reqs = build_requests(stack.tenants, 4096, salt, versions=True)
-                            rec = await drivers[m].closed_loop(reqs, CALLERS, args.seconds, 1.0)
-                        else:
-                            rate = int(load)
-                            n = int(rate * args.seconds)
-                            reqs = build_requests(stack.tenants, n, salt, versions=True)
-                            rec = await drivers[m].open_loop(
-                                reqs, fixed_rate((rate, args.seconds)), 1.0
-                            )
-                        row = summarize(rec, daemon_cpu_s=targets[m].cpu() - cpu0, aux_cpu_s={})
-                        row["ref_cpu_ms"] = round(ref, 1)
-                        rows[m][load].append(row)
-                        await asyncio.sleep(0.2)
-        finally:
-            for d in drivers.values():
-                await d.close()
-            for b in bare.values():
-                b.stop()
-    out: dict[str, Any] = {"command": " ".join(["python -m benchmarks.load.floor", *sys.argv[1:]])}
+    bare = {"asyncio": _Bare("asyncio"), "trio-asyncio": _Bare("trio-asyncio")}
+    targets: dict[str, Any] = {**bare, "ibex": daemon}
+    drivers = {m: Driver(targets[m].addr, channels=4) for m in MODES}
+    try:
+        salt = await warm_up([drivers[m] for m in MODES], stack.tenants, 100)
+        for _ in range(repeats):
+            for load in LOADS:
+                for m in MODES:
+                    salt += 1
+                    ref = reference_cpu_ms()
+                    speed.append(ref)
+                    cpu0 = targets[m].cpu()
+                    if load == "closed":
+                        reqs = build_requests(stack.tenants, 4096, salt, versions=True)
+                        rec = await drivers[m].closed_loop(reqs, CALLERS, seconds, 1.0)
+                    else:
+                        rate = int(load)
+                        n = int(rate * seconds)
+                        reqs = build_requests(stack.tenants, n, salt, versions=True)
+                        rec = await drivers[m].open_loop(reqs, fixed_rate((rate, seconds)), 1.0)
+                    row = summarize(rec, daemon_cpu_s=targets[m].cpu() - cpu0, aux_cpu_s={})
+                    row["ref_cpu_ms"] = round(ref, 1)
+                    rows[m][load].append(row)
+                    await asyncio.sleep(0.2)
+    finally:
+        for d in drivers.values():
+            await d.close()
+        for b in bare.values():
+            b.stop()
+    out: dict[str, Any] = {}
     for m in MODES:
         for load in LOADS:
             rs = rows[m][load]
@@ -224,7 +221,17 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                 "p99_ms": statistics.median(r["p99_ms"] for r in rs),
                 "errors": sum(r["error_count"] for r in rs),
                 "samples": len(rs),
+                "cpu_ms_per_answer_runs": [r["daemon_cpu_ms_per_answer"] for r in rs],
             }
+    return out
+
+
+async def measure(args: argparse.Namespace) -> dict[str, Any]:
+    speed: list[float] = []
+    with Stack() as stack, stack.daemon(1) as daemon:
+        medians = await alternate(stack, daemon, args.repeats, args.seconds, speed)
+    out: dict[str, Any] = {"command": " ".join(["python -m benchmarks.load.floor", *sys.argv[1:]])}
+    out.update(medians)
     out["machine_speed"] = spread(speed)
     return out
 

@@ -39,7 +39,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from benchmarks.load.driver import Driver, build_requests, fixed_rate
+from benchmarks.load.driver import Driver, build_requests, fixed_rate, warm_up
 from benchmarks.load.report import summarize
 from benchmarks.load.speed import reference_cpu_ms, spread
 from benchmarks.load.stack import ROOT, Daemon, Stack, free_port, wait_listening
@@ -161,13 +161,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
             daemons["base"] = base
         drivers = {m: Driver(daemons[m].addr, channels=4) for m in modes}
         try:
-            for d in drivers.values():
-                await d.ready()
-            salt = 0
-            for m in modes:  # warm-up: connections, caches, first-call imports
-                salt += 1
-                reqs = build_requests(stack.tenants, 400, salt, versions=True)
-                await drivers[m].open_loop(reqs, fixed_rate((50, 1.0)), 1.0)
+            salt = await warm_up([drivers[m] for m in modes], stack.tenants, 50)
             await asyncio.sleep(6.0)  # OTEL_BSP_SCHEDULE_DELAY (5 s): warm-up spans arrive
             spans0 = sink_counts(url)["spans"]
             calls_on = 0
