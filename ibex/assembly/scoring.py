@@ -65,13 +65,36 @@ def score_schema(options: AssemblyOptions, all_composite: bool = False) -> str:
     return COMPOSITE if all_composite else INTERIM
 
 
+#: Timestamps already parsed (None: unparseable). The same memories come back call after
+#: call, and a dict lookup is under half of `fromisoformat` plus `timestamp`. Bounded:
+#: cleared when full, and only strings up to RFC 3339's longest form are kept.
+_TIMESTAMPS: dict[str, float | None] = {}
+_TIMESTAMPS_MAX = 8192
+_TIMESTAMP_MAX_CHARS = 64
+
+
+def _timestamp(created_at: str) -> float | None:
+    try:
+        return _TIMESTAMPS[created_at]
+    except KeyError:
+        pass
+    try:
+        ts: float | None = datetime.fromisoformat(created_at).timestamp()
+    except (ValueError, OverflowError, OSError):
+        ts = None
+    if len(created_at) <= _TIMESTAMP_MAX_CHARS:
+        if len(_TIMESTAMPS) >= _TIMESTAMPS_MAX:
+            _TIMESTAMPS.clear()
+        _TIMESTAMPS[created_at] = ts
+    return ts
+
+
 def recency(created_at: str | None, category: str, now: float) -> float | None:
     """Exponential decay by category half-life; None when the age is unknown."""
     if not created_at:
         return None
-    try:
-        ts = datetime.fromisoformat(created_at).timestamp()
-    except (ValueError, OverflowError, OSError):
+    ts = _timestamp(created_at)
+    if ts is None:
         return None
     age_days = max(0.0, now - ts) / 86400.0
     half_life = HALF_LIFE_DAYS.get(category, DEFAULT_HALF_LIFE_DAYS)

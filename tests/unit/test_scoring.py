@@ -83,6 +83,22 @@ def test_recency_half_lives_and_bad_dates() -> None:
     assert recency(None, "factual", NOW) is None
 
 
+def test_parsed_timestamps_are_remembered_within_a_bound() -> None:
+    """Asked again, a timestamp gives the same recency (a bad one stays None), and the
+    memo of parsed timestamps never holds more than its bound or an overlong string."""
+    created = (datetime.fromtimestamp(NOW, UTC) - timedelta(days=60)).isoformat()
+    for _ in range(2):
+        assert recency(created, "preference", NOW) == pytest.approx(0.5)
+        assert recency("yesterday", "factual", NOW) is None
+    assert recency(created, "preference", NOW + 60 * DAY) == pytest.approx(0.25)
+    for day in range(scoring._TIMESTAMPS_MAX + 10):
+        recency(f"2020-01-01T00:00:00.{day:06d}Z", "factual", NOW)
+        assert len(scoring._TIMESTAMPS) <= scoring._TIMESTAMPS_MAX
+    long = "2020-01-01T00:00:00." + "0" * 80 + "Z"
+    assert recency(long, "factual", NOW) is not None
+    assert long not in scoring._TIMESTAMPS
+
+
 # ---------------------------------------------------------------------------
 # Scoring boundaries: the interim formula exactly, weighted scoring edge cases, recency.
 #
