@@ -1,0 +1,135 @@
+"""Loaded into `python -m ibex serve` by `benchmarks.load.after_wall` (via PYTHONPATH) only.
+
+Times each step of a call whose retrieval was cut by its wall, from the wall
+instant (the call's arrival on the Trio clock plus `RetrievalConfig.wall`):
+the first wake of the loop after it, the cold branch's cancellation reaching
+`MemoryHttpSource.cold`, retrieval's return, the pipeline, the crossing back
+to asyncio, and the send. It wraps the daemon's functions from outside;
+nothing here is part of ibex. Figures (milliseconds per call) are written as
+JSON to $IBEX_WALL_PROBE_OUT when the daemon exits.
+"""
+
+from __future__ import annotations
+
+import atexit
+import bisect
+import collections
+import json
+import os
+import sys
+import time
+from typing import Any
+
+
+def _install() -> None:
+    import trio
+
+    import ibex.ops.metrics as metrics_module
+    import ibex.service.assembler as assembler_module
+    import ibex.service.convert as convert_module
+    import ibex.service.handlers as handlers_module
+    import ibex.sources.memory_http as memory_http
+
+    steps: dict[str, list[float]] = collections.defaultdict(list)
+    calls: dict[str, list[float]] = {}  # request_id -> [wall_at, retrieved, pipeline_end]
+    cancelled: dict[Any, float] = {}
+    wakes: collections.deque[float] = collections.deque(maxlen=4096)
+    installed = [False]
+
+    class Wakes(trio.abc.Instrument):
+        def after_io_wait(self, timeout: float) -> None:
+            wakes.append(trio.current_time())
+
+    retrieve = assembler_module.retrieve
+
+    async def timed_retrieve(request: Any, **kw: Any) -> Any:
+        if not installed[0]:
+            trio.lowlevel.add_instrument(Wakes())
+            installed[0] = True
+        arrived = kw.get("arrived")
+        got = await retrieve(request, **kw)
+        now = trio.current_time()
+        task = trio.lowlevel.current_task()
+        cancel = cancelled.pop(task, None)
+        if arrived is None or not any(b.status == "timeout" for b in got.branches):
+            return got
+        wall_at = arrived + kw["config"].wall
+        seen = list(wakes)
+        i = bisect.bisect_left(seen, wall_at)
+        if i < len(seen):
+            steps["1 loop wakes after the wall"].append((seen[i] - wall_at) * 1000)
+        if cancel is not None:
+            steps["2 cold branch cancelled"].append((cancel - wall_at) * 1000)
+        steps["3 retrieval returns"].append((now - wall_at) * 1000)
+        calls[request.request_id] = [wall_at, now]
+        return got
+
+    assembler_module.retrieve = timed_retrieve
+
+    cold = memory_http.MemoryHttpSource.cold
+
+    async def timed_cold(self: Any, *a: Any, **k: Any) -> Any:
+        try:
+            return await cold(self, *a, **k)
+        except BaseException:
+            cancelled[trio.lowlevel.current_task()] = trio.current_time()
+            raise
+
+    memory_http.MemoryHttpSource.cold = timed_cold  # type: ignore[method-assign]
+
+    pure = assembler_module.assemble_pure
+
+    def timed_pure(inputs: Any, **kw: Any) -> Any:
+        result = pure(inputs, **kw)
+        mark = calls.get(inputs.request.request_id)
+        if mark is not None:
+            mark.append(trio.current_time())
+        return result
+
+    assembler_module.assemble_pure = timed_pure
+
+    send = handlers_module.ContextService._send_assembly
+
+    async def timed_send(self: Any, stream: Any, result: Any) -> None:
+        start = trio.current_time()
+        await send(self, stream, result)
+        end = trio.current_time()
+        mark = calls.pop(result.request_id, None)
+        if mark is None or len(mark) < 3:
+            return
+        wall_at, retrieved, piped = mark
+        steps["4 pipeline (after retrieval)"].append((piped - retrieved) * 1000)
+        steps["5 crossing back to asyncio"].append((start - piped) * 1000)
+        steps["6 send (convert, metrics, grpclib)"].append((end - start) * 1000)
+        steps["after the wall, in all"].append((end - wall_at) * 1000)
+
+    handlers_module.ContextService._send_assembly = timed_send  # type: ignore[method-assign]
+
+    def timed(name: str, fn: Any) -> Any:
+        def run(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                steps[name].append((time.perf_counter() - t0) * 1000)
+
+        return run
+
+    convert_module.response_to_proto = timed(  # type: ignore[assignment]
+        "6a of which response_to_proto", convert_module.response_to_proto
+    )
+    metrics_module.Metrics.observe_assembly = timed(  # type: ignore[method-assign]
+        "6b of which observe_assembly", metrics_module.Metrics.observe_assembly
+    )
+
+    def report() -> None:
+        out = os.environ.get("IBEX_WALL_PROBE_OUT")
+        if out:
+            with open(out, "w") as f:
+                json.dump(steps, f)
+
+    atexit.register(report)
+
+
+if "serve" in sys.argv and os.environ.get("IBEX_WALL_PROBE_OUT"):
+    _install()
