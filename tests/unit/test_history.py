@@ -49,3 +49,43 @@ def test_a_bound_above_the_ceiling_when_they_do_not(
 
 def test_nothing_dropped_costs_nothing(counter: TokenCounter) -> None:
     assert dropped_tokens(counter, [], 100, fmt.XML_TAGS) == 0
+
+
+class Tally:
+    """A counter that adds up the tokens it is asked to count: the work done."""
+
+    def __init__(self, inner: TokenCounter) -> None:
+        self.inner = inner
+        self.estimate_kind = inner.estimate_kind
+        self.max_token_bytes = inner.max_token_bytes
+        self.counted = 0
+
+    def count_uncached(self, text: str) -> int:
+        n = self.inner.count_uncached(text)
+        self.counted += n
+        return n
+
+    def count(self, text: str) -> int:
+        return self.count_uncached(text)
+
+    def peek(self, text: str) -> int | None:
+        return None
+
+    def remember(self, items: object) -> None:
+        pass
+
+    def additive_cut(self, text: str) -> int:
+        return self.inner.additive_cut(text)
+
+
+def test_counting_stops_past_the_ceiling(counter: TokenCounter) -> None:
+    """docs/assembly.md: past the ceiling a lower bound, "counting stops there". A newest
+    message of 3/4 of the ceiling and an older one of 1 MB cost about one ceiling of
+    counting, not the older message's size nor the ceiling again."""
+    ceiling = 1000
+    newest = Message("user", "wait for green CI. " * 150)  # 751 tokens
+    oldest = Message("assistant", "wait for green CI. " * 55_000)  # 1 MB, ~275,000 tokens
+    tally = Tally(counter)
+    n = dropped_tokens(tally, [oldest, newest], ceiling, fmt.XML_TAGS)
+    assert n > ceiling
+    assert tally.counted <= 1.5 * ceiling
