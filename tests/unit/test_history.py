@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ibex.assembly import formatter as fmt
-from ibex.assembly.history import dropped_tokens
+from ibex.assembly.history import body_tokens, dropped_tokens
 from ibex.assembly.structs import Message
 from ibex.assembly.tokens import TokenCounter, Tokenizers
 
@@ -89,3 +89,27 @@ def test_counting_stops_past_the_ceiling(counter: TokenCounter) -> None:
     n = dropped_tokens(tally, [oldest, newest], ceiling, fmt.XML_TAGS)
     assert n > ceiling
     assert tally.counted <= 1.5 * ceiling
+
+
+def test_a_message_with_an_empty_body_is_exact_at_the_ceiling_and_bounded_below_it(
+    counter: TokenCounter,
+) -> None:
+    """Only its markup: exact when the ceiling holds just that, and never more than that
+    (a lower bound, not a guess) when the ceiling is below it."""
+    empty = [Message("user", "")]
+    markup = counter.count_uncached(fmt.XML_TAGS.message_open("user")) + counter.count_uncached(
+        fmt.XML_TAGS.message_close
+    )
+    assert dropped_tokens(counter, empty, markup, fmt.XML_TAGS) == markup
+    assert dropped_tokens(counter, empty, 0, fmt.XML_TAGS) == markup
+
+
+@pytest.mark.parametrize("limit", [3, 9])
+def test_a_short_body_within_a_small_limit_is_counted_exactly(
+    counter: TokenCounter, limit: int
+) -> None:
+    """body_tokens' contract: a piece that fits is its exact count, whatever the limit."""
+    piece = fmt.XML_TAGS.body_piece_uncached("ok")
+    assert counter.count_uncached(piece) <= 3
+    n, exact = body_tokens(counter, fmt.XML_TAGS, "ok", limit)
+    assert exact and n == counter.count_uncached(piece)
