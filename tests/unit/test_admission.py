@@ -659,6 +659,14 @@ async def test_a_long_thread_queue_refuses_and_says_which_queue(
 # -- when a wait runs out: what the caller is told ---------------------------------------------
 
 
+def _one_busy_thread(service: float) -> WorkerThreads:
+    """One worker thread, taken, that a call expects to take `service` seconds a turn."""
+    threads = WorkerThreads(1)
+    assert threads.queue.try_acquire()
+    threads.service = service
+    return threads
+
+
 async def _slot(
     a: Admission, remaining: float | None, org: str = ORG_B, threads: WorkerThreads | None = None
 ) -> bool:
@@ -699,9 +707,7 @@ async def test_thread_queue_refusals_name_the_expected_wait(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     a = fair(max_queue_wait=0.75)
-    threads = WorkerThreads(1)
-    assert threads.queue.try_acquire()
-    threads.service = 0.6
+    threads = _one_busy_thread(0.6)
     with pytest.raises(Overloaded) as timed:
         await _slot(a, 0.6, ORG_A, threads)
     assert re.fullmatch(
@@ -725,9 +731,7 @@ async def test_a_wait_for_a_thread_that_runs_out_says_why(
     (DEADLINE_EXCEEDED); one with room, or without a deadline whose expected wait is exactly
     `max_queue_wait` (not over it), waits its whole time and is refused as `threads`."""
     a = fair(max_queue_wait=0.75)
-    threads = WorkerThreads(1)
-    assert threads.queue.try_acquire()
-    threads.service = 0.001
+    threads = _one_busy_thread(0.001)
     with pytest.raises(DeadlineError) as late:
         await _slot(a, 0.015, ORG_A, threads)
     assert str(late.value) == "no worker thread free within the deadline"
@@ -752,9 +756,7 @@ async def test_calls_with_room_wait_for_a_thread_whatever_its_queue_would_cost_u
     """`max_queue_wait` bounds calls without a deadline only: two calls with 5 s left wait
     behind a 1 s thread queue (counted as waiting) and each gets the thread in turn."""
     a = fair(max_queue_wait=0.5)
-    threads = WorkerThreads(1)
-    assert threads.queue.try_acquire()
-    threads.service = 1.0
+    threads = _one_busy_thread(1.0)
     held: list[bool] = []
 
     async def patient() -> None:
