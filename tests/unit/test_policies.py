@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from ibex.errors import Overloaded, Unavailable
+from ibex.errors import DeadlineError, Overloaded, Unavailable
 from ibex.ops.metrics import Metrics
 from ibex.service.admission import GATE_CPU_MESSAGE, Admission, AdmissionConfig
 from ibex.service.policies import (
@@ -140,3 +140,56 @@ def test_without_the_cap_policy_nothing_caps_the_calls_in_flight() -> None:
     ):
         pass
     assert info.value.reason == "in_flight"
+
+
+class Recorder:
+    """Test-only policy: asked everywhere, admits, and notes the facts it was shown."""
+
+    stages: frozenset[Stage] = frozenset(("open", "bytes", "headers", "arrival"))
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[Stage, str, float | None, int]] = []
+        self.times: list[float] = []
+
+    def verdict(self, call: CallFacts, load: Admission, now: float) -> Refusal | None:
+        self.seen.append((call.stage, call.method, call.remaining, call.size))
+        self.times.append(now)
+        return None
+
+
+def test_each_checkpoint_shows_a_policy_the_facts_it_documents() -> None:
+    """ibex.service.policies: `method` only at "headers", `size` the bytes this checkpoint
+    adds (0 at "headers"), `remaining` from the caller, `now` the monotonic clock."""
+    recorder = Recorder()
+    a = Admission(AdmissionConfig(), Metrics(), (recorder,))
+    before = time.monotonic()
+    assert a.gate("AssembleContext", 0.5) is None
+    a.check_open()
+    a.reserve_bytes(300)
+    with a.admitted(time.monotonic(), 0.25, size=40):
+        pass
+    assert recorder.seen == [
+        ("headers", "AssembleContext", 0.5, 0),
+        ("open", "", None, 0),
+        ("bytes", "", None, 300),
+        ("open", "", None, 0),  # admitted asks "open" again
+        ("arrival", "", 0.25, 40),
+    ]
+    assert all(before <= t <= time.monotonic() for t in recorder.times)
+
+
+class TooLate:
+    """Test-only policy: a deadline refusal on arrival."""
+
+    stages: frozenset[Stage] = frozenset(("arrival",))
+
+    def verdict(self, call: CallFacts, load: Admission, now: float) -> Refusal | None:
+        return Refusal("", "DEADLINE_EXCEEDED", "too late for the test")
+
+
+def test_a_deadline_refusal_carries_the_policys_message() -> None:
+    a = Admission(AdmissionConfig(), Metrics(), (TooLate(),))
+    with pytest.raises(DeadlineError) as info, a.admitted(time.monotonic(), 1.0):
+        pass
+    assert str(info.value) == "too late for the test"
+    assert a.in_flight == 0
