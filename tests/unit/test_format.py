@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from ibex.assembly import formatter as fmt
 from ibex.assembly.catalog import Catalog, load_catalog
-from ibex.assembly.format import Format
+from ibex.assembly.format import BODY_CACHE_MAX_CHARS, Format
 from ibex.assembly.pipeline import DEFAULT_CONFIG, AssemblyInputs, PipelineConfig, assemble_pure
 from ibex.assembly.structs import (
     AssemblyRequest,
@@ -315,3 +315,18 @@ def test_each_format_has_its_own_body_cache() -> None:
     assert fmt.body_piece(text) == "# not a heading &lt;x&gt;\n"
     assert md.cached_body_piece(text) == "\\# not a heading <x>\n"
     assert md.body_cache_info().entries == 1
+
+
+def test_bodies_up_to_the_cache_limit_are_cached_and_longer_ones_never() -> None:
+    """`body_piece`: memoised for texts up to BODY_CACHE_MAX_CHARS, that length included,
+    whether cached as it is rendered or remembered after an uncached pricing."""
+    at, over = "a" * BODY_CACHE_MAX_CHARS, "b" * (BODY_CACHE_MAX_CHARS + 1)
+    rendered = MarkdownFormat()
+    rendered.body_piece(at)
+    rendered.body_piece(over)
+    assert rendered.cached_body_piece(at) == at + "\n"
+    assert rendered.cached_body_piece(over) is None
+    remembered = MarkdownFormat()
+    remembered.remember_body_pieces([(at, at + "\n"), (over, over + "\n")])
+    assert remembered.cached_body_piece(at) == at + "\n"
+    assert remembered.body_cache_info().entries == 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ibex.assembly import formatter as fmt
-from ibex.assembly.history import body_tokens, dropped_tokens
+from ibex.assembly.history import Staged, body_tokens, dropped_tokens
 from ibex.assembly.structs import Message
 from ibex.assembly.tokens import TokenCounter, Tokenizers
 
@@ -113,3 +113,80 @@ def test_a_short_body_within_a_small_limit_is_counted_exactly(
     assert counter.count_uncached(piece) <= 3
     n, exact = body_tokens(counter, fmt.XML_TAGS, "ok", limit)
     assert exact and n == counter.count_uncached(piece)
+
+
+class ByteRule:
+    """A counter with a simple exact rule: ceil(UTF-8 bytes / `per`) tokens. It never falls
+    as a text grows (any cut is additive), and no token holds more than `max_token_bytes`
+    when that is at least `per` (0: no byte bound). Small enough to compare body_tokens
+    with the true count everywhere."""
+
+    estimate_kind = "byte_rule"
+
+    def __init__(self, per: int, max_token_bytes: int) -> None:
+        self.per = per
+        self.max_token_bytes = max_token_bytes
+
+    def count_uncached(self, text: str) -> int:
+        return -(-len(text.encode("utf-8", "surrogatepass")) // self.per)
+
+    count = count_uncached
+
+    def peek(self, text: str) -> int | None:
+        return None
+
+    def remember(self, items: object) -> None:
+        pass
+
+    def additive_cut(self, text: str) -> int:
+        return len(text)
+
+
+@pytest.mark.parametrize(
+    ("per", "max_token_bytes"),
+    [(2, 2), (2, 0), (2, 128), (7, 128)],  # 0: no byte bound, prefixes only
+)
+def test_body_tokens_is_the_exact_count_when_it_fits_else_a_bound_above_the_limit(
+    per: int, max_token_bytes: int
+) -> None:
+    """body_tokens' contract, against the true count: a piece that fits is its exact count;
+    one that does not is n > limit, an int, never above the true count, and exact only if
+    it is the true count. Lengths cross the first probe (6 x (limit + 1) + 64), and the
+    limits reach where one probe's bound can equal the limit."""
+    counter = ByteRule(per, max_token_bytes)
+    for text in ("ab <c> & d", "é中😀x", "plain words "):
+        for length in range(0, 640, 9):
+            content = (text * (length // len(text) + 1))[:length]
+            true = counter.count_uncached(fmt.XML_TAGS.body_piece_uncached(content))
+            for limit in (*range(0, 24), *range(68, 78)):
+                n, exact = body_tokens(counter, fmt.XML_TAGS, content, limit)
+                assert isinstance(n, int)
+                if true <= limit:
+                    assert (n, exact) == (true, True), (content, limit)
+                else:
+                    assert limit < n <= true, (content, limit)
+                    assert n == true or not exact, (content, limit)
+
+
+def test_what_fits_is_staged_once_and_what_is_cached_is_not_staged_again(
+    tokenizers: Tokenizers,
+) -> None:
+    """The module's rule: counts and bodies computed during a request are staged, cached
+    when it fits (`commit`), and a later request finds them cached and stages nothing."""
+    counter = Tokenizers(None, 4096).counter("o200k_base", "o200k_base")  # a fresh cache
+    xml = fmt.XmlTagFormat()
+    content = "a history turn that fits exactly"
+    piece = xml.body_piece_uncached(content)
+    n = counter.count_uncached(piece)
+    staged = Staged(counter, xml)
+    assert body_tokens(counter, xml, content, n, staged) == (n, True)  # fits exactly
+    assert staged.bodies == [(content, piece)] and staged.counts == [(piece, n)]
+    assert staged.body(content) == piece and staged.count(piece) == n  # staged again: uncached
+    staged.commit()
+    again = Staged(counter, xml)
+    assert body_tokens(counter, xml, content, n, again) == (n, True)
+    assert again.body(content) == piece and again.count(piece) == n
+    assert again.bodies == [] and again.counts == []
+    over = Staged(counter, xml)
+    assert body_tokens(counter, xml, content + " and then some", n, over)[0] > n
+    assert over.bodies == [] and over.counts == []  # what does not fit is not staged
