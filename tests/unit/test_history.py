@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ibex.assembly import formatter as fmt
-from ibex.assembly.history import Staged, body_tokens, dropped_tokens
+from ibex.assembly.history import HistoryFit, Staged, body_tokens, dropped_tokens, fit_history
 from ibex.assembly.structs import Message
 from ibex.assembly.tokens import TokenCounter, Tokenizers
 
@@ -190,3 +190,24 @@ def test_what_fits_is_staged_once_and_what_is_cached_is_not_staged_again(
     over = Staged(counter, xml)
     assert body_tokens(counter, xml, content + " and then some", n, over)[0] > n
     assert over.bodies == [] and over.counts == []  # what does not fit is not staged
+
+
+def test_fit_history_keeps_the_newest_run_that_fits_the_room_exactly() -> None:
+    """The longest run of newest messages whose section fits `room`: at the section's exact
+    size all are kept (overflow 0), one token less drops the oldest and reports at least
+    what it needs; the bodies of what was counted are staged for the cache."""
+    counter = Tokenizers(None, 4096).counter("o200k_base", "o200k_base")  # a fresh cache
+    xml = fmt.XmlTagFormat()
+    assert fit_history(counter, [], NONCE, 100, Staged(counter, xml)) == HistoryFit((), 0, 0)
+    section = len(
+        Tokenizers(None, 4096)
+        .encoding("o200k_base")
+        .encode_ordinary("".join(fmt.XmlTagFormat().history_section(MESSAGES, NONCE)))
+    )
+    staged = Staged(counter, xml)
+    fit = fit_history(counter, MESSAGES, NONCE, section, staged)
+    assert fit == HistoryFit(tuple(MESSAGES), section, 0)
+    assert {text for text, _ in staged.bodies} == {m.content for m in MESSAGES}
+    short = fit_history(counter, MESSAGES, NONCE, section - 1, Staged(counter, xml))
+    assert short.kept == tuple(MESSAGES[1:])
+    assert short.tokens <= section - 1 and short.overflow > 0
