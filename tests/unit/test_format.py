@@ -322,7 +322,8 @@ def test_bodies_up_to_the_cache_limit_are_cached_and_longer_ones_never() -> None
     whether cached as it is rendered or remembered after an uncached pricing."""
     at, over = "a" * BODY_CACHE_MAX_CHARS, "b" * (BODY_CACHE_MAX_CHARS + 1)
     rendered = MarkdownFormat()
-    rendered.body_piece(at)
+    assert rendered.body_piece(at) == rendered.body_piece(at) == at + "\n"
+    assert rendered.body_cache_info().hits == 1  # the second render came from the cache
     rendered.body_piece(over)
     assert rendered.cached_body_piece(at) == at + "\n"
     assert rendered.cached_body_piece(over) is None

@@ -211,3 +211,5 @@ def test_fit_history_keeps_the_newest_run_that_fits_the_room_exactly() -> None:
     short = fit_history(counter, MESSAGES, NONCE, section - 1, Staged(counter, xml))
     assert short.kept == tuple(MESSAGES[1:])
     assert short.tokens <= section - 1 and short.overflow > 0
+    none = fit_history(counter, MESSAGES, NONCE, 20, Staged(counter, xml))
+    assert none.kept == () and none.tokens == 0 and none.overflow > 0
