@@ -349,3 +349,42 @@ async def test_local_feedback_stays_within_unit_interval() -> None:
         await source.feedback(fb(memory_ids=[M1], feedback="negative"), f"n{i}")
     usefulness = await _usefulness(source, M1)
     assert usefulness is not None and math.isclose(usefulness, 0.0)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"feedback": "helpful"}, "feedback: must be one of positive, negative, neutral"),
+        ({"memory_ids": []}, "memory_ids: at least one memory id is required"),
+        (
+            {"memory_ids": [M1] * (MAX_FEEDBACK_IDS + 1)},
+            f"memory_ids: more than {MAX_FEEDBACK_IDS} ids",
+        ),
+        ({"session_id": "s" * 257}, "session_id: longer than 256 characters"),
+        ({"trace_id": "t" * 257}, "trace_id: longer than 256 characters"),
+    ],
+)
+def test_feedback_refusals_name_the_field_and_the_rule(
+    change: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(InputError) as info:
+        fb(**change)
+    assert str(info.value) == message
+
+
+def test_ids_of_exactly_the_length_limit_and_absent_ones_are_accepted() -> None:
+    assert fb(session_id="s" * 256, trace_id="t" * 256).session_id == "s" * 256
+    bare = validate_feedback(org_id=ORG, memory_ids=[M1], feedback="neutral")
+    assert (bare.session_id, bare.trace_id) == ("", "")
+
+
+def test_the_idempotency_key_takes_any_session_text() -> None:
+    """The canonical encoding is ASCII JSON (non-ASCII escaped), so any session id keys."""
+    key = idempotency_key(fb(session_id="café ☕"))
+    assert key != idempotency_key(fb(session_id="cafe"))
+    canonical = json.dumps(
+        ["ibex-feedback-v1", ORG, "café ☕", "t", "positive", sorted([M1, M2])],
+        ensure_ascii=True,
+        separators=(",", ":"),
+    )
+    assert key == hashlib.sha256(canonical.encode("ascii")).hexdigest()

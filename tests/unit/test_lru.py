@@ -14,3 +14,13 @@ def test_each_lookup_counts_one_hit_or_one_miss() -> None:
     assert cache.get("b") is None
     assert cache.get("c") is None
     assert (cache.hits, cache.misses) == (3, 2)
+
+
+def test_info_counts_hits_and_misses_and_clear_empties_the_bytes() -> None:
+    lru: ByteLRU[str] = ByteLRU(1 << 20)
+    lru.put("a", "x")
+    assert lru.get("a") == "x" and lru.get("b") is None and lru.get("a") == "x"
+    info = lru.info()
+    assert (info.hits, info.misses, info.entries) == (2, 1, 1) and info.bytes > 0
+    lru.clear()
+    assert lru.info().entries == 0 and lru.info().bytes == 0
