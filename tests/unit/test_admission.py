@@ -707,11 +707,11 @@ async def test_thread_queue_refusals_name_the_expected_wait(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     a = fair(max_queue_wait=0.75)
-    threads = _one_busy_thread(0.6)
-    with pytest.raises(Overloaded) as timed:
-        await _slot(a, 0.6, ORG_A, threads)
+    threads = _one_busy_thread(3.0)
+    with pytest.raises(Overloaded) as timed:  # 2.5 s left: less than 3 s + min_useful
+        await _slot(a, 2.5, ORG_A, threads)
     assert re.fullmatch(
-        r"overloaded: about 600ms of worker-thread queue before a call with (599|600)ms left",
+        r"overloaded: about 3000ms of worker-thread queue before a call with (2499|2500)ms left",
         str(timed.value),
     )
     threads.service = 1.0
