@@ -1,4 +1,6 @@
-"""history.dropped_tokens: exact while the left-out messages fit the ceiling, a bound past it."""
+"""ibex.assembly.history: the newest run that fits, body_tokens' exact-or-bound contract, staging
+for the cache, and dropped_tokens (exact while the left-out messages fit the ceiling, a bound
+past it)."""
 
 from __future__ import annotations
 
