@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 from typing import Any
 
@@ -180,6 +181,7 @@ class ScriptedSink:
         self.keys: list[str] = []
 
     async def feedback(self, feedback: Feedback, key: str) -> list[ScoreUpdate]:
+        assert feedback == fb()  # what was validated is what is sent
         self.keys.append(key)
         step = self.script.pop(0)
         if step == "hang":
@@ -388,3 +390,24 @@ def test_the_idempotency_key_takes_any_session_text() -> None:
         separators=(",", ":"),
     )
     assert key == hashlib.sha256(canonical.encode("ascii")).hexdigest()
+
+
+async def test_a_retry_is_logged_with_its_reason_and_a_key_prefix_only(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two 1 s halves of 2 s: the first hangs; the log names why the second attempt runs,
+    the org and 16 characters of the key (enough to correlate, not the whole key)."""
+    sink = ScriptedSink("hang", [ScoreUpdate(M1, 0.5, 0.6)])
+    with caplog.at_level(logging.INFO, logger="ibex.sources.feedback"):
+        sent = await _send(sink, 2.002)
+    assert sent.attempts == 2
+    (record,) = [r for r in caplog.records if r.getMessage() == "feedback_retry"]
+    assert record.reason == "feedback: no answer within 1000ms"  # type: ignore[attr-defined]
+    assert record.key == idempotency_key(fb())[:16]  # type: ignore[attr-defined]
+    assert record.org_id == ORG  # type: ignore[attr-defined]
+
+
+async def test_no_time_for_an_attempt_says_so(autojump_clock: trio.testing.MockClock) -> None:
+    with pytest.raises(SourceError) as info:
+        await _send(ScriptedSink(), 0.002)
+    assert str(info.value) == "feedback: no time left for an attempt"
