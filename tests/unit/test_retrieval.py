@@ -910,3 +910,13 @@ async def test_a_search_without_a_memory_source_fails_before_any_io() -> None:
         assembler.memory_source = None
         with pytest.raises(SourceError, match=r"^memory search failed: no memory source"):
             assembler.check_search(SearchRequest(SAMPLE_ORG_ID, SAMPLE_AGENT_ID, "deploy"))
+
+
+async def test_a_search_without_an_answer_names_the_wait_it_was_given(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    stuck = FakeSources({"cold": Plan(math.inf)})
+    config = RetrievalConfig(cold_timeout=0.75)
+    with pytest.raises(SourceError) as info:
+        await search(stuck, ORG, AGENT, "q", limit=5, config=config)
+    assert str(info.value) == "memory search failed: no answer within 750ms"
