@@ -396,6 +396,7 @@ def test_the_first_refusal_is_logged_even_at_clock_zero(caplog: pytest.LogCaptur
         ({"idle_timeout": 5.0, "max_age": None}, 0.5),  # a tenth of the idle timeout
         ({"idle_timeout": 300.0, "max_age": 4.0}, 0.2),  # a twentieth of the age
         ({"idle_timeout": 0.05, "max_age": None}, 0.01),  # never more often than 10 ms
+        ({"idle_timeout": None, "max_age": None, "auth_timeout": 3.3}, 0.33),  # a tenth
     ],
 )
 def test_the_sweep_runs_often_enough_for_what_is_configured(
@@ -538,3 +539,16 @@ def test_a_peer_whose_connections_all_closed_leaves_no_entry_behind() -> None:
     for conn, _ in opened:
         conns.closed(conn)
     assert conns.count == 0 and conns._peers == {}
+
+
+def test_a_connection_that_never_authenticated_closes_at_exactly_the_auth_timeout() -> None:
+    clock = Clock()
+    conns = make(clock, auth_timeout=5.0, idle_timeout=None)
+    silent = FakeConn()
+    assert conns.admit(silent)
+    clock.now = 104.99
+    conns.sweep()
+    assert silent.calls == []
+    clock.now = 105.0  # accepted at 100.0
+    conns.sweep()
+    assert silent.calls == ["close_idle"] and conns.closed_unauthenticated == 1
