@@ -239,3 +239,17 @@ def test_rank_search_accepts_hits_with_a_creation_date() -> None:
     res = rank_search(hits, flt(), NOW)
     assert [h.hit.memory_id for h in res.hits] == ["dated", "undated"]
     assert res.hits[0].score == pytest.approx(0.85 * 0.9 + 0.15 * 0.5)
+
+
+def test_rank_search_uses_the_composite_when_every_own_hit_has_one_whatever_others_carry() -> None:
+    """Only the caller's own hits decide the score schema: another tenant's hit without a
+    composite (filtered out anyway) or an own hit whose content was dropped does not switch
+    the caller's ranking to interim_v1."""
+    hits = [
+        hit("a", 0.5, composite_score=0.9),
+        hit("b", 0.9, composite_score=0.3),
+        hit("x", 0.9, org_id=OTHER),  # no composite
+        hit("big", 0.9, oversized=True),  # no composite, and dropped: it does not count
+    ]
+    res = rank_search(hits, flt(), NOW)
+    assert [(h.hit.memory_id, h.score) for h in res.hits] == [("a", 0.9), ("b", 0.3)]
