@@ -9,6 +9,7 @@ default formula and returns the best ``limit``, ties by id.
 
 from __future__ import annotations
 
+import datetime
 import math
 
 import pytest
@@ -253,3 +254,17 @@ def test_rank_search_uses_the_composite_when_every_own_hit_has_one_whatever_othe
     ]
     res = rank_search(hits, flt(), NOW)
     assert [(h.hit.memory_id, h.score) for h in res.hits] == [("a", 0.9), ("b", 0.3)]
+
+
+def test_select_candidates_scores_recency_at_the_time_it_is_given() -> None:
+    """Recency decays from `now`: a day-old memory outranks a 400-day-old one when recency
+    is asked for."""
+
+    def created(days_before: float) -> str:
+        at = datetime.datetime.fromtimestamp(NOW - days_before * 86400, datetime.UTC)
+        return at.isoformat().replace("+00:00", "Z")
+
+    cold = [hit("old", 0.5, created_at=created(400)), hit("new", 0.5, created_at=created(1))]
+    ranked, _ = select_candidates(req(recency_weight=1.0), [], cold, NOW)
+    assert [m.memory_id for m in ranked] == ["new", "old"]
+    assert ranked[0].composite_score > 0.99 > 0.25 > ranked[1].composite_score
