@@ -10,7 +10,9 @@ pricing follows the rendering.
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -331,3 +333,27 @@ def test_bodies_up_to_the_cache_limit_are_cached_and_longer_ones_never() -> None
     remembered.remember_body_pieces([(at, at + "\n"), (over, over + "\n")])
     assert remembered.cached_body_piece(at) == at + "\n"
     assert remembered.body_cache_info().entries == 1
+
+
+class UnpricedTrailer(MarkdownFormat):
+    """Test-only, a broken format: its text carries a trailer none of its pieces prices."""
+
+    def render_pieces(self, **sections: Any) -> list[str]:
+        return [*super().render_pieces(**sections), "an unpriced trailer. " * 3000]
+
+
+def test_a_text_longer_than_its_priced_pieces_is_refused_never_sent(
+    tokenizers: Tokenizers, catalog: Catalog
+) -> None:
+    """The re-count has the last word: memories are dropped while the text is over the
+    ceiling, and with none left the call is refused, naming the sizes, not answered over."""
+    inp = inputs("gpt-4o", 8000, HISTORY[-2:], MEMORIES[:2])
+    with pytest.raises(TooLargeError) as info:
+        assemble(inp, catalog, tokenizers, PipelineConfig(format=UnpricedTrailer()))
+    assert info.value.field == "recent_messages"
+    said = re.fullmatch(
+        r"recent_messages: directive, history and tools take (\d+) tokens, more than the "
+        r"(\d+) the model 'gpt-4o' leaves for context",
+        str(info.value),
+    )
+    assert said is not None and int(said[1]) > int(said[2]) > 0
