@@ -110,7 +110,8 @@ class Supervisor:
                 nursery.start_soon(self._announce_ready)
                 nursery.start_soon(run_watchdog, self.notifier)
                 if self.settings.metrics_addr and os.environ.get(MULTIPROC_ENV):
-                    from ibex.ops.metrics import exposition_registry, serve_metrics
+                    from ibex.ops.metrics import exposition_registry
+                    from ibex.ops.metrics_http import serve_metrics
 
                     registry = exposition_registry()
                     registry.register(self.restart_metric)

@@ -76,12 +76,18 @@ def decode_directive(raw: bytes | None, max_bytes: int = MAX_VALUE_BYTES) -> Dir
     except RecursionError:  # msgspec's depth limit, even inside an ignored key
         raise SourceError("directive value: malformed JSON (nested too deeply)") from None
     if env.v != ENVELOPE_VERSION:
-        raise SourceError(f"directive value: unsupported envelope version {env.v}")
+        raise SourceError(_unsupported_version(env.v))
     mode: InjectionMode = "system_first"
     if env.injection_mode in _MODES:
         mode = cast(InjectionMode, env.injection_mode)
     version = str(env.version_id) if env.version_id is not None else None
     return Directive(content=env.content, injection_mode=mode, version_id=version)
+
+
+def _unsupported_version(v: int) -> str:
+    """The error for another envelope version; JSON allows any number of digits, so the
+    version is named by its first 20 characters (a 64-bit integer's) only."""
+    return f"directive value: unsupported envelope version {str(v)[:20]}"
 
 
 def _decode_failure(raw: bytes, exc: msgspec.DecodeError) -> str:
@@ -92,7 +98,7 @@ def _decode_failure(raw: bytes, exc: msgspec.DecodeError) -> str:
         return "directive value: malformed JSON or not an object"
     v = probe.v
     if isinstance(v, int) and not isinstance(v, bool) and v != ENVELOPE_VERSION:
-        return f"directive value: unsupported envelope version {str(v)[:20]}"
+        return _unsupported_version(v)
     if isinstance(exc, msgspec.ValidationError):
         # e.g. "Expected `str`, got `int` - at `$.content`": a type and a path, no value.
         return f"directive value: {str(exc)[:120]}"

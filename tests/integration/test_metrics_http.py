@@ -28,9 +28,8 @@ from ibex.ops.metrics import (
     clear_multiprocess_dir,
     exposition_registry,
     mark_process_dead,
-    serve_metrics,
-    token_digest,
 )
+from ibex.ops.metrics_http import serve_metrics, token_digest
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 

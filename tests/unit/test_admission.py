@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 
 import pytest
@@ -684,3 +685,118 @@ async def test_a_long_thread_queue_refuses_and_says_which_queue(
     assert exc.reason == "threads" and "without a deadline" in str(exc)
     threads.queue.release()
     assert shed(a, "threads") == 3 and a.in_flight == 0 and a.pending == 0
+
+
+# -- when a wait runs out: what the caller is told ---------------------------------------------
+
+
+def _one_busy_thread(service: float) -> WorkerThreads:
+    """One worker thread, taken, that a call expects to take `service` seconds a turn."""
+    threads = WorkerThreads(1)
+    assert threads.queue.try_acquire()
+    threads.service = service
+    return threads
+
+
+async def _slot(
+    a: Admission, remaining: float | None, org: str = ORG_B, threads: WorkerThreads | None = None
+) -> bool:
+    with a.admitted(time.monotonic(), remaining) as ticket:
+        async with a.slot(ticket, org, threads) as held:
+            return held
+
+
+async def test_a_wait_for_a_slot_that_runs_out_says_why(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """No slot in time: DEADLINE_EXCEEDED while no queue stands (an idle daemon's answer
+    too), `queue` overload while one does, and for a call without a deadline the wait
+    it was given."""
+    a = fair(max_concurrent=1, max_queue_wait=0.75)
+    release = trio.Event()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_hold, a, ORG_A, 50.0, release)
+        await trio.sleep(0.001)
+        with pytest.raises(DeadlineError) as late:
+            await _slot(a, 0.050)
+        assert str(late.value) == "no assembly slot free within the deadline"
+        _standing(a, 0.030)
+        with pytest.raises(Overloaded) as standing:
+            await _slot(a, 0.5)
+        assert standing.value.reason == "queue"
+        assert str(standing.value) == "overloaded: no assembly slot within the deadline"
+        with pytest.raises(Overloaded) as untimed:
+            await _slot(a, None)
+        assert str(untimed.value) == (
+            "overloaded: no assembly slot within the 750ms a call without a deadline waits"
+        )
+        release.set()
+    assert shed(a, "queue") == 2 and a.in_flight == 0 and a.pending == 0
+
+
+async def test_thread_queue_refusals_name_the_expected_wait(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    a = fair(max_queue_wait=0.75)
+    threads = _one_busy_thread(3.0)
+    with pytest.raises(Overloaded) as timed:  # 2.5 s left: less than 3 s + min_useful
+        await _slot(a, 2.5, ORG_A, threads)
+    assert re.fullmatch(
+        r"overloaded: about 3000ms of worker-thread queue before a call with (2499|2500)ms left",
+        str(timed.value),
+    )
+    threads.service = 1.0
+    with pytest.raises(Overloaded) as untimed:
+        await _slot(a, None, ORG_A, threads)
+    assert str(untimed.value) == (
+        "overloaded: about 1000ms of worker-thread queue, over the 750ms a call without a "
+        "deadline waits"
+    )
+    threads.queue.release()
+
+
+async def test_a_wait_for_a_thread_that_runs_out_says_why(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The thread never frees: a call with less than `min_useful` left misses its deadline
+    (DEADLINE_EXCEEDED); one with room, or without a deadline whose expected wait is exactly
+    `max_queue_wait` (not over it), waits its whole time and is refused as `threads`."""
+    a = fair(max_queue_wait=0.75)
+    threads = _one_busy_thread(0.001)
+    with pytest.raises(DeadlineError) as late:
+        await _slot(a, 0.015, ORG_A, threads)
+    assert str(late.value) == "no worker thread free within the deadline"
+    t0 = trio.current_time()
+    with pytest.raises(Overloaded) as timed:
+        await _slot(a, 0.5, ORG_A, threads)
+    assert trio.current_time() - t0 == pytest.approx(0.5 - 0.002, abs=0.001)  # less min_answer
+    assert str(timed.value) == "overloaded: no worker thread free within the call's wait"
+    threads.service = 0.75  # a call without a deadline expects exactly max_queue_wait
+    t0 = trio.current_time()
+    with pytest.raises(Overloaded) as untimed:
+        await _slot(a, None, ORG_A, threads)
+    assert trio.current_time() - t0 == pytest.approx(0.75)
+    assert str(untimed.value) == "overloaded: no worker thread free within the call's wait"
+    assert shed(a, "threads") == 2
+    threads.queue.release()
+
+
+async def test_calls_with_room_wait_for_a_thread_whatever_its_queue_would_cost_untimed(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """`max_queue_wait` bounds calls without a deadline only: two calls with 5 s left wait
+    behind a 1 s thread queue (counted as waiting) and each gets the thread in turn."""
+    a = fair(max_queue_wait=0.5)
+    threads = _one_busy_thread(1.0)
+    held: list[bool] = []
+
+    async def patient() -> None:
+        held.append(await _slot(a, 5.0, ORG_A, threads))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(patient)
+        nursery.start_soon(patient)
+        await trio.sleep(0.01)
+        assert a.thread_waiting == 2
+        threads.queue.release()
+    assert held == [True, True] and a.thread_waiting == 0 and shed(a, "threads") == 0

@@ -9,6 +9,7 @@ default formula and returns the best ``limit``, ties by id.
 
 from __future__ import annotations
 
+import datetime
 import math
 
 import pytest
@@ -239,3 +240,31 @@ def test_rank_search_accepts_hits_with_a_creation_date() -> None:
     res = rank_search(hits, flt(), NOW)
     assert [h.hit.memory_id for h in res.hits] == ["dated", "undated"]
     assert res.hits[0].score == pytest.approx(0.85 * 0.9 + 0.15 * 0.5)
+
+
+def test_rank_search_uses_the_composite_when_every_own_hit_has_one_whatever_others_carry() -> None:
+    """Only the caller's own hits decide the score schema: another tenant's hit without a
+    composite (filtered out anyway) or an own hit whose content was dropped does not switch
+    the caller's ranking to interim_v1."""
+    hits = [
+        hit("a", 0.5, composite_score=0.9),
+        hit("b", 0.9, composite_score=0.3),
+        hit("x", 0.9, org_id=OTHER),  # no composite
+        hit("big", 0.9, oversized=True),  # no composite, and dropped: it does not count
+    ]
+    res = rank_search(hits, flt(), NOW)
+    assert [(h.hit.memory_id, h.score) for h in res.hits] == [("a", 0.9), ("b", 0.3)]
+
+
+def test_select_candidates_scores_recency_at_the_time_it_is_given() -> None:
+    """Recency decays from `now`: a day-old memory outranks a 400-day-old one when recency
+    is asked for."""
+
+    def created(days_before: float) -> str:
+        at = datetime.datetime.fromtimestamp(NOW - days_before * 86400, datetime.UTC)
+        return at.isoformat().replace("+00:00", "Z")
+
+    cold = [hit("old", 0.5, created_at=created(400)), hit("new", 0.5, created_at=created(1))]
+    ranked, _ = select_candidates(req(recency_weight=1.0), [], cold, NOW)
+    assert [m.memory_id for m in ranked] == ["new", "old"]
+    assert ranked[0].composite_score > 0.99 > 0.25 > ranked[1].composite_score

@@ -396,6 +396,7 @@ def test_the_first_refusal_is_logged_even_at_clock_zero(caplog: pytest.LogCaptur
         ({"idle_timeout": 5.0, "max_age": None}, 0.5),  # a tenth of the idle timeout
         ({"idle_timeout": 300.0, "max_age": 4.0}, 0.2),  # a twentieth of the age
         ({"idle_timeout": 0.05, "max_age": None}, 0.01),  # never more often than 10 ms
+        ({"idle_timeout": None, "max_age": None, "auth_timeout": 3.3}, 0.33),  # a tenth
     ],
 )
 def test_the_sweep_runs_often_enough_for_what_is_configured(
@@ -499,3 +500,55 @@ async def test_the_sweeper_task_closes_idle_connections_and_wakes_for_a_drain(
         assert busy.calls == ["heads_up", "final", "close"]
         nursery.cancel_scope.cancel()
     assert conns.count == 0
+
+
+def test_evictions_are_logged_once_per_interval_with_the_cap_that_made_them(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`connections_evicted`: at once for the first, then one line per REFUSAL_LOG_INTERVAL
+    (exactly one interval later included) counting the evictions since the last line, the
+    connections open and which cap (a peer's or the process's) forced them."""
+    clock = Clock()
+    clock.now = 0.0  # a monotonic clock may start near zero: the first still logs at once
+    conns = make(clock, max_connections=2, max_per_peer=1)
+    with caplog.at_level(logging.WARNING, logger="ibex.service.connections"):
+        assert conns.admit(FakeConn(), "10.0.0.1")
+        assert conns.admit(FakeConn(), "10.0.0.1")  # the peer's cap: its idle one goes
+        assert conns.admit(FakeConn(), "10.0.0.2")
+        assert conns.admit(FakeConn(), "10.0.0.3")  # the process cap: the oldest idle goes
+        assert conns.admit(FakeConn(), "10.0.0.4")
+        clock.now += REFUSAL_LOG_INTERVAL
+        assert conns.admit(FakeConn(), "10.0.0.5")  # one interval later: a line again
+    lines = _events(caplog, "connections_evicted")
+    assert [(r.evicted, r.open, r.cap) for r in lines] == [  # type: ignore[attr-defined]
+        (1, 1, "per_peer"),
+        (3, 2, "process"),
+    ]
+    assert conns.evicted == 4 and conns.count == 2
+    assert conns.peer_count("10.0.0.1") == 0 and conns.peer_count("10.0.0.5") == 1
+
+
+def test_a_peer_whose_connections_all_closed_leaves_no_entry_behind() -> None:
+    """Per-peer counts are kept only for peers with a connection open: a scan from many
+    addresses leaves nothing behind once its sockets are gone."""
+    conns = make(Clock(), max_connections=100, max_per_peer=4)
+    opened = [(FakeConn(), f"10.0.{i // 2}.1") for i in range(6)]
+    for conn, peer in opened:
+        assert conns.admit(conn, peer)
+    assert conns.peer_count("10.0.0.1") == 2
+    for conn, _ in opened:
+        conns.closed(conn)
+    assert conns.count == 0 and conns._peers == {}
+
+
+def test_a_connection_that_never_authenticated_closes_at_exactly_the_auth_timeout() -> None:
+    clock = Clock()
+    conns = make(clock, auth_timeout=5.0, idle_timeout=None)
+    silent = FakeConn()
+    assert conns.admit(silent)
+    clock.now = 104.99
+    conns.sweep()
+    assert silent.calls == []
+    clock.now = 105.0  # accepted at 100.0
+    conns.sweep()
+    assert silent.calls == ["close_idle"] and conns.closed_unauthenticated == 1

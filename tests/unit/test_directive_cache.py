@@ -319,7 +319,7 @@ async def test_callers_missing_on_one_key_share_one_read(
         async with trio.open_nursery() as nursery:
             for _ in range(5):
                 nursery.start_soon(one)
-    assert store.calls == 1
+    assert store.calls == 1 and store.versions == [V1]  # the version is passed on
     assert got == [Answer(directive(V1), "")] * 5
 
 
@@ -343,11 +343,11 @@ async def test_a_read_is_bounded_by_the_refresh_timeout(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     store = SlowStore(None)
-    async with owned(store, refresh_timeout=0.25) as c:
+    async with owned(store, refresh_timeout=0.75) as c:
         t0 = trio.current_time()
-        with pytest.raises(SourceError, match="no answer within 250ms"):
+        with pytest.raises(SourceError, match=r"^no answer within 750ms$"):
             await c.fetch(ORG, AGENT, V1)
-        assert trio.current_time() - t0 == pytest.approx(0.25)
+        assert trio.current_time() - t0 == pytest.approx(0.75)
         # the failed read is forgotten: the next miss reads again
         with trio.move_on_after(0.01):
             await c.fetch(ORG, AGENT, V1)
@@ -362,3 +362,30 @@ async def test_leaving_the_cache_cancels_its_reads(autojump_clock: trio.testing.
         assert store.calls == 1
         nursery.cancel_scope.cancel()
     assert c._reading == {}
+
+
+class FailingStore(Store):
+    def __init__(self, error: Exception) -> None:
+        super().__init__()
+        self.error = error
+
+    async def get_directive(
+        self, org_id: str, agent_id: str, version: str = ""
+    ) -> Directive | None:
+        self.calls += 1
+        raise self.error
+
+
+async def test_a_failed_read_is_the_callers_source_error_and_a_bug_is_logged(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A SourceError's message reaches the caller as it is; anything else is contained as
+    "unexpected <type>" (no text of the exception) and logged with its traceback."""
+    async with owned(FailingStore(SourceError("directive: redis timed out"))) as c:
+        with pytest.raises(SourceError, match=r"^directive: redis timed out$"):
+            await c.fetch(ORG, AGENT, V1)
+    async with owned(FailingStore(KeyError("secret"))) as c:
+        with pytest.raises(SourceError, match=r"^unexpected KeyError$"):
+            await c.fetch(ORG, AGENT, V1)
+    assert [r.getMessage() for r in caplog.records] == ["directive_refresh_failed"]
+    assert caplog.records[0].exc_info is not None

@@ -87,3 +87,16 @@ def test_a_character_is_counted_once_at_its_lead_byte(char: str, cls: str) -> No
 def test_empty_text_costs_nothing_and_any_text_at_least_one() -> None:
     assert estimate_v1("") == 0
     assert estimate_v1(" ") == 1
+
+
+def test_any_text_is_estimated_lone_surrogates_included() -> None:
+    """A str that is not valid Unicode (a lone surrogate from a JSON escape) is still
+    estimated, never an error: the estimate takes whatever text a request carries."""
+    assert estimate_v1("\ud800") >= 1
+    assert estimate_v1("a\udfffb") >= estimate_v1("ab")
+
+
+def test_a_switch_from_lower_to_upper_case_costs_extra() -> None:
+    """The same letters and runs, but camelCase (a switch at every letter) costs more than
+    one run of lower case then one of upper case (a single switch)."""
+    assert estimate_v1("aB" * 50) > estimate_v1("ab" * 25 + "AB" * 25)

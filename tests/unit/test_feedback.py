@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 from typing import Any
 
@@ -180,6 +181,7 @@ class ScriptedSink:
         self.keys: list[str] = []
 
     async def feedback(self, feedback: Feedback, key: str) -> list[ScoreUpdate]:
+        assert feedback == fb()  # what was validated is what is sent
         self.keys.append(key)
         step = self.script.pop(0)
         if step == "hang":
@@ -349,3 +351,63 @@ async def test_local_feedback_stays_within_unit_interval() -> None:
         await source.feedback(fb(memory_ids=[M1], feedback="negative"), f"n{i}")
     usefulness = await _usefulness(source, M1)
     assert usefulness is not None and math.isclose(usefulness, 0.0)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"feedback": "helpful"}, "feedback: must be one of positive, negative, neutral"),
+        ({"memory_ids": []}, "memory_ids: at least one memory id is required"),
+        (
+            {"memory_ids": [M1] * (MAX_FEEDBACK_IDS + 1)},
+            f"memory_ids: more than {MAX_FEEDBACK_IDS} ids",
+        ),
+        ({"session_id": "s" * 257}, "session_id: longer than 256 characters"),
+        ({"trace_id": "t" * 257}, "trace_id: longer than 256 characters"),
+    ],
+)
+def test_feedback_refusals_name_the_field_and_the_rule(
+    change: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(InputError) as info:
+        fb(**change)
+    assert str(info.value) == message
+
+
+def test_ids_of_exactly_the_length_limit_and_absent_ones_are_accepted() -> None:
+    assert fb(session_id="s" * 256, trace_id="t" * 256).session_id == "s" * 256
+    bare = validate_feedback(org_id=ORG, memory_ids=[M1], feedback="neutral")
+    assert (bare.session_id, bare.trace_id) == ("", "")
+
+
+def test_the_idempotency_key_takes_any_session_text() -> None:
+    """The canonical encoding is ASCII JSON (non-ASCII escaped), so any session id keys."""
+    key = idempotency_key(fb(session_id="café ☕"))
+    assert key != idempotency_key(fb(session_id="cafe"))
+    canonical = json.dumps(
+        ["ibex-feedback-v1", ORG, "café ☕", "t", "positive", sorted([M1, M2])],
+        ensure_ascii=True,
+        separators=(",", ":"),
+    )
+    assert key == hashlib.sha256(canonical.encode("ascii")).hexdigest()
+
+
+async def test_a_retry_is_logged_with_its_reason_and_a_key_prefix_only(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two 1 s halves of 2 s: the first hangs; the log names why the second attempt runs,
+    the org and 16 characters of the key (enough to correlate, not the whole key)."""
+    sink = ScriptedSink("hang", [ScoreUpdate(M1, 0.5, 0.6)])
+    with caplog.at_level(logging.INFO, logger="ibex.sources.feedback"):
+        sent = await _send(sink, 2.002)
+    assert sent.attempts == 2
+    (record,) = [r for r in caplog.records if r.getMessage() == "feedback_retry"]
+    assert record.reason == "feedback: no answer within 1000ms"  # type: ignore[attr-defined]
+    assert record.key == idempotency_key(fb())[:16]  # type: ignore[attr-defined]
+    assert record.org_id == ORG  # type: ignore[attr-defined]
+
+
+async def test_no_time_for_an_attempt_says_so(autojump_clock: trio.testing.MockClock) -> None:
+    with pytest.raises(SourceError) as info:
+        await _send(ScriptedSink(), 0.002)
+    assert str(info.value) == "feedback: no time left for an attempt"

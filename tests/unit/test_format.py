@@ -10,7 +10,9 @@ pricing follows the rendering.
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -18,7 +20,7 @@ from hypothesis import strategies as st
 
 from ibex.assembly import formatter as fmt
 from ibex.assembly.catalog import Catalog, load_catalog
-from ibex.assembly.format import Format
+from ibex.assembly.format import BODY_CACHE_MAX_CHARS, Format
 from ibex.assembly.pipeline import DEFAULT_CONFIG, AssemblyInputs, PipelineConfig, assemble_pure
 from ibex.assembly.structs import (
     AssemblyRequest,
@@ -315,3 +317,43 @@ def test_each_format_has_its_own_body_cache() -> None:
     assert fmt.body_piece(text) == "# not a heading &lt;x&gt;\n"
     assert md.cached_body_piece(text) == "\\# not a heading <x>\n"
     assert md.body_cache_info().entries == 1
+
+
+def test_bodies_up_to_the_cache_limit_are_cached_and_longer_ones_never() -> None:
+    """`body_piece`: memoised for texts up to BODY_CACHE_MAX_CHARS, that length included,
+    whether cached as it is rendered or remembered after an uncached pricing."""
+    at, over = "a" * BODY_CACHE_MAX_CHARS, "b" * (BODY_CACHE_MAX_CHARS + 1)
+    rendered = MarkdownFormat()
+    assert rendered.body_piece(at) == rendered.body_piece(at) == at + "\n"
+    assert rendered.body_cache_info().hits == 1  # the second render came from the cache
+    rendered.body_piece(over)
+    assert rendered.cached_body_piece(at) == at + "\n"
+    assert rendered.cached_body_piece(over) is None
+    remembered = MarkdownFormat()
+    remembered.remember_body_pieces([(at, at + "\n"), (over, over + "\n")])
+    assert remembered.cached_body_piece(at) == at + "\n"
+    assert remembered.body_cache_info().entries == 1
+
+
+class UnpricedTrailer(MarkdownFormat):
+    """Test-only, a broken format: its text carries a trailer none of its pieces prices."""
+
+    def render_pieces(self, **sections: Any) -> list[str]:
+        return [*super().render_pieces(**sections), "an unpriced trailer. " * 3000]
+
+
+def test_a_text_longer_than_its_priced_pieces_is_refused_never_sent(
+    tokenizers: Tokenizers, catalog: Catalog
+) -> None:
+    """The re-count has the last word: memories are dropped while the text is over the
+    ceiling, and with none left the call is refused, naming the sizes, not answered over."""
+    inp = inputs("gpt-4o", 8000, HISTORY[-2:], MEMORIES[:2])
+    with pytest.raises(TooLargeError) as info:
+        assemble(inp, catalog, tokenizers, PipelineConfig(format=UnpricedTrailer()))
+    assert info.value.field == "recent_messages"
+    said = re.fullmatch(
+        r"recent_messages: directive, history and tools take (\d+) tokens, more than the "
+        r"(\d+) the model 'gpt-4o' leaves for context",
+        str(info.value),
+    )
+    assert said is not None and int(said[1]) > int(said[2]) > 0

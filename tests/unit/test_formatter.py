@@ -582,3 +582,9 @@ def test_every_configurable_nonce_passes_the_pipeline_check() -> None:
 
 def test_new_nonces_differ() -> None:
     assert len({new_nonce(16) for _ in range(20)}) == 20
+
+
+def test_a_history_without_a_nonce_is_the_clients_fallback_and_says_so() -> None:
+    """An empty nonce: the client's fallback history, which the daemon did not write."""
+    assert fmt.history_open("") == "<history>\n"
+    assert fmt.history_open("42") == '<history nonce="42">\n'

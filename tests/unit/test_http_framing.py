@@ -416,3 +416,20 @@ def test_after_a_read_error_at_eof_more_bytes_are_refused() -> None:
         parser.feed_eof()
     with pytest.raises(TransportError, match=PROTOCOL_ERROR):
         parser.feed(b"abc")
+
+
+def test_a_discarded_body_is_dropped_but_still_framed_and_capped() -> None:
+    """discard_body: what was read and what follows are kept nowhere, the answer still ends
+    where its framing says (reusable), and the body cap still counts every byte."""
+    parser = ResponseParser(CAP)
+    assert not parser.feed(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nhello")
+    parser.discard_body()
+    assert parser.feed(b"world")
+    assert parser.response == Response(200, b"") and parser.keep_alive
+    kept = ResponseParser(CAP)
+    assert kept.feed(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nhelloworld")
+    assert kept.response == Response(200, b"helloworld")  # without discard_body, all of it
+    capped = ResponseParser(8)
+    capped.discard_body()
+    with pytest.raises(ResponseTooLarge):
+        capped.feed(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nhelloworld")

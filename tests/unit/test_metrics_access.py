@@ -11,7 +11,7 @@ import subprocess
 import pytest
 
 from ibex.config import ConfigError, load_settings
-from ibex.ops.metrics import _Gate, token_digest
+from ibex.ops.metrics_http import _Gate, token_digest
 from ibex.service.root import check_bind_policy
 
 TOKEN_SHA = token_digest("scrape-token")

@@ -1672,3 +1672,10 @@ def test_stage_timings_are_whole_milliseconds_and_add_up(monkeypatch: pytest.Mon
 def test_unknown_model_with_one_available_token() -> None:
     got = pipeline.resolve_model(stub_catalog(), "not-in-catalog", 1)
     assert (got.context_window, got.tokenizer_family) == (1, "unknown")
+
+
+def test_a_stage_with_no_lap_recorded_took_no_time() -> None:
+    timer = pipeline.StageTimer()
+    timer.seconds["pack"] = 0.0021
+    assert timer.stage_ms(Stage.PACKING) == 2
+    assert timer.stage_ms(Stage.RANKING) == 0  # neither "select" nor "price" was lapped

@@ -6,10 +6,11 @@ import time
 
 import pytest
 
-from ibex.errors import Overloaded, Unavailable
+from ibex.errors import DeadlineError, Overloaded, Unavailable
 from ibex.ops.metrics import Metrics
 from ibex.service.admission import GATE_CPU_MESSAGE, Admission, AdmissionConfig
 from ibex.service.policies import (
+    QUEUE_REFUSAL,
     BytesCap,
     CallFacts,
     CpuSaturation,
@@ -140,3 +141,114 @@ def test_without_the_cap_policy_nothing_caps_the_calls_in_flight() -> None:
     ):
         pass
     assert info.value.reason == "in_flight"
+
+
+class Recorder:
+    """Test-only policy: asked everywhere, admits, and notes the facts it was shown."""
+
+    stages: frozenset[Stage] = frozenset(("open", "bytes", "headers", "arrival"))
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[Stage, str, float | None, int]] = []
+        self.times: list[float] = []
+
+    def verdict(self, call: CallFacts, load: Admission, now: float) -> Refusal | None:
+        self.seen.append((call.stage, call.method, call.remaining, call.size))
+        self.times.append(now)
+        return None
+
+
+def test_each_checkpoint_shows_a_policy_the_facts_it_documents() -> None:
+    """ibex.service.policies: `method` only at "headers", `size` the bytes this checkpoint
+    adds (0 at "headers"), `remaining` from the caller, `now` the monotonic clock."""
+    recorder = Recorder()
+    a = Admission(AdmissionConfig(), Metrics(), (recorder,))
+    before = time.monotonic()
+    assert a.gate("AssembleContext", 0.5) is None
+    a.check_open()
+    a.reserve_bytes(300)
+    with a.admitted(time.monotonic(), 0.25, size=40):
+        pass
+    assert recorder.seen == [
+        ("headers", "AssembleContext", 0.5, 0),
+        ("open", "", None, 0),
+        ("bytes", "", None, 300),
+        ("open", "", None, 0),  # admitted asks "open" again
+        ("arrival", "", 0.25, 40),
+    ]
+    assert all(before <= t <= time.monotonic() for t in recorder.times)
+
+
+class TooLate:
+    """Test-only policy: a deadline refusal on arrival."""
+
+    stages: frozenset[Stage] = frozenset(("arrival",))
+
+    def verdict(self, call: CallFacts, load: Admission, now: float) -> Refusal | None:
+        return Refusal("", "DEADLINE_EXCEEDED", "too late for the test")
+
+
+def test_a_deadline_refusal_carries_the_policys_message() -> None:
+    a = Admission(AdmissionConfig(), Metrics(), (TooLate(),))
+    with pytest.raises(DeadlineError) as info, a.admitted(time.monotonic(), 1.0):
+        pass
+    assert str(info.value) == "too late for the test"
+    assert a.in_flight == 0
+
+
+def test_call_facts_default_to_nothing_known() -> None:
+    facts = CallFacts("open")
+    assert (facts.stage, facts.method, facts.remaining, facts.size) == ("open", "", None, 0)
+
+
+def test_min_answer_refuses_below_its_time_only_and_says_how_much_was_left() -> None:
+    a = Admission(AdmissionConfig(), Metrics(), ())
+    rule = MinAnswer(1.0)
+    assert rule.verdict(CallFacts("arrival", remaining=1.0), a, 0.0) is None  # exactly enough
+    assert rule.verdict(CallFacts("arrival", remaining=None), a, 0.0) is None
+    assert rule.verdict(CallFacts("arrival", remaining=0.9), a, 0.0) == Refusal(
+        "", "DEADLINE_EXCEEDED", "900.0ms of the deadline left: too little to answer in"
+    )
+    assert rule.verdict(CallFacts("arrival", remaining=-0.5), a, 0.0) == Refusal(
+        "", "DEADLINE_EXCEEDED", "0.0ms of the deadline left: too little to answer in"
+    )
+
+
+def test_the_standing_queue_rule_names_the_wait_and_the_time_left_in_the_handler() -> None:
+    """At HEADERS the constant refusal (HPACK indexes it); in the handler the figures. No
+    deadline, no standing queue or nobody waiting: never refused."""
+    a = Admission(AdmissionConfig(), Metrics(), ())
+    rule = StandingQueue(min_useful=0.25)
+    a.queue.estimate, a.pending = 0.6, 1
+    assert rule.verdict(CallFacts("arrival", remaining=0.7), a, 0.0) is None  # not standing
+    a.queue.standing = True
+    assert rule.verdict(CallFacts("arrival", remaining=None), a, 0.0) is None
+    assert rule.verdict(CallFacts("headers", remaining=0.7), a, 0.0) == QUEUE_REFUSAL
+    assert rule.verdict(CallFacts("arrival", remaining=0.7), a, 0.0) == Refusal(
+        "queue",
+        "RESOURCE_EXHAUSTED",
+        "overloaded: about 600ms of queue before a call with 700ms left",
+    )
+    a.pending = 0
+    assert rule.verdict(CallFacts("arrival", remaining=0.7), a, 0.0) is None
+
+
+def test_the_bytes_cap_names_what_is_held_and_what_would_be_added() -> None:
+    a = Admission(AdmissionConfig(), Metrics(), ())
+    a.in_flight_bytes = 100
+    assert BytesCap(120).verdict(CallFacts("bytes", size=50), a, 0.0) == Refusal(
+        "in_flight", "RESOURCE_EXHAUSTED", "overloaded: 100 request bytes in flight, 50 more"
+    )
+
+
+def test_calls_parked_for_a_worker_thread_are_not_work_ahead_at_the_cpu_gate() -> None:
+    """Three calls in flight, all waiting for a thread: a saturated loop has nothing ahead
+    of a new call, which needs one call's CPU (10 ms) and has 19 ms after the margin."""
+    config = AdmissionConfig(wait_margin=0.015, min_useful=0.020)
+    a = Admission(config, Metrics(), ())
+    _saturated(a, 0.010)
+    a.in_flight = a.thread_waiting = 3
+    rule = CpuSaturation(config.min_useful, config.saturated, config.wait_margin)
+    assert rule.verdict(CallFacts("headers", remaining=0.034), a, time.monotonic()) is None
+    a.thread_waiting = 2  # one of them runs: it is ahead, and two calls' CPU do not fit
+    assert rule.verdict(CallFacts("headers", remaining=0.034), a, time.monotonic()) is not None

@@ -5,20 +5,27 @@ Pure Trio with a MockClock (autojump): the waits are on Trio's clock only.
 
 from __future__ import annotations
 
+import math
 import os
+import sys
+import threading
 
 import pytest
 import trio
 import trio.testing
 
+import ibex.service.queues as queues
 from ibex.service.queues import (
+    SWITCH_INTERVAL,
     TIMED,
     UNTIMED,
     URGENT,
     FairQueue,
     WorkerThreads,
     default_threads,
+    share_the_gil,
 )
+from ibex.sources.cpu import WORKER_NICE
 
 
 async def _waiter(
@@ -132,3 +139,80 @@ def test_worker_threads_leave_the_loop_a_core(monkeypatch: pytest.MonkeyPatch) -
     for cores, threads in [(1, 1), (2, 1), (3, 2), (16, 2)]:
         monkeypatch.setattr(os, "sched_getaffinity", lambda _pid, n=cores: set(range(n)))
         assert default_threads() == threads
+
+
+async def test_run_takes_a_thread_unit_for_the_call_unless_the_caller_holds_one() -> None:
+    """`run` waits in the urgent line for a unit and gives it back; with `held` it takes
+    none (the caller's own unit covers it). Either way `fn` runs niced in a thread."""
+    threads = WorkerThreads(1)
+    seen: list[tuple[int, bool, int]] = []
+
+    def fn() -> str:
+        tid = threading.get_native_id()
+        seen.append((threads.queue.held, tid == main, os.getpriority(os.PRIO_PROCESS, tid)))
+        return "ok"
+
+    main = threading.get_native_id()
+    assert await threads.run(fn) == "ok" and threads.queue.held == 0
+    assert threads.queue.try_acquire()
+    assert await threads.run(fn, held=True) == "ok" and threads.queue.held == 1
+    threads.queue.release()
+    assert [(held, in_loop_thread) for held, in_loop_thread, _ in seen] == [
+        (1, False),
+        (1, False),
+    ]
+    assert all(nice >= WORKER_NICE for _, _, nice in seen)
+
+
+async def test_run_waits_for_the_unit_ahead_of_calls_without_a_slot(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A call holding a slot (`run`) is served before a timed waiter that came first."""
+    threads = WorkerThreads(1)
+    assert threads.queue.try_acquire()
+    order: list[str] = []
+
+    async def timed() -> None:
+        assert await threads.queue.acquire("", TIMED, math.inf)  # the thread runs in real time
+        order.append("timed")
+        threads.queue.release()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(timed)
+        await trio.sleep(0.01)
+        nursery.start_soon(lambda: threads.run(lambda: order.append("urgent")))
+        await trio.sleep(0.01)
+        threads.queue.release()
+    assert order == ["urgent", "timed"]
+
+
+async def test_the_service_estimate_is_a_moving_average_of_thread_holds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each run moves the estimate a fifth of the way to what it held the thread for."""
+    ticks = iter([10.0, 10.5, 20.0, 20.5])
+
+    class Clock:
+        @staticmethod
+        def monotonic() -> float:
+            return next(ticks)
+
+    monkeypatch.setattr(queues, "time", Clock)
+    threads = WorkerThreads(1)
+    await threads.run_held(lambda: None)
+    assert threads.service == pytest.approx(0.1)  # 0 + 0.2 x (0.5 - 0)
+    await threads.run_held(lambda: None)
+    assert threads.service == pytest.approx(0.18)  # 0.1 + 0.2 x (0.5 - 0.1)
+
+
+def test_share_the_gil_lowers_the_switch_interval_and_never_raises_it() -> None:
+    saved = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        share_the_gil()
+        assert sys.getswitchinterval() == pytest.approx(SWITCH_INTERVAL)
+        sys.setswitchinterval(SWITCH_INTERVAL / 2)
+        share_the_gil()
+        assert sys.getswitchinterval() == pytest.approx(SWITCH_INTERVAL / 2)
+    finally:
+        sys.setswitchinterval(saved)

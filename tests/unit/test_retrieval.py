@@ -34,7 +34,14 @@ from ibex.service.root import open_assembler
 from ibex.sources.base import Answer, DirectiveAnswer, SourceError
 from ibex.sources.directive_cache import DirectiveCache, DirectiveCacheConfig
 from ibex.sources.local_file import SAMPLE_AGENT_ID, SAMPLE_ORG_ID
-from ibex.sources.retrieval import RetrievalConfig, Retrieved, request_wall, retrieve, search
+from ibex.sources.retrieval import (
+    RetrievalConfig,
+    Retrieved,
+    _directive,
+    request_wall,
+    retrieve,
+    search,
+)
 from ibex.testing.samples import AGENT, ORG
 
 MS = 0.001
@@ -184,6 +191,7 @@ async def test_all_branches_succeed(autojump_clock: trio.testing.MockClock) -> N
     assert [b.source for b in got.branches] == ["directive", "hot", "cold"]
     assert statuses(got) == {"directive": "success", "hot": "success", "cold": "success"}
     assert [b.latency_ms for b in got.branches] == pytest.approx([1.0, 4.0, 20.0])
+    assert [b.detail for b in got.branches] == ["", "", ""]  # a plain success says nothing more
     assert got.directive == DIRECTIVE
     assert got.hot == tuple(ANSWERS["hot"])  # type: ignore[arg-type]
     assert got.cold == tuple(ANSWERS["cold"])  # type: ignore[arg-type]
@@ -910,3 +918,34 @@ async def test_a_search_without_a_memory_source_fails_before_any_io() -> None:
         assembler.memory_source = None
         with pytest.raises(SourceError, match=r"^memory search failed: no memory source"):
             assembler.check_search(SearchRequest(SAMPLE_ORG_ID, SAMPLE_AGENT_ID, "deploy"))
+
+
+async def test_a_search_without_an_answer_names_the_wait_it_was_given(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    stuck = FakeSources({"cold": Plan(math.inf)})
+    config = RetrievalConfig(cold_timeout=0.75)
+    with pytest.raises(SourceError) as info:
+        await search(stuck, ORG, AGENT, "q", limit=5, config=config)
+    assert str(info.value) == "memory search failed: no answer within 750ms"
+
+
+async def test_the_directive_branch_asks_the_sources_memory_again_when_it_starts() -> None:
+    """Another request may have filled the cache between planning and the branch's start:
+    its entry is the answer (labelled `cache`), and the source is not called."""
+    held = Directive(content="be brief", version_id=None)
+
+    class Remembers:
+        def __init__(self) -> None:
+            self.calls: list[tuple[str, str, str]] = []
+
+        def cached(self, org_id: str, agent_id: str, version: str) -> DirectiveAnswer | None:
+            self.calls.append((org_id, agent_id, version))
+            return Answer(held, "cache")
+
+        async def get_directive(self, org_id: str, agent_id: str, version: str = "") -> None:
+            raise AssertionError("a remembered directive needs no call")
+
+    src = Remembers()
+    assert await _directive(src, ORG, AGENT, "v1") == Answer(held, "cache")  # type: ignore[arg-type]
+    assert src.calls == [(ORG, AGENT, "v1")]

@@ -97,3 +97,26 @@ async def test_the_assembler_uses_the_session_nonce_only_with_a_key_and_a_sessio
     async with open_assembler(Settings(), catalog=catalog, tokenizers=tokenizers) as plain:
         assert plain.nonce(_request("s-1")) != plain.nonce(_request("s-1"))
     assert KEY not in caplog.text
+
+
+@pytest.mark.parametrize("nbytes", [64, 96])
+def test_nonces_past_one_digest_continue_with_counter_blocks_1_2(nbytes: int) -> None:
+    """More than 32 bytes: the digests of blocks 0, 1, 2... concatenated (HKDF-Expand-like)."""
+    message = f"{ORG}|{AGENT}|s".encode()
+    out = b"".join(
+        hmac.new(
+            KEY.encode(), b"ibex-context-nonce-v1\x00" + bytes([b]) + message, hashlib.sha256
+        ).digest()
+        for b in range(-(-nbytes // 32))
+    )
+    width = len(str(2 ** (8 * nbytes) - 1))
+    assert (
+        NonceKey(KEY).nonce(ORG, AGENT, "s", nbytes) == f"{int.from_bytes(out[:nbytes]):0{width}d}"
+    )
+
+
+def test_a_key_or_session_that_is_not_valid_unicode_still_derives_a_nonce() -> None:
+    """An environment value that is not UTF-8 reaches Python as lone surrogates."""
+    key = NonceKey("k" * 31 + "\udcff")
+    assert repr(key) == "NonceKey(<redacted>)"
+    assert key.nonce(ORG, AGENT, "s\ud800", 16) != key.nonce(ORG, AGENT, "s", 16)

@@ -392,3 +392,17 @@ def test_search_refusals_name_the_field(fields: dict[str, Any], field: str, erro
         search(**fields)
     assert type(info.value) is error
     assert info.value.field == field
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"query": "  "}, "query: is required"),
+        ({"limit": -1}, "limit: must be >= 0 and min_similarity in [0, 1]"),
+        ({"min_similarity": 1.5}, "limit: must be >= 0 and min_similarity in [0, 1]"),
+    ],
+)
+def test_search_refusals_name_the_field_and_the_rule(change: dict[str, Any], message: str) -> None:
+    with pytest.raises(InputError) as info:
+        search(**change)
+    assert str(info.value) == message
