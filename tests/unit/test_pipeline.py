@@ -1679,3 +1679,57 @@ def test_a_stage_with_no_lap_recorded_took_no_time() -> None:
     timer.seconds["pack"] = 0.0021
     assert timer.stage_ms(Stage.PACKING) == 2
     assert timer.stage_ms(Stage.RANKING) == 0  # neither "select" nor "price" was lapped
+
+
+def test_refusals_with_reject_history_overflow_name_enough_and_never_negative_room(
+    tokenizers: Tokenizers, catalog: Catalog
+) -> None:
+    """The history needs more than the room it was refused for; tools past the ceiling
+    leave 0, never a negative number, in this refusal too."""
+    opts = AssemblyOptions(reject_history_overflow=True)
+    req = request(available_tokens=2000, messages=_turns(12), options=opts)
+    with pytest.raises(TooLargeError) as info:
+        run(inputs(req), catalog, tokenizers)
+    needs = int(re.search(r"the history needs at least (\d+) tokens", str(info.value))[1])
+    assert needs > 1480  # no directive or tools: the whole ceiling was its room
+    req = request(available_tokens=2000, messages=_turns(2, words=2), tools=[TOOL] * 6)
+    req = msgspec.structs.replace(req, options=opts)
+    with pytest.raises(TooLargeError) as info:
+        run(inputs(req), catalog, tokenizers)
+    assert "leaves 0 of its 1480-token context ceiling" in str(info.value)
+
+
+def test_tools_alone_past_the_ceiling_are_refused_with_their_count(
+    tokenizers: Tokenizers, catalog: Catalog
+) -> None:
+    """No history to drop: the refusal names what the directive and tools take."""
+    enc = tokenizers.encoding("o200k_base")
+    tools = [TOOL] * 6
+    t = len(enc.encode_ordinary("".join(fmt.tools_section(tools, NONCE))))
+    assert t > 1480
+    with pytest.raises(TooLargeError) as info:
+        run(inputs(request(available_tokens=2000, tools=tools)), catalog, tokenizers)
+    assert str(info.value) == (
+        f"recent_messages: directive, history and tools take {t} tokens, more than the "
+        "1480 the model 'gpt-4o' leaves for context"
+    )
+
+
+def test_an_empty_tool_schema_costs_only_its_markup(
+    tokenizers: Tokenizers, catalog: Catalog
+) -> None:
+    enc = tokenizers.encoding("o200k_base")
+    result = run(inputs(request(tools=["", TOOL])), catalog, tokenizers)
+    assert result.tool_tokens == len(
+        enc.encode_ordinary("".join(fmt.tools_section(["", TOOL], NONCE)))
+    )
+
+
+def test_a_refusal_names_the_catalog_model_whose_window_applies(
+    tokenizers: Tokenizers, catalog: Catalog
+) -> None:
+    """A dated snapshot resolves to its catalog entry (gpt-4o-2024-08-06 -> gpt-4o)."""
+    req = request(model="gpt-4o-2024-08-06", available_tokens=2000, tools=[TOOL] * 6)
+    with pytest.raises(TooLargeError) as info:
+        run(inputs(req), catalog, tokenizers)
+    assert "the model 'gpt-4o' leaves for context" in str(info.value)
