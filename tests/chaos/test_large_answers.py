@@ -40,7 +40,7 @@ from tests.integration.test_assemble_real import (
     statuses,
 )
 
-BIG_CALLS = 8
+BIG_CALLS = 2  # huge answers in flight at once, continuously: the decode threads stay busy
 QUIET_CALLS = 30
 MIN_QUIET_CALLS = 10  # the quiet caller keeps running while the answers are decoded
 MIN_SUCCESS_SHARE = 0.9
@@ -84,37 +84,44 @@ async def test_huge_escaped_answers_leave_another_callers_directive_in_time(
     seed_directive(redis_server, "b")
     big: list[AssemblyResult] = []
     quiet: list[dict[str, str]] = []
+    during: list[int] = []  # big calls in flight when each quiet call ended
+    in_flight = 0
     async with open_stack(redis_server, memory_server, TIMEOUTS) as assembler:
         # Warm: connections open, tokenizers loaded, the first decode's imports done.
         await assembler.assemble(make_request("b", skip_hot_memories=True, skip_cold_memories=True))
         await assembler.assemble(make_request("a"))
-        big_done = trio.Event()
+        quiet_done = trio.Event()
 
-        async def big_call() -> None:
-            big.append(await assembler.assemble(make_request("a")))
-            if len(big) == BIG_CALLS:
-                big_done.set()
+        async def big_calls() -> None:
+            # Huge answers keep being decoded until the quiet caller is through, so its
+            # calls overlap them however fast this machine decodes.
+            nonlocal in_flight
+            while not quiet_done.is_set():
+                in_flight += 1
+                try:
+                    big.append(await assembler.assemble(make_request("a")))
+                finally:
+                    in_flight -= 1
 
         with trio.fail_after(120):
             async with trio.open_nursery() as nursery:
                 for _ in range(BIG_CALLS):
-                    nursery.start_soon(big_call)
+                    nursery.start_soon(big_calls)
+                await trio.lowlevel.checkpoint()  # the big calls have started
                 for _ in range(QUIET_CALLS):
-                    if big_done.is_set():
-                        break
                     result = await assembler.assemble(
                         make_request("b", skip_hot_memories=True, skip_cold_memories=True)
                     )
                     quiet.append(statuses(result))
-    # The big answers were really decoded: every memory is over the content cap, so the
-    # branches succeed with all of them excluded (never an error, never a timeout).
-    print("big", [statuses(r) for r in big], "quiet", quiet)
+                    during.append(in_flight)
+                quiet_done.set()
     # The big answers were really decoded: every memory is over the content cap, so the
     # memory branches succeed with all of them excluded (never an error, never a timeout).
-    assert len(big) == BIG_CALLS
+    assert len(big) >= BIG_CALLS
     for result in big:
         assert statuses(result)["hot"] == statuses(result)["cold"] == "success"
         assert result.memories_included == 0
-    assert len(quiet) >= MIN_QUIET_CALLS, f"the quiet caller stood still: {quiet}"
+    # The quiet caller kept going while huge answers were being decoded.
+    assert sum(1 for n in during if n > 0) >= MIN_QUIET_CALLS, (during, quiet)
     ok = sum(s["directive"] == "success" for s in quiet)
     assert ok >= MIN_SUCCESS_SHARE * len(quiet), quiet
