@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import re
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import msgspec
@@ -76,6 +76,7 @@ __all__ = [
     "count_fixed_sections",
     "degradation_level",
     "price",
+    "pricer",
     "render_within_ceiling",
     "resolve_model",
     "select",
@@ -280,22 +281,30 @@ def count_fixed_sections(
     )
 
 
-def price(candidates: list[ScoredMemory], counter: Counter, fmt: Format) -> list[ScoredMemory]:
-    """Stage 3: each candidate's token_estimate is the cost of its block's pieces.
+def pricer(
+    count: Callable[[str], int], body: Callable[[str], str], fmt: Format
+) -> Callable[[ScoredMemory], ScoredMemory]:
+    """A candidate with its token_estimate: the cost of its block's pieces.
 
     The opening piece is priced as its two parts (see ibex.assembly.format);
-    memory blocks carry no nonce, so every count here is cached by text.
+    memory blocks carry no nonce, so every count is cacheable by text. `count`
+    and `body` (the escaped body piece) are the counter's and the format's, or a
+    `Staged`'s, which keeps new entries out of the caches until committed.
     """
-    fixed_tokens = counter.count(fmt.memory_open_prefix) + counter.count(fmt.memory_close)
-    count = counter.count
+    fixed = count(fmt.memory_open_prefix) + count(fmt.memory_close)
     suffix = fmt.memory_open_suffix
-    body_piece = fmt.body_piece
-    return [
-        msgspec.structs.replace(
-            m, token_estimate=fixed_tokens + count(suffix(m)) + count(body_piece(m.content))
-        )
-        for m in candidates
-    ]
+    replace = msgspec.structs.replace
+
+    def priced(m: ScoredMemory) -> ScoredMemory:
+        return replace(m, token_estimate=fixed + count(suffix(m)) + count(body(m.content)))
+
+    return priced
+
+
+def price(candidates: list[ScoredMemory], counter: Counter, fmt: Format) -> list[ScoredMemory]:
+    """Stage 3: each candidate's token_estimate (`pricer`, straight to the caches)."""
+    priced = pricer(counter.count, fmt.body_piece, fmt)
+    return [priced(m) for m in candidates]
 
 
 def render_within_ceiling(

@@ -26,10 +26,8 @@ text it hands over in the loop (see ibex.service.assembler).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Literal
-
-import msgspec
 
 from ibex.assembly.candidates import Stream, stream_candidates
 from ibex.assembly.catalog import Catalog, resolve_model
@@ -41,29 +39,14 @@ from ibex.assembly.pipeline import (
     FixedSections,
     PipelineConfig,
     count_fixed_sections,
+    pricer,
 )
-from ibex.assembly.structs import AssemblyRequest, Directive, MemoryHit, ScoredMemory
+from ibex.assembly.structs import AssemblyRequest, Directive, MemoryHit
 from ibex.errors import TooLargeError
 
-__all__ = ["Prepared", "pricer"]
+__all__ = ["Prepared"]
 
 MemoryBranch = Literal["hot", "cold"]
-
-
-def pricer(staged: Staged, fmt: Format) -> Callable[[ScoredMemory], ScoredMemory]:
-    """A scored variant with its token_estimate, as `pipeline.price` computes it.
-
-    New counts and escaped bodies go to `staged`, not to the caches.
-    """
-    count, body = staged.count, staged.body
-    fixed = count(fmt.memory_open_prefix) + count(fmt.memory_close)
-    suffix = fmt.memory_open_suffix
-    replace = msgspec.structs.replace
-
-    def priced(m: ScoredMemory) -> ScoredMemory:
-        return replace(m, token_estimate=fixed + count(suffix(m)) + count(body(m.content)))
-
-    return priced
 
 
 class Prepared:
@@ -129,7 +112,11 @@ class Prepared:
         opts = self.request.options
         skip = opts.skip_hot_memories if branch == "hot" else opts.skip_cold_memories
         self.streams[branch] = stream_candidates(
-            self.request, hits, self.now, skip, pricer(self.staged, self.fmt)
+            self.request,
+            hits,
+            self.now,
+            skip,
+            pricer(self.staged.count, self.staged.body, self.fmt),
         )
 
     # --- read by the pipeline -----------------------------------------------------
