@@ -267,7 +267,7 @@ def test_termination_grace_covers_pre_stop_and_drain() -> None:
     pod = docs["Deployment"]["spec"]["template"]["spec"]
     pre_stop = pod["containers"][0]["lifecycle"]["preStop"]["sleep"]["seconds"]
     env = {**docs["ConfigMap"]["data"], **docs["Secret"]["stringData"]}
-    drain = load_settings(env).drain_grace
+    drain = drain_grace(load_settings(env))
     assert pod["terminationGracePeriodSeconds"] > pre_stop + drain
 
 
