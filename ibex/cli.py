@@ -60,14 +60,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # process (multiprocess mode) whenever it is on, so a scrape never pauses calls.
     if (settings.workers > 1 or settings.metrics_addr) and not args.worker:
         from ibex.ops.workers import supervise
-        from ibex.service.root import check_bind_policy
+        from ibex.service.root import check_bind_policy, drain_grace
 
         try:
             check_bind_policy(settings)
         except ConfigError as exc:
             print(f"ibex: configuration error: {exc}", file=sys.stderr)
             return 2
-        return supervise(settings)
+        return supervise(settings, drain_grace=drain_grace(settings))
     from ibex.ops.metrics import Metrics
     from ibex.service.root import make_daemon
 
@@ -284,8 +284,11 @@ def render_report(result: Any) -> str:
 
 
 def cmd_config(args: argparse.Namespace) -> int:
+    """Print every setting's effective value, an unset one at its layer's default."""
+    from ibex.service.root import effective_settings
+
     settings = _settings()
-    print(json.dumps(settings.redacted(), indent=2, sort_keys=True))
+    print(json.dumps(effective_settings(settings), indent=2, sort_keys=True))
     return 0
 
 

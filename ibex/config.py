@@ -3,10 +3,19 @@
 The `Settings` class body is the one table of settings: each field is one
 variable, annotated with its `Var` (the variable's name, how its raw value is
 parsed and bounded, whether it is secret, and which layer config fields it
-sets); its default is the field's default. The parser, `known_variables`, the
-typo check, redaction and the composition root's translation into each
-layer's config struct (`ibex.service.root`) all read that table, so a new
-setting is one field here plus the code that uses it.
+sets). The parser, `known_variables`, the typo check, redaction and the
+composition root's translation into each layer's config struct
+(`ibex.service.root`) all read that table, so a new setting is one field here
+plus the code that uses it.
+
+A default is written once. A targeted field (its `Var` names layer fields in
+`to`) defaults to `UNSET`, typed `T | UnsetType`: the root passes only set
+values, so the layer config struct's own field default applies, and
+`ibex.service.root.effective_settings` reads it back for `ibex config` and the
+docs checks. This module cannot import the layer structs (`ibex.ops.workers`
+imports it, and the CLI must stay light), hence the sentinel rather than a
+copied value; `_table` refuses a targeted field with any other default. An
+untargeted field keeps its default here (None where the root computes one).
 
 Every error names the variable so an operator can fix the unit file without
 reading code; secret values are never echoed back.
@@ -25,6 +34,7 @@ from collections.abc import Callable, Mapping
 from typing import Annotated, Any
 
 import msgspec
+from msgspec import UNSET, UnsetType
 
 from ibex.errors import ConfigError
 from ibex.netaddr import parse_allowed_san, split_host_port
@@ -32,8 +42,10 @@ from ibex.netaddr import parse_allowed_san, split_host_port
 __all__ = [
     "PREFIX",
     "TABLE",
+    "UNSET",
     "ConfigError",
     "Settings",
+    "UnsetType",
     "Var",
     "known_variables",
     "layer_fields",
@@ -258,61 +270,75 @@ def var(suffix: str, parse: Parse, *to: str, secret: bool = False) -> Var:
 
 
 class Settings(msgspec.Struct, frozen=True, kw_only=True):
-    """Effective configuration, one field per variable. Durations are seconds (floats).
+    """Configuration, one field per variable. Durations are seconds (floats).
 
-    A targeted field's default equals the layer config's own (pinned by
-    tests/unit/test_config_table.py): a layer built alone behaves as the daemon.
+    A targeted field is `UNSET` until its variable is given: its default is the
+    layer config's own (`ibex.service.root.effective_settings` shows it).
     """
 
     # retrieval
-    timeout: Annotated[float, var("TIMEOUT", MS, "RetrievalConfig.timeout")] = 0.045
-    deadline: Annotated[float, var("DEADLINE_MS", MS, "RetrievalConfig.deadline")] = 0.040
-    directive_timeout: Annotated[
-        float, var("DIRECTIVE_TIMEOUT_MS", MS, "RetrievalConfig.directive_timeout")
-    ] = 0.005
-    hot_timeout: Annotated[float, var("HOT_TIMEOUT_MS", MS, "RetrievalConfig.hot_timeout")] = 0.015
-    cold_timeout: Annotated[float, var("COLD_TIMEOUT_MS", MS, "RetrievalConfig.cold_timeout")] = (
-        0.045
+    timeout: Annotated[float | UnsetType, var("TIMEOUT", MS, "RetrievalConfig.timeout")] = UNSET
+    deadline: Annotated[float | UnsetType, var("DEADLINE_MS", MS, "RetrievalConfig.deadline")] = (
+        UNSET
     )
+    directive_timeout: Annotated[
+        float | UnsetType, var("DIRECTIVE_TIMEOUT_MS", MS, "RetrievalConfig.directive_timeout")
+    ] = UNSET
+    hot_timeout: Annotated[
+        float | UnsetType, var("HOT_TIMEOUT_MS", MS, "RetrievalConfig.hot_timeout")
+    ] = UNSET
+    cold_timeout: Annotated[
+        float | UnsetType, var("COLD_TIMEOUT_MS", MS, "RetrievalConfig.cold_timeout")
+    ] = UNSET
     pipeline_headroom: Annotated[
-        float, var("PIPELINE_HEADROOM_MS", MS, "RetrievalConfig.pipeline_headroom")
-    ] = 0.010
-    hot_limit: Annotated[int, var("HOT_LIMIT", ints(1, 100), "RetrievalConfig.hot_limit")] = 20
-    cold_limit: Annotated[int, var("COLD_LIMIT", ints(1, 100), "RetrievalConfig.cold_limit")] = 20
+        float | UnsetType, var("PIPELINE_HEADROOM_MS", MS, "RetrievalConfig.pipeline_headroom")
+    ] = UNSET
+    hot_limit: Annotated[
+        int | UnsetType, var("HOT_LIMIT", ints(1, 100), "RetrievalConfig.hot_limit")
+    ] = UNSET
+    cold_limit: Annotated[
+        int | UnsetType, var("COLD_LIMIT", ints(1, 100), "RetrievalConfig.cold_limit")
+    ] = UNSET
     min_confidence: Annotated[
-        float,
+        float | UnsetType,
         var(
             "MIN_CONFIDENCE",
             floats(0.0, 1.0),
             "RetrievalConfig.min_confidence",
         ),
-    ] = 0.0
+    ] = UNSET
     # admission
-    min_answer: Annotated[float, var("MIN_ANSWER_MS", MS, "AdmissionConfig.min_answer")] = 0.002
-    min_useful: Annotated[float, var("MIN_USEFUL_MS", MS, "AdmissionConfig.min_useful")] = 0.020
-    queue_target: Annotated[float, var("QUEUE_TARGET_MS", MS, "AdmissionConfig.queue_target")] = (
-        0.005
-    )
+    min_answer: Annotated[
+        float | UnsetType, var("MIN_ANSWER_MS", MS, "AdmissionConfig.min_answer")
+    ] = UNSET
+    min_useful: Annotated[
+        float | UnsetType, var("MIN_USEFUL_MS", MS, "AdmissionConfig.min_useful")
+    ] = UNSET
+    queue_target: Annotated[
+        float | UnsetType, var("QUEUE_TARGET_MS", MS, "AdmissionConfig.queue_target")
+    ] = UNSET
     queue_interval: Annotated[
-        float, var("QUEUE_INTERVAL_MS", MS, "AdmissionConfig.queue_interval")
-    ] = 0.100
+        float | UnsetType, var("QUEUE_INTERVAL_MS", MS, "AdmissionConfig.queue_interval")
+    ] = UNSET
     request_read_timeout: Annotated[
-        float, var("REQUEST_READ_TIMEOUT", SECONDS, "AdmissionConfig.read_timeout")
-    ] = 5.0
+        float | UnsetType, var("REQUEST_READ_TIMEOUT", SECONDS, "AdmissionConfig.read_timeout")
+    ] = UNSET
     max_in_flight: Annotated[
-        int, var("MAX_IN_FLIGHT", ints(1, 100_000), "AdmissionConfig.max_in_flight")
-    ] = 256
+        int | UnsetType, var("MAX_IN_FLIGHT", ints(1, 100_000), "AdmissionConfig.max_in_flight")
+    ] = UNSET
     max_in_flight_bytes: Annotated[
-        int, var("MAX_IN_FLIGHT_BYTES", ints(1024, 64 * GiB), "AdmissionConfig.max_in_flight_bytes")
-    ] = 64 * MiB
+        int | UnsetType,
+        var("MAX_IN_FLIGHT_BYTES", ints(1024, 64 * GiB), "AdmissionConfig.max_in_flight_bytes"),
+    ] = UNSET
     max_concurrent_assemblies: Annotated[
-        int, var("MAX_CONCURRENT_ASSEMBLIES", ints(1, 100_000), "AdmissionConfig.max_concurrent")
-    ] = 16
+        int | UnsetType,
+        var("MAX_CONCURRENT_ASSEMBLIES", ints(1, 100_000), "AdmissionConfig.max_concurrent"),
+    ] = UNSET
     # None: half of MAX_CONCURRENT_ASSEMBLIES (computed by the root)
     max_org_assemblies: Annotated[int | None, var("MAX_ORG_ASSEMBLIES", ints(1, 100_000))] = None
     max_queue_wait: Annotated[
-        float, var("MAX_QUEUE_WAIT", SECONDS, "AdmissionConfig.max_queue_wait")
-    ] = 1.0
+        float | UnsetType, var("MAX_QUEUE_WAIT", SECONDS, "AdmissionConfig.max_queue_wait")
+    ] = UNSET
     # memory service
     memory_base_url: Annotated[str | None, var("MEMORY_BASE_URL", _http_url)] = None
     memory_api_token: Annotated[str | None, var("MEMORY_API_TOKEN", _text, secret=True)] = None
@@ -326,17 +352,19 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # directives: Redis and the cache in front of it
     redis_url: Annotated[str | None, var("REDIS_URL", urls("redis", "rediss", "unix"))] = None
     directive_cache_entries: Annotated[
-        int, var("DIRECTIVE_CACHE_ENTRIES", ints(0, 10_000_000), "DirectiveCacheConfig.max_entries")
-    ] = 10_000
+        int | UnsetType,
+        var("DIRECTIVE_CACHE_ENTRIES", ints(0, 10_000_000), "DirectiveCacheConfig.max_entries"),
+    ] = UNSET
     directive_cache_bytes: Annotated[
-        int, var("DIRECTIVE_CACHE_BYTES", ints(0, 4 * GiB), "DirectiveCacheConfig.max_bytes")
-    ] = 16 * MiB
+        int | UnsetType,
+        var("DIRECTIVE_CACHE_BYTES", ints(0, 4 * GiB), "DirectiveCacheConfig.max_bytes"),
+    ] = UNSET
     directive_cache_ttl: Annotated[
-        float, var("DIRECTIVE_CACHE_TTL", SECONDS, "DirectiveCacheConfig.ttl")
-    ] = 1.0
+        float | UnsetType, var("DIRECTIVE_CACHE_TTL", SECONDS, "DirectiveCacheConfig.ttl")
+    ] = UNSET
     directive_cache_max_age: Annotated[
-        float, var("DIRECTIVE_CACHE_MAX_AGE", SECONDS, "DirectiveCacheConfig.max_age")
-    ] = 2.0
+        float | UnsetType, var("DIRECTIVE_CACHE_MAX_AGE", SECONDS, "DirectiveCacheConfig.max_age")
+    ] = UNSET
     redis_sentinels: Annotated[tuple[str, ...], var("REDIS_SENTINELS", _addrs)] = ()
     redis_sentinel_master: Annotated[str | None, var("REDIS_SENTINEL_MASTER", _text)] = None
     redis_sentinel_password: Annotated[
@@ -346,19 +374,20 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     local_source_path: Annotated[str | None, var("LOCAL_SOURCE_PATH", _file)] = None
     # the pure core
     packer_dp_cell_ceiling: Annotated[
-        int, var("PACKER_DP_CELL_CEILING", ints(1, 50_000_000), "PipelineConfig.dp_cell_ceiling")
-    ] = 70 * 6251
+        int | UnsetType,
+        var("PACKER_DP_CELL_CEILING", ints(1, 50_000_000), "PipelineConfig.dp_cell_ceiling"),
+    ] = UNSET
     packer_max_consecutive_skips: Annotated[
-        int,
+        int | UnsetType,
         var(
             "PACKER_MAX_CONSECUTIVE_SKIPS",
             ints(0, 1_000_000),
             "PipelineConfig.max_consecutive_skips",
         ),
-    ] = 5
+    ] = UNSET
     formatter_nonce_bytes: Annotated[
-        int, var("FORMATTER_NONCE_BYTES", ints(8, 64), "PipelineConfig.nonce_bytes")
-    ] = 16
+        int | UnsetType, var("FORMATTER_NONCE_BYTES", ints(8, 64), "PipelineConfig.nonce_bytes")
+    ] = UNSET
     nonce_key: Annotated[str | None, var("NONCE_KEY", _nonce_key, secret=True)] = None
     catalog_path: Annotated[str | None, var("CATALOG_PATH", _file)] = None
     tiktoken_dir: Annotated[str | None, var("TIKTOKEN_DIR", _file)] = None
@@ -366,18 +395,19 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     token_cache_bytes: Annotated[int, var("TOKEN_CACHE_BYTES", ints(0, 4 * GiB))] = 32 * MiB
     # request bounds
     max_message_bytes: Annotated[
-        int, var("MAX_MESSAGE_BYTES", ints(1024, 256 * MiB), "EdgeConfig.max_message_bytes")
-    ] = 4 * MiB
+        int | UnsetType,
+        var("MAX_MESSAGE_BYTES", ints(1024, 256 * MiB), "EdgeConfig.max_message_bytes"),
+    ] = UNSET
     max_history_messages: Annotated[
-        int,
+        int | UnsetType,
         var("MAX_HISTORY_MESSAGES", ints(0, 100_000), "RequestLimits.max_history_messages"),
-    ] = 512
+    ] = UNSET
     max_text_bytes: Annotated[
-        int, var("MAX_TEXT_BYTES", ints(1, 64 * MiB), "RequestLimits.max_text_bytes")
-    ] = MiB
+        int | UnsetType, var("MAX_TEXT_BYTES", ints(1, 64 * MiB), "RequestLimits.max_text_bytes")
+    ] = UNSET
     max_tool_schemas: Annotated[
-        int, var("MAX_TOOL_SCHEMAS", ints(0, 10_000), "RequestLimits.max_tool_schemas")
-    ] = 128
+        int | UnsetType, var("MAX_TOOL_SCHEMAS", ints(0, 10_000), "RequestLimits.max_tool_schemas")
+    ] = UNSET
     # listening, callers, TLS
     grpc_addr: Annotated[str, var("GRPC_ADDR", _addr)] = "127.0.0.1:9092"
     auth_tokens_sha256: Annotated[
@@ -389,7 +419,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     tls_allowed_sans: Annotated[tuple[str, ...], var("TLS_ALLOWED_SANS", _sans)] = ()
     allow_insecure: Annotated[bool, var("ALLOW_INSECURE", _bool)] = False
     # connections and draining
-    drain_grace: Annotated[float, var("DRAIN_GRACE", SECONDS, "DaemonConfig.drain_grace")] = 10.0
+    drain_grace: Annotated[
+        float | UnsetType, var("DRAIN_GRACE", SECONDS, "DaemonConfig.drain_grace")
+    ] = UNSET
     # None: min(1024, RLIMIT_NOFILE soft - 64) at start-up
     max_connections: Annotated[int | None, var("MAX_CONNECTIONS", ints(1, 1_000_000))] = None
     # None: MAX_CONNECTIONS // 4, at least 1
@@ -397,17 +429,18 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         int | None, var("MAX_CONNECTIONS_PER_PEER", ints(1, 1_000_000))
     ] = None
     connection_auth_timeout: Annotated[
-        float, var("CONNECTION_AUTH_TIMEOUT", SECONDS, "ConnectionsConfig.auth_timeout")
-    ] = 10.0
+        float | UnsetType, var("CONNECTION_AUTH_TIMEOUT", SECONDS, "ConnectionsConfig.auth_timeout")
+    ] = UNSET
     tls_handshake_timeout: Annotated[
-        float, var("TLS_HANDSHAKE_TIMEOUT", SECONDS, "ConnectionsConfig.tls_handshake_timeout")
-    ] = 5.0
+        float | UnsetType,
+        var("TLS_HANDSHAKE_TIMEOUT", SECONDS, "ConnectionsConfig.tls_handshake_timeout"),
+    ] = UNSET
     connection_idle_timeout: Annotated[
-        float, var("CONNECTION_IDLE_TIMEOUT", SECONDS, "ConnectionsConfig.idle_timeout")
-    ] = 300.0
+        float | UnsetType, var("CONNECTION_IDLE_TIMEOUT", SECONDS, "ConnectionsConfig.idle_timeout")
+    ] = UNSET
     max_connection_age: Annotated[
-        float | None, var("MAX_CONNECTION_AGE", SECONDS, "ConnectionsConfig.max_age")
-    ] = None
+        float | UnsetType, var("MAX_CONNECTION_AGE", SECONDS, "ConnectionsConfig.max_age")
+    ] = UNSET
     # None: DRAIN_GRACE
     max_connection_age_grace: Annotated[float | None, var("MAX_CONNECTION_AGE_GRACE", SECONDS)] = (
         None
@@ -422,13 +455,16 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     log_level: Annotated[str, var("LOG_LEVEL", _level)] = "info"
 
     def redacted(self) -> dict[str, Any]:
-        """The settings as a dict with secrets replaced, for `ibex config` and logs.
+        """The set settings as a dict with secrets replaced, for `ibex config` and logs.
 
         Besides the table's secret fields, every URL-valued setting loses its
         userinfo and any password-like query parameter (`redis://:pw@host`,
-        `?password=...`).
+        `?password=...`). An unset targeted field is left out (its value is the
+        layer's default, which this module cannot see).
         """
-        out: dict[str, Any] = msgspec.structs.asdict(self)
+        out: dict[str, Any] = {
+            k: v for k, v in msgspec.structs.asdict(self).items() if v is not UNSET
+        }
         for name, value in out.items():
             if not value:
                 continue
@@ -476,11 +512,14 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
 
 def _table() -> dict[str, Var]:
     hints = typing.get_type_hints(Settings, include_extras=True)
+    defaults = {f.name: f.default for f in msgspec.structs.fields(Settings)}
     table: dict[str, Var] = {}
     for field in Settings.__struct_fields__:
         rows = [m for m in getattr(hints[field], "__metadata__", ()) if isinstance(m, Var)]
         if len(rows) != 1:
             raise TypeError(f"Settings.{field} needs exactly one Var")
+        if bool(rows[0].to) != (defaults[field] is UNSET):
+            raise TypeError(f"Settings.{field}: UNSET is the default of targeted fields only")
         table[field] = rows[0]
     return table
 

@@ -67,8 +67,12 @@ class Worker:
 
 
 class Supervisor:
-    def __init__(self, settings: Settings, *, argv: list[str] | None = None) -> None:
+    def __init__(
+        self, settings: Settings, *, drain_grace: float, argv: list[str] | None = None
+    ) -> None:
+        """`drain_grace` is the workers' own (the composition root's DaemonConfig value)."""
         self.settings = settings
+        self.drain_grace = drain_grace
         self.argv = argv or [sys.executable, "-m", "ibex", "serve", "--worker"]
         self.notifier = Notifier.from_env(unset_environment=True)
         self.stopping = False
@@ -142,7 +146,7 @@ class Supervisor:
         for w in self.workers:
             if w.process is not None and w.process.returncode is None:
                 w.process.send_signal(signal.SIGTERM)
-        with trio.move_on_after(self.settings.drain_grace + 5.0):
+        with trio.move_on_after(self.drain_grace + 5.0):
             for w in self.workers:
                 if w.process is not None:
                     await w.process.wait()
@@ -266,8 +270,9 @@ async def leave_with_supervisor(fd: int, shutdown: trio.Event) -> None:
     shutdown.set()
 
 
-def supervise(settings: Settings) -> int:
-    """Entry point for `ibex serve --workers N` (N > 1), and for one worker with metrics on."""
+def supervise(settings: Settings, *, drain_grace: float) -> int:
+    """Entry point for `ibex serve --workers N` (N > 1), and for one worker with metrics on;
+    `drain_grace` is the workers' drain grace (the supervisor waits for it, then kills)."""
     own_dir = None
     if settings.metrics_addr and not os.environ.get(MULTIPROC_ENV):
         own_dir = tempfile.mkdtemp(prefix="ibex-metrics-")
@@ -277,7 +282,7 @@ def supervise(settings: Settings) -> int:
 
         clear_multiprocess_dir()
     try:
-        trio.run(Supervisor(settings).run)
+        trio.run(Supervisor(settings, drain_grace=drain_grace).run)
     finally:
         if own_dir:
             shutil.rmtree(own_dir, ignore_errors=True)

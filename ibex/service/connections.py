@@ -104,7 +104,7 @@ class ConnectionsConfig(msgspec.Struct, frozen=True):
 
     max_connections: int = MAX_CONNECTIONS_CEILING
     max_per_peer: int | None = None
-    auth_timeout: float | None = None
+    auth_timeout: float | None = 10.0
     tls_handshake_timeout: float = 5.0
     idle_timeout: float | None = 300.0
     max_age: float | None = None

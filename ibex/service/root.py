@@ -5,7 +5,10 @@ This module, the CLI and the worker supervisor are the only readers of
 limits, request limits, pipeline knobs, admission, the edge), so no layer
 sees a secret it does not need. `layer_config` fills each one from the
 settings table (`ibex.config.Settings`, whose rows name the layer fields they
-set); the few values derived from others are computed here by hand.
+set), passing only the settings that are set, so each struct's own field
+default is the one default; `effective_settings` reads those defaults back for
+`ibex config`. The few values derived from others are computed here by hand,
+from the built structs.
 
 `open_assembler(settings)` builds the sources the settings name (Redis for
 directives, the memory service over HTTP, or the bundled local sample when
@@ -29,7 +32,7 @@ from ibex.assembly.nonce import NonceKey
 from ibex.assembly.pipeline import PipelineConfig
 from ibex.assembly.tokens import Tokenizers
 from ibex.assembly.validation import RequestLimits
-from ibex.config import Settings, layer_fields
+from ibex.config import TABLE, UNSET, Settings, layer_fields
 from ibex.errors import ConfigError
 from ibex.netaddr import split_host_port
 from ibex.ops.metrics import Metrics
@@ -49,11 +52,15 @@ from ibex.sources.redis_directive import RedisDirectiveSource
 from ibex.sources.retrieval import RetrievalConfig
 
 __all__ = [
+    "LAYERS",
     "Assembler",
     "admission_config",
     "check_bind_policy",
     "connections_config",
+    "drain_grace",
+    "effective_settings",
     "layer_config",
+    "layer_defaults",
     "load_static",
     "make_daemon",
     "open_assembler",
@@ -63,28 +70,68 @@ __all__ = [
 
 T = TypeVar("T", bound=msgspec.Struct)
 
+#: The layer config structs the settings table targets (`Var.to`), by class name.
+LAYERS: dict[str, type[msgspec.Struct]] = {
+    c.__name__: c
+    for c in (
+        RetrievalConfig,
+        RequestLimits,
+        PipelineConfig,
+        AdmissionConfig,
+        EdgeConfig,
+        DirectiveCacheConfig,
+        ConnectionsConfig,
+        DaemonConfig,
+    )
+}
+
 
 def layer_config(struct: type[T], settings: Settings, **computed: Any) -> T:
-    """`struct` with every field the settings table targets (`Var.to`) taken from `settings`;
-    `computed` gives the fields whose value the root derives (a default from another value)."""
-    fields = {f: getattr(settings, s) for f, s in layer_fields(struct.__name__).items()}
+    """`struct` with every field the settings table targets (`Var.to`) taken from `settings`
+    when set (an unset one keeps the struct's default); `computed` gives the fields whose
+    value the root derives (a default from another value)."""
+    fields = {
+        f: value
+        for f, s in layer_fields(struct.__name__).items()
+        if (value := getattr(settings, s)) is not UNSET
+    }
     return struct(**fields, **computed)
+
+
+def layer_defaults() -> dict[str, Any]:
+    """Each targeted setting -> the default of the layer field it sets (the one place the
+    default is written). KeyError/TypeError name a target that is not a defaulted field."""
+    out: dict[str, Any] = {}
+    for setting, row in TABLE.items():
+        for target in row.to:
+            struct, _, name = target.partition(".")
+            field = {f.name: f for f in msgspec.structs.fields(LAYERS[struct])}[name]
+            if field.default is msgspec.NODEFAULT:
+                raise TypeError(f"{target} (set by {setting}) has no default")
+            if out.setdefault(setting, field.default) != field.default:
+                raise TypeError(f"{setting}'s targets disagree on the default")
+    return out
+
+
+def effective_settings(settings: Settings) -> dict[str, Any]:
+    """`settings.redacted()` with each unset targeted setting at its layer default: the
+    values the daemon runs with (what `ibex config` prints)."""
+    return {**layer_defaults(), **settings.redacted()}
 
 
 def admission_config(settings: Settings) -> AdmissionConfig:
     """Admission; per-org and worker-thread queue defaults derive from the global caps."""
-    return layer_config(
-        AdmissionConfig,
-        settings,
-        max_org_concurrent=settings.max_org_assemblies
-        or max(1, settings.max_concurrent_assemblies // 2),
-        max_thread_queue=max(1, settings.max_in_flight // 4),
+    built = layer_config(AdmissionConfig, settings)
+    return msgspec.structs.replace(
+        built,
+        max_org_concurrent=settings.max_org_assemblies or max(1, built.max_concurrent // 2),
+        max_thread_queue=max(1, built.max_in_flight // 4),
     )
 
 
 def connections_config(settings: Settings) -> ConnectionsConfig:
     """Connection limits; the cap's default is computed from RLIMIT_NOFILE at start-up, the
-    per-peer cap's from the cap, the age grace's from DRAIN_GRACE."""
+    per-peer cap's from the cap, the age grace's from the daemon's drain grace."""
     cap = settings.max_connections or default_max_connections()
     grace = settings.max_connection_age_grace
     return layer_config(
@@ -92,8 +139,13 @@ def connections_config(settings: Settings) -> ConnectionsConfig:
         settings,
         max_connections=cap,
         max_per_peer=settings.max_connections_per_peer or max(1, cap // 4),
-        age_grace=grace if grace is not None else settings.drain_grace,
+        age_grace=grace if grace is not None else drain_grace(settings),
     )
+
+
+def drain_grace(settings: Settings) -> float:
+    """How long in-flight calls may finish on SIGTERM (the supervisor waits for it too)."""
+    return layer_config(DaemonConfig, settings).drain_grace
 
 
 def authenticator(settings: Settings) -> Authenticator:
@@ -179,8 +231,9 @@ async def open_assembler(
             redis, kind = redis_directive_source(settings)
             directive_source = redis
             backend.append(kind)
-            if settings.directive_cache_entries > 0:
-                cache = DirectiveCache(redis, layer_config(DirectiveCacheConfig, settings))
+            cache_config = layer_config(DirectiveCacheConfig, settings)
+            if cache_config.max_entries > 0:
+                cache = DirectiveCache(redis, cache_config)
                 directive_source = await background.enter_async_context(cache)
         if settings.memory_base_url is not None:
             http = memory_http_source(settings)

@@ -264,7 +264,7 @@ async def run_fake(monkeypatch: pytest.MonkeyPatch, start_s: float) -> workers.S
     monkeypatch.setattr(workers, "WORKER_WATCHDOG_USEC", 200_000)
     monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
     argv = [sys.executable, "-c", FAKE_WORKER, str(start_s)]
-    return workers.Supervisor(Settings(workers=1, drain_grace=1.0), argv=argv)
+    return workers.Supervisor(Settings(workers=1), drain_grace=1.0, argv=argv)
 
 
 async def test_slow_start_is_not_mistaken_for_a_hung_worker(

@@ -29,14 +29,16 @@ def test_bad_durations_name_the_variable(raw: str) -> None:
 
 
 def test_defaults_match_the_contract() -> None:
-    s = load_settings({})
-    assert (s.timeout, s.deadline) == (0.045, 0.040)
-    assert (s.directive_timeout, s.hot_timeout, s.cold_timeout) == (0.005, 0.015, 0.045)
-    assert s.grpc_addr == "127.0.0.1:9092"
-    assert (s.packer_dp_cell_ceiling, s.packer_max_consecutive_skips) == (437570, 5)
-    assert s.formatter_nonce_bytes == 16
-    assert s.token_cache_bytes == 32 * 1024 * 1024
-    assert (s.max_in_flight, s.max_in_flight_bytes) == (256, 64 * 1024 * 1024)
+    from ibex.service.root import effective_settings
+
+    s = effective_settings(load_settings({}))
+    assert (s["timeout"], s["deadline"]) == (0.045, 0.040)
+    assert (s["directive_timeout"], s["hot_timeout"], s["cold_timeout"]) == (0.005, 0.015, 0.045)
+    assert s["grpc_addr"] == "127.0.0.1:9092"
+    assert (s["packer_dp_cell_ceiling"], s["packer_max_consecutive_skips"]) == (437570, 5)
+    assert s["formatter_nonce_bytes"] == 16
+    assert s["token_cache_bytes"] == 32 * 1024 * 1024
+    assert (s["max_in_flight"], s["max_in_flight_bytes"]) == (256, 64 * 1024 * 1024)
     assert load_settings({"IBEX_CONTEXT_MAX_IN_FLIGHT_BYTES": "2048"}).max_in_flight_bytes == 2048
     assert load_settings({"IBEX_CONTEXT_FORMATTER_NONCE_BYTES": "8"}).formatter_nonce_bytes == 8
 
@@ -243,9 +245,12 @@ def test_known_variables_come_from_the_parser_itself() -> None:
 
 
 def test_connection_settings() -> None:
+    from ibex.service.root import connections_config
+
     s = load_settings({})
-    assert (s.max_connections, s.connection_idle_timeout) == (None, 300.0)
-    assert (s.max_connection_age, s.max_connection_age_grace) == (None, None)
+    assert (s.max_connections, s.max_connection_age_grace) == (None, None)
+    c = connections_config(s)
+    assert (c.idle_timeout, c.max_age, c.age_grace) == (300.0, None, 10.0)
     s = load_settings(
         {
             "IBEX_CONTEXT_MAX_CONNECTIONS": "100",
@@ -268,8 +273,7 @@ def test_fair_connection_settings() -> None:
     from ibex.service.root import connections_config
 
     s = load_settings({"IBEX_CONTEXT_MAX_CONNECTIONS": "100"})
-    assert (s.max_connections_per_peer, s.connection_auth_timeout) == (None, 10.0)
-    assert s.tls_handshake_timeout == 5.0
+    assert s.max_connections_per_peer is None
     c = connections_config(s)
     assert (c.max_per_peer, c.auth_timeout, c.tls_handshake_timeout) == (25, 10.0, 5.0)
     assert (
@@ -290,7 +294,10 @@ def test_fair_connection_settings() -> None:
 
 
 def test_directive_cache_max_age() -> None:
-    assert load_settings({}).directive_cache_max_age == 2.0
+    from ibex.service.root import layer_config
+    from ibex.sources.directive_cache import DirectiveCacheConfig
+
+    assert layer_config(DirectiveCacheConfig, load_settings({})).max_age == 2.0
     got = load_settings({"IBEX_CONTEXT_DIRECTIVE_CACHE_MAX_AGE": "500ms"})
     assert got.directive_cache_max_age == 0.5
     assert load_settings({"IBEX_CONTEXT_DIRECTIVE_CACHE_MAX_AGE": "3"}).directive_cache_max_age == 3

@@ -1,36 +1,47 @@
-"""The settings table: every row's layer target exists and shares its default, the root
-fills each layer config from it, its secret rows are redacted, and its errors name the variable."""
+"""The settings table: every row's layer target is a real defaulted field, an unset
+targeted setting takes the layer's own default (written once, in the layer struct) and a set
+one overrides it, `ibex config` prints the effective value, secret rows are redacted, and
+errors name the variable."""
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any
 
 import msgspec
 import pytest
 
-from ibex.assembly.pipeline import PipelineConfig
-from ibex.assembly.validation import RequestLimits
-from ibex.config import PREFIX, TABLE, ConfigError, Settings, load_settings
+from ibex.config import PREFIX, TABLE, UNSET, ConfigError, Settings, load_settings
 from ibex.service.admission import AdmissionConfig
 from ibex.service.connections import ConnectionsConfig
-from ibex.service.daemon import DaemonConfig
-from ibex.service.handlers import EdgeConfig
-from ibex.service.root import layer_config
-from ibex.sources.directive_cache import DirectiveCacheConfig
-from ibex.sources.retrieval import RetrievalConfig
+from ibex.service.root import (
+    LAYERS,
+    admission_config,
+    connections_config,
+    effective_settings,
+    layer_config,
+    layer_defaults,
+)
 
-LAYERS: dict[str, type[msgspec.Struct]] = {
-    c.__name__: c
-    for c in (
-        RetrievalConfig,
-        RequestLimits,
-        PipelineConfig,
-        AdmissionConfig,
-        EdgeConfig,
-        DirectiveCacheConfig,
-        ConnectionsConfig,
-        DaemonConfig,
-    )
-}
 TARGETS = [(setting, target) for setting, row in TABLE.items() for target in row.to]
+
+
+def layer_default(target: str) -> Any:
+    """The field's value in the layer struct built with no arguments (its own default)."""
+    struct, _, field = target.partition(".")
+    return getattr(LAYERS[struct](), field)
+
+
+def built(struct: str, settings: Settings) -> msgspec.Struct:
+    """The layer struct as the composition root builds it for the daemon."""
+    if struct == AdmissionConfig.__name__:
+        return admission_config(settings)
+    if struct == ConnectionsConfig.__name__:
+        return connections_config(settings)
+    return layer_config(LAYERS[struct], settings)
 
 
 def test_the_table_covers_every_setting_once() -> None:
@@ -40,29 +51,71 @@ def test_the_table_covers_every_setting_once() -> None:
     assert len(TARGETS) >= 30  # the retrieval, admission, request and cache knobs at least
 
 
+def test_targeted_settings_and_only_they_default_to_unset() -> None:
+    """The default of a targeted setting is not written in the table: it is UNSET there."""
+    defaults = {f.name: f.default for f in msgspec.structs.fields(Settings)}
+    for setting, row in TABLE.items():
+        assert (defaults[setting] is UNSET) == bool(row.to), setting
+
+
 @pytest.mark.parametrize("setting,target", TARGETS)
-def test_each_target_is_a_layer_field_with_the_same_default(setting: str, target: str) -> None:
-    """A layer built alone (tests, benchmarks) behaves as the daemon's default, except
-    where the layer's None turns a feature off that the daemon turns on."""
+def test_each_target_is_a_defaulted_field_of_a_layer_struct(setting: str, target: str) -> None:
     struct, _, field = target.partition(".")
+    assert struct in LAYERS, f"{setting} targets an unknown struct {struct}"
     fields = {f.name: f for f in msgspec.structs.fields(LAYERS[struct])}
     assert field in fields, f"{setting} targets a missing {target}"
-    if fields[field].default is not None:
-        assert fields[field].default == getattr(Settings(), setting), target
+    assert fields[field].default is not msgspec.NODEFAULT, f"{target} has no default"
+    assert layer_defaults()[setting] == layer_default(target)
 
 
-def test_layer_config_takes_every_targeted_field_from_the_settings() -> None:
-    """Each targeted setting, moved off its default, reaches its layer field."""
-    changed = {}
-    for setting, _ in TARGETS:
-        default = getattr(Settings(), setting)
-        changed[setting] = 2.5 if default is None else type(default)(default * 2 + 1)
-    settings = Settings(**changed)
+@pytest.mark.parametrize("setting,target", TARGETS)
+def test_an_unset_setting_takes_the_layer_default_and_a_set_one_overrides_it(
+    setting: str, target: str
+) -> None:
+    struct, _, field = target.partition(".")
+    assert getattr(built(struct, load_settings({})), field) == layer_default(target)
+    default = layer_default(target)
+    value = 2.5 if default is None else type(default)(default * 2 + 1)
+    settings = Settings(**{setting: value})
+    assert getattr(built(struct, settings), field) == value
+
+
+def test_derived_values_follow_the_built_struct() -> None:
+    """The root derives the per-org cap, the thread queue and the age grace from the
+    layer values (set or default), not from another copy of a default."""
+    assert admission_config(Settings()).max_org_concurrent == max(
+        1, AdmissionConfig().max_concurrent // 2
+    )
+    assert admission_config(Settings()).max_thread_queue == max(
+        1, AdmissionConfig().max_in_flight // 4
+    )
+    env = {PREFIX + "MAX_CONCURRENT_ASSEMBLIES": "6", PREFIX + "MAX_IN_FLIGHT": "40"}
+    admission = admission_config(load_settings(env))
+    assert (admission.max_org_concurrent, admission.max_thread_queue) == (3, 10)
+    assert connections_config(Settings()).age_grace == layer_default("DaemonConfig.drain_grace")
+    assert connections_config(Settings(drain_grace=3.5)).age_grace == 3.5
+    assert connections_config(Settings(max_connection_age_grace=1.5)).age_grace == 1.5
+
+
+def test_ibex_config_prints_the_layer_default_of_an_unset_setting() -> None:
+    """The real CLI entry point, in a clean environment but for one set variable."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(PREFIX)}
+    env[PREFIX + "HOT_LIMIT"] = "7"
+    proc = subprocess.run(
+        [sys.executable, "-m", "ibex", "config"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    shown = json.loads(proc.stdout)
+    assert set(shown) == set(TABLE)
+    assert shown["hot_limit"] == 7
     for setting, target in TARGETS:
-        struct, _, field = target.partition(".")
-        extra = {"connections": ConnectionsConfig()} if struct == "DaemonConfig" else {}
-        built = layer_config(LAYERS[struct], settings, **extra)
-        assert getattr(built, field) == changed[setting], target
+        if setting != "hot_limit":
+            assert shown[setting] == layer_default(target), setting
 
 
 def test_secret_rows_are_the_credentials_and_are_redacted() -> None:
@@ -85,9 +138,10 @@ def test_secret_rows_are_the_credentials_and_are_redacted() -> None:
         PREFIX + "NONCE_KEY": "n" * 40,
         PREFIX + "METRICS_TOKEN_SHA256": digest,
     }
-    shown = repr(load_settings(env).redacted())
-    for value in ("tok-secret-1", digest, "sentinel-secret-2", "n" * 40):
-        assert value not in shown
+    settings = load_settings(env)
+    for shown in (repr(settings.redacted()), repr(effective_settings(settings))):
+        for value in ("tok-secret-1", digest, "sentinel-secret-2", "n" * 40):
+            assert value not in shown
 
 
 @pytest.mark.parametrize("setting", list(TABLE))

@@ -51,6 +51,9 @@ class Clock:
 
 
 def make(clock: Clock, jitter: float = 0.5, **config: object) -> Connections:
+    """Connections with the close of unauthenticated connections off unless a test sets it
+    (these connections never authenticate)."""
+    config.setdefault("auth_timeout", None)
     return Connections(ConnectionsConfig(**config), clock=clock, jitter=lambda: jitter)  # type: ignore[arg-type]
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from ibex import config
 from ibex.config import PREFIX, Settings, load_settings, parse_duration
-from ibex.service.root import check_bind_policy
+from ibex.service.root import check_bind_policy, drain_grace, effective_settings
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 UNIT = DEPLOY / "systemd" / "ibex-context.service"
@@ -102,7 +102,7 @@ def test_unit_has_the_required_settings() -> None:
 
 def test_unit_drain_fits_in_the_stop_timeout() -> None:
     service = parse_unit(UNIT.read_text())["Service"]
-    assert Settings().drain_grace < float(service["TimeoutStopSec"][0])
+    assert drain_grace(Settings()) < float(service["TimeoutStopSec"][0])
 
 
 def _unit_with_existing_binary(tmp_path: Path) -> Path:
@@ -186,8 +186,10 @@ def test_every_documented_variable_is_read_under_its_exact_name() -> None:
 
 
 def test_env_example_commented_defaults_are_the_real_defaults() -> None:
+    """A commented line shows the effective default: for a targeted setting the layer
+    config's own field default (read through the function `ibex config` prints)."""
     _, commented = env_example_assignments()
-    assert load_settings(commented) == Settings()
+    assert effective_settings(load_settings(commented)) == effective_settings(Settings())
 
 
 def test_env_example_active_lines_load() -> None:
@@ -265,7 +267,7 @@ def test_termination_grace_covers_pre_stop_and_drain() -> None:
     pod = docs["Deployment"]["spec"]["template"]["spec"]
     pre_stop = pod["containers"][0]["lifecycle"]["preStop"]["sleep"]["seconds"]
     env = {**docs["ConfigMap"]["data"], **docs["Secret"]["stringData"]}
-    drain = load_settings(env).drain_grace
+    drain = drain_grace(load_settings(env))
     assert pod["terminationGracePeriodSeconds"] > pre_stop + drain
 
 

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from ibex.config import EXTRA_KNOWN, PREFIX, TABLE, known_variables
+from ibex.service.root import layer_defaults
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
@@ -21,6 +25,37 @@ def documented_variables() -> set[str]:
             first = line.split("|")[1]
             names.update(re.findall(r"IBEX_CONTEXT_[A-Z0-9_]+", first))
     return names
+
+
+def documented_defaults() -> dict[str, str]:
+    """Variable -> the text of its row's default column in configuration.md."""
+    cells: dict[str, str] = {}
+    for line in CONFIGURATION.read_text(encoding="utf-8").splitlines():
+        if line.startswith("| `IBEX_CONTEXT_"):
+            first, default = line.split("|")[1:3]
+            for name in re.findall(r"IBEX_CONTEXT_[A-Z0-9_]+", first):
+                cells[name] = default.strip()
+    return cells
+
+
+def documented_value(setting: str, cell: str) -> Any:
+    """A default cell read as the variable's parser reads a value: `—` is none (off),
+    `16 MiB` a byte count, anything else goes through the setting's own parser."""
+    if cell.startswith("—"):
+        return None
+    if m := re.fullmatch(r"(\d+) (MiB|GiB)", cell):
+        return int(m[1]) * 1024 ** {"MiB": 2, "GiB": 3}[m[2]]
+    row = TABLE[setting]
+    return row.parse(PREFIX + row.suffix, cell)
+
+
+@pytest.mark.parametrize("setting", sorted(layer_defaults()))
+def test_the_documented_default_is_the_layer_default(setting: str) -> None:
+    """A targeted setting's default is written once, in its layer config struct; the docs
+    table must show that value (read through the function `ibex config` uses)."""
+    default = layer_defaults()[setting]
+    shown = documented_value(setting, documented_defaults()[PREFIX + TABLE[setting].suffix])
+    assert shown == (default if default is None else pytest.approx(default)), setting
 
 
 def test_every_setting_the_parser_reads_is_documented_and_nothing_else() -> None:
