@@ -47,7 +47,7 @@ async def measure(root: Path, rate: float, seconds: float) -> dict[str, Any]:
     out = Path(tempfile.mkdtemp(prefix="ibex-wall-")) / "steps.json"
     env = {"PYTHONPATH": f"{PROBE}:{root}", "IBEX_WALL_PROBE_OUT": str(out)}
     with Stack() as stack:
-        with stack.daemon(1, **env) as daemon:
+        with stack.daemon(1, root, **env) as daemon:
             driver = Driver(daemon.addr, channels=4)
             try:
                 await driver.ready()

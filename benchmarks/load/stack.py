@@ -168,9 +168,14 @@ class MemoryProcess:
 
 
 class Daemon:
-    """`python -m ibex serve [--workers N]` as a child process."""
+    """`python -m ibex serve [--workers N]` as a child process, run from checkout `root`.
 
-    def __init__(self, env: dict[str, str], workers: int, port: int) -> None:
+    `python -m` puts the working directory first on `sys.path`, ahead of
+    PYTHONPATH, so the daemon's code is the checkout it runs in: another
+    checkout's daemon needs that checkout as its working directory.
+    """
+
+    def __init__(self, env: dict[str, str], workers: int, port: int, root: Path = ROOT) -> None:
         self.workers = workers
         self.port = port
         self.addr = f"127.0.0.1:{port}"
@@ -180,7 +185,7 @@ class Daemon:
         self.log = tempfile.TemporaryFile()  # noqa: SIM115 (closed in stop())
         self.proc = subprocess.Popen(
             cmd,
-            cwd=ROOT,
+            cwd=root,
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=self.log,
@@ -246,7 +251,7 @@ class Stack:
     def __exit__(self, *exc: object) -> None:
         self._exit.close()
 
-    def env(self, port: int, **extra: str) -> dict[str, str]:
+    def env(self, port: int, root: Path = ROOT, **extra: str) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("IBEX_CONTEXT_")}
         env.update(
             IBEX_CONTEXT_GRPC_ADDR=f"127.0.0.1:{port}",
@@ -256,15 +261,16 @@ class Stack:
             IBEX_CONTEXT_HOT_LIMIT="20",
             IBEX_CONTEXT_COLD_LIMIT="10",
             IBEX_CONTEXT_LOG_LEVEL="warning",
-            PYTHONPATH=str(ROOT),
+            PYTHONPATH=str(root),
         )
         env.update(extra)
         return env
 
     @contextlib.contextmanager
-    def daemon(self, workers: int, **extra: str) -> Iterator[Daemon]:
+    def daemon(self, workers: int, root: Path = ROOT, **extra: str) -> Iterator[Daemon]:
+        """A daemon of checkout `root` (this one by default); `extra` adds to its environment."""
         port = free_port()
-        d = Daemon(self.env(port, **extra), workers, port)
+        d = Daemon(self.env(port, root, **extra), workers, port, root)
         try:
             yield d
         finally:

@@ -21,7 +21,6 @@ import grpclib.const
 import grpclib.server
 import msgspec
 import trio
-import trio_asyncio
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 from h2.exceptions import StreamClosedError
@@ -42,6 +41,7 @@ from ibex.service import convert, pb
 from ibex.service.admission import Admission, Ticket
 from ibex.service.assembler import Assembler
 from ibex.service.auth import Authenticator, check_principal
+from ibex.service.crossing import in_trio
 from ibex.service.status import grpc_error
 from ibex.service.stream_reads import (
     arrival,
@@ -230,9 +230,7 @@ class ContextService:
             principal = msg.principal_context if msg.HasField("principal_context") else None
             check_principal(principal, request.org_id, request.agent_id)
             traced = () if call is None else (trace_id, call)
-            result = await trio_asyncio.trio_as_aio(self._assemble_in_trio)(
-                request, ticket, *traced
-            )
+            result = await in_trio(self._assemble_in_trio, request, ticket, *traced)
             await self._send_assembly(stream, result)
 
     async def _send_assembly(
@@ -279,7 +277,7 @@ class ContextService:
         with self.admission.admitted(*_timing(stream)) as ticket:
             flt = self.assembler.check_search(convert.search_from_proto(msg))
             t0 = time.perf_counter()
-            found = await trio_asyncio.trio_as_aio(self._search_in_trio)(flt, ticket)
+            found = await in_trio(self._search_in_trio, flt, ticket)
             elapsed_ms = int((time.perf_counter() - t0) * 1000)
             await stream.send_message(convert.search_to_proto(found, elapsed_ms))
 
@@ -310,7 +308,7 @@ class ContextService:
                     session_id=msg.session_id,
                     trace_id=msg.trace_id,
                 )
-                sent = await trio_asyncio.trio_as_aio(self._feedback_in_trio)(fb, ticket)
+                sent = await in_trio(self._feedback_in_trio, fb, ticket)
                 response = pb.RecordMemoryFeedbackResponse(success=True)
                 for u in sent.updates:
                     response.updates.add(
