@@ -53,8 +53,14 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.load import floor
-from benchmarks.load.deadlines import LONG, PROXY, Run, cold_slow, short_deadlines, zero_refusals
-from benchmarks.load.driver import Driver, fixed_rate
+from benchmarks.load.deadlines import (
+    LONG,
+    PROXY,
+    cold_slow,
+    short_deadlines,
+    warmed_run,
+    zero_refusals,
+)
 from benchmarks.load.report import percentile, table
 from benchmarks.load.speed import spread
 from benchmarks.load.stack import Daemon, Stack, free_port, wait_listening
@@ -314,12 +320,7 @@ async def served_targets(
 ) -> dict[str, Any]:
     """Targets 2-4 against one daemon that exports /metrics on `metrics_port`."""
     out: dict[str, Any] = {}
-    driver = Driver(daemon.addr, channels=4)
-    try:
-        await driver.ready()
-        run = Run(stack, daemon, driver, versions=True)
-        await run.open("warmup", fixed_rate((100, 1.0)))
-
+    async with warmed_run(stack, daemon, 1.0) as run:
         pooled: dict[int, tuple[Counter[str], int]] = {r: (Counter(), 0) for r in (100, 200)}
         for _ in range(args.cold_repeats):
             measured = await cold_slow(run, (100, 200), args.step, PROXY)
@@ -360,8 +361,6 @@ async def served_targets(
             flush=True,
         )
         out["speed_samples"] = run.speed
-    finally:
-        await driver.close()
     return out
 
 

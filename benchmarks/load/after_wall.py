@@ -25,8 +25,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks.load.deadlines import Run
-from benchmarks.load.driver import Driver, fixed_rate
+from benchmarks.load.deadlines import warmed_run
+from benchmarks.load.driver import fixed_rate
 from benchmarks.load.stack import ROOT, Stack
 
 PROBE = Path(__file__).resolve().parent / "wall_probe"
@@ -48,15 +48,9 @@ async def measure(root: Path, rate: float, seconds: float) -> dict[str, Any]:
     env = {"PYTHONPATH": f"{PROBE}:{root}", "IBEX_WALL_PROBE_OUT": str(out)}
     with Stack() as stack:
         with stack.daemon(1, root, **env) as daemon:
-            driver = Driver(daemon.addr, channels=4)
-            try:
-                await driver.ready()
-                run = Run(stack, daemon, driver, versions=True)
-                await run.open("warmup", fixed_rate((100, 2.0)))
+            async with warmed_run(stack, daemon) as run:
                 stack.memory.set_latency("cold", stack.cold_ms + 100.0)
                 row, _ = await run.open(f"cold +100 ms @{rate:.0f}", fixed_rate((rate, seconds)))
-            finally:
-                await driver.close()
         steps = json.loads(out.read_text()) if out.exists() else {}
     return {"client": row, "steps": summary(steps)}
 

@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +95,22 @@ class Run:
         return row
 
 
+@contextlib.asynccontextmanager
+async def warmed_run(
+    stack: Stack, daemon: Daemon, warmup_seconds: float = 2.0
+) -> AsyncIterator[Run]:
+    """A `Run` against `daemon` (directive versions sent), its driver ready and
+    `warmup_seconds` of 100 rps behind it, so connections and caches are warm."""
+    driver = Driver(daemon.addr, channels=4)
+    try:
+        await driver.ready()
+        run = Run(stack, daemon, driver, versions=True)
+        await run.open("warmup", fixed_rate((100, warmup_seconds)))
+        yield run
+    finally:
+        await driver.close()
+
+
 def cpu_hog() -> subprocess.Popen[bytes]:
     """Another process keeping one core busy (as a neighbour on the host would)."""
     return subprocess.Popen([sys.executable, "-c", "while True: pass"])
@@ -104,12 +122,7 @@ async def scenarios(args: argparse.Namespace) -> dict[str, Any]:
     }
     step = args.step
     with Stack() as stack, stack.daemon(1, **args.extra_env) as daemon:
-        driver = Driver(daemon.addr, channels=4)
-        try:
-            await driver.ready()
-            run = Run(stack, daemon, driver, versions=True)
-            await run.open("warmup", fixed_rate((100, 2.0)))
-
+        async with warmed_run(stack, daemon) as run:
             cpu_rows = []
             for rate in (100, 200):
                 reps = []
@@ -179,8 +192,6 @@ async def scenarios(args: argparse.Namespace) -> dict[str, Any]:
             out["machine_speed"] = spread(run.speed)
             speed = out["machine_speed"]
             print(f"   reference work over the run (ms of CPU, lower is faster): {speed}")
-        finally:
-            await driver.close()
     out["daemon_cpu_seconds_total"] = cpu_seconds(daemon.root_pid)
     return out
 

@@ -23,8 +23,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.load.deadlines import Run
-from benchmarks.load.driver import Driver, fixed_rate
+from benchmarks.load.deadlines import warmed_run
+from benchmarks.load.driver import fixed_rate
 from benchmarks.load.stack import ROOT, Stack
 
 PROBE = Path(__file__).resolve().parent / "gc_probe"
@@ -51,15 +51,9 @@ async def measure(stack: Stack, root: Path) -> dict[str, Any]:
     out = Path(tempfile.mkdtemp(prefix="ibex-gc-")) / "passes.json"
     env = {"PYTHONPATH": f"{PROBE}:{root}", "IBEX_GC_PROBE_OUT": str(out)}
     with stack.daemon(1, root, **env) as daemon:
-        driver = Driver(daemon.addr, channels=4)
-        try:
-            await driver.ready()
-            run = Run(stack, daemon, driver, versions=True)
-            await run.open("warmup", fixed_rate((100, 1.5)))
+        async with warmed_run(stack, daemon, 1.5) as run:
             await run.open("200 rps", fixed_rate((200, 4.0)))
             closed = await run.closed("32 callers", 32, 4.0, 1.0)
-        finally:
-            await driver.close()
     passes = json.loads(out.read_text()) if out.exists() else []
     return {"cpu_ms_per_answer": closed["daemon_cpu_ms_per_answer"], "gc": summary(passes)}
 
