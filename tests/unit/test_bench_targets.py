@@ -112,6 +112,19 @@ def test_cold_deadline_rows() -> None:
     assert [r.verdict for r in t.cold_deadline_rows(100, {}, 0)] == ["short", "short"]
 
 
+def test_the_server_share_within_the_deadline_is_shown_beside_the_target() -> None:
+    text = "\n".join(
+        f'ibex_answer_seconds_bucket{{method="AssembleContext",le="{le}"}} {n}'
+        for le, n in (("0.044", 90.0), ("0.045", 97.0), ("0.046", 99.0), ("+Inf", 100.0))
+    )
+    buckets = t.answer_buckets("# TYPE ibex_answer_seconds histogram\n" + text + "\n")
+    assert t.within(buckets, 0.045) == (97.0, 100.0)
+    rows = t.cold_deadline_rows(200, {"OK": 95, "DEADLINE_EXCEEDED": 5}, 95, (97.0, 100.0))
+    assert [r.verdict for r in rows] == ["short", "met", "-"]
+    assert rows[2].measured == "97 of 100 (97.00 %)"
+    assert t.cold_deadline_rows(200, {"OK": 1}, 1, (0.0, 0.0))[2].measured == "nothing observed"
+
+
 def test_tail_rows_judge_the_time_after_the_wall() -> None:
     client, server = t.tail_rows(45.0, 0.0414, 0.040)
     assert (client.verdict, server.verdict) == ("met", "met")
