@@ -8,6 +8,8 @@ timings may differ, so they are left out of the comparison.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -28,7 +30,7 @@ from ibex.assembly.structs import (
     MemoryHit,
     Message,
 )
-from ibex.assembly.tokens import Tokenizers
+from ibex.assembly.tokens import TokenCounter, Tokenizers
 from ibex.errors import TooLargeError
 from ibex.testing.samples import AGENT, ORG
 
@@ -301,3 +303,72 @@ def test_as_composite_is_score_hit_under_the_composite_schema(
     options = AssemblyOptions()
     expected = score_hit(h, options, NOW, COMPOSITE) if composite is not None else None
     assert as_composite(score_hit(h, options, NOW, INTERIM), h) == expected
+
+
+class _RecordingCounter:
+    """A counter without a cache that records every text it is asked to count."""
+
+    def __init__(self, real: TokenCounter) -> None:
+        self.real = real
+        self.estimate_kind = real.estimate_kind
+        self.max_token_bytes = real.max_token_bytes
+        self.texts: list[str] = []
+
+    def count(self, text: str) -> int:
+        self.texts.append(text)
+        return self.real.count_uncached(text)
+
+    count_uncached = count
+
+    def peek(self, text: str) -> int | None:
+        return None
+
+    def remember(self, items: Sequence[tuple[str, int]]) -> None:
+        pass
+
+    def additive_cut(self, text: str) -> int:
+        return self.real.additive_cut(text)
+
+
+class _Recording:
+    """One recording counter per family, handed out again on every call (as Tokenizers does)."""
+
+    def __init__(self, tokenizers: Tokenizers) -> None:
+        self.tokenizers = tokenizers
+        self.counters: dict[str, _RecordingCounter] = {}
+
+    def counter(self, family: str, encoding: str | None) -> _RecordingCounter:
+        if family not in self.counters:
+            self.counters[family] = _RecordingCounter(self.tokenizers.counter(family, encoding))
+        return self.counters[family]
+
+
+def test_work_done_early_is_not_done_again(catalog: Catalog, tokenizers: Tokenizers) -> None:
+    """With the fixed sections and both streams prepared, only merge, pack and render
+    remain (the module's docstring): nothing is counted again at the wall, and the
+    answer is the one computed from scratch."""
+    hot, cold = hot_and_cold()
+    request = AssemblyRequest(
+        agent_id=AGENT,
+        org_id=ORG,
+        query="q",
+        model="gpt-4o",
+        recent_messages=(Message("user", TEXTS[0]), Message("assistant", TEXTS[1])),
+        tool_schemas=('{"name": "lookup"}',),
+    )
+    directive = Directive("Answer briefly.")
+    inputs = AssemblyInputs(request, directive, hot, cold, BRANCHES, NONCE, NOW)
+    source = _Recording(tokenizers)
+    prepared = Prepared(request, NONCE, NOW, catalog=catalog, tokenizers=source)
+    prepared.directive(directive)
+    prepared.hits("hot", hot)
+    prepared.hits("cold", cold)
+    counter = source.counter("o200k_base", "o200k_base")
+    assert counter.texts  # the early work counted the directive, history, tools and prices
+    counter.texts.clear()
+    early = assemble_pure(inputs, catalog=catalog, tokenizers=source, prepared=prepared)
+    assert counter.texts == []
+    plain = assemble_pure(inputs, catalog=catalog, tokenizers=source)
+    assert counter.texts  # from scratch, the same answer costs counting (so the check can fail)
+    assert without_timings(early) == without_timings(plain)
+    assert early.memories_used and early.history_tokens > 0 and early.tool_tokens > 0
