@@ -372,3 +372,25 @@ def test_work_done_early_is_not_done_again(catalog: Catalog, tokenizers: Tokeniz
     assert counter.texts  # from scratch, the same answer costs counting (so the check can fail)
     assert without_timings(early) == without_timings(plain)
     assert early.memories_used and early.history_tokens > 0 and early.tool_tokens > 0
+
+
+def test_streams_not_prepared_are_scored_at_the_inputs_now(
+    catalog: Catalog, tokenizers: Tokenizers
+) -> None:
+    """Only the fixed sections prepared: the pipeline scores both branches itself, recency
+    against the inputs' `now`, so the answer is the one computed without early work."""
+    hot, cold = hot_and_cold()
+    dated = "2025-03-01T08:30:00Z"
+    hot = tuple(msgspec.structs.replace(h, created_at=dated) for h in hot)
+    cold = tuple(msgspec.structs.replace(h, created_at=dated) for h in cold)
+    options = AssemblyOptions(recency_weight=0.5, relevance_weight=0.5)
+    request = AssemblyRequest(
+        agent_id=AGENT, org_id=ORG, query="q", model="gpt-4o", options=options
+    )
+    directive = Directive("Answer briefly.")
+    inputs = AssemblyInputs(request, directive, hot, cold, BRANCHES, NONCE, NOW)
+    prepared = Prepared(request, NONCE, NOW, catalog=catalog, tokenizers=tokenizers)
+    prepared.directive(directive)
+    early = run(inputs, catalog, tokenizers, prepared)
+    assert isinstance(early, AssemblyResult) and early.memories_used
+    assert early == run(inputs, catalog, tokenizers)
