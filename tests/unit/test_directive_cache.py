@@ -404,11 +404,10 @@ async def test_a_caller_waiting_on_a_read_the_closing_cache_cancels_gets_an_erro
         except SourceError as exc:
             got.append(str(exc))
 
-    async with trio.open_nursery() as nursery:
-        async with owned(store, refresh_timeout=60.0) as c:
-            nursery.start_soon(waiter, c)
-            await trio.sleep(1.0)
-            assert store.calls == 1
+    async with trio.open_nursery() as nursery, owned(store, refresh_timeout=60.0) as c:
+        nursery.start_soon(waiter, c)
+        await trio.sleep(1.0)
+        assert store.calls == 1
     assert got == ["the directive cache closed before its read finished"]
 
 
