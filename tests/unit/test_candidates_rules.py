@@ -299,3 +299,21 @@ def test_select_candidates_scores_recency_at_the_time_it_is_given() -> None:
     ranked, _ = select_candidates(req(recency_weight=1.0), [], cold, NOW)
     assert [m.memory_id for m in ranked] == ["new", "old"]
     assert ranked[0].composite_score > 0.99 > 0.25 > ranked[1].composite_score
+
+
+def test_an_oversized_hit_is_failed_and_the_hits_after_it_are_still_candidates() -> None:
+    cold = [hit("a", 0.9), hit("big", 0.8, oversized=True), hit("c", 0.7)]
+    ranked, excluded = select_candidates(req(), [], cold, NOW)
+    assert [m.memory_id for m in ranked] == ["a", "c"]
+    assert [(m.memory_id, m.exclusion) for m in excluded] == [("big", "failed")]
+
+
+def test_every_hit_of_a_skipped_stream_is_reported_filtered() -> None:
+    hot = [hit(f"h{i}", 0.9, branch="hot") for i in range(3)]
+    ranked, excluded = select_candidates(req(skip_hot_memories=True), hot, [], NOW)
+    assert ranked == []
+    assert [(m.memory_id, m.exclusion) for m in excluded] == [
+        ("h0", "filter"),
+        ("h1", "filter"),
+        ("h2", "filter"),
+    ]
