@@ -288,7 +288,11 @@ def test_ceiling_is_clamped_at_zero() -> None:
     assert (b.response_reserve, b.safety_buffer) == (500, 240)
     assert b.ceiling == 0
     assert b.usable_budget == 0
-    # The pipeline's and the client's ceiling: the same rule, the same clamp.
+
+
+def test_context_ceiling_is_clamped_at_zero_like_the_budgets() -> None:
+    """The pipeline's and the client's ceiling: the same rule, the same clamp."""
+    fam = FamilyPolicy(safety_buffer_fraction=0.4, name="f")
     assert context_ceiling(cap_x(600), fam, 0) == 0
     assert context_ceiling(cap_x(600), FAM_X, 500) == 0  # 500 - 500 - 25
     assert context_ceiling(cap_x(600), FAM_X, 0) == 600 - 500 - 30
