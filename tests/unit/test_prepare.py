@@ -394,3 +394,29 @@ def test_streams_not_prepared_are_scored_at_the_inputs_now(
     early = run(inputs, catalog, tokenizers, prepared)
     assert isinstance(early, AssemblyResult) and early.memories_used
     assert early == run(inputs, catalog, tokenizers)
+
+
+def test_a_stream_scored_at_another_instant_is_not_used(
+    catalog: Catalog, tokenizers: Tokenizers
+) -> None:
+    """Same hits, another `now`: recency differs, so the pipeline scores them again."""
+    hot, _ = hot_and_cold()
+    hot = tuple(msgspec.structs.replace(h, created_at="2025-03-01T08:30:00Z") for h in hot)
+    options = AssemblyOptions(recency_weight=0.5, relevance_weight=0.5)
+    request = AssemblyRequest(
+        agent_id=AGENT, org_id=ORG, query="q", model="gpt-4o", options=options
+    )
+    prepared = Prepared(request, NONCE, NOW, catalog=catalog, tokenizers=tokenizers)
+    prepared.hits("hot", hot)
+    later = AssemblyInputs(request, None, hot, (), BRANCHES, NONCE, NOW + 86400.0 * 30)
+    assert run(later, catalog, tokenizers, prepared) == run(later, catalog, tokenizers)
+
+
+def test_an_unknown_model_is_sized_by_the_requests_available_tokens(
+    catalog: Catalog, tokenizers: Tokenizers
+) -> None:
+    request = AssemblyRequest(
+        agent_id=AGENT, org_id=ORG, query="q", model="mystery-model", available_tokens=4321
+    )
+    prepared = Prepared(request, NONCE, NOW, catalog=catalog, tokenizers=tokenizers)
+    assert prepared.cap.context_window == 4321
