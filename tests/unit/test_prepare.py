@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ibex.assembly.catalog import Catalog, load_catalog
-from ibex.assembly.formatter import new_nonce
+from ibex.assembly.formatter import XML_TAGS, new_nonce
 from ibex.assembly.pipeline import AssemblyInputs, assemble_pure
 from ibex.assembly.prepare import Prepared
 from ibex.assembly.scoring import COMPOSITE, INTERIM, as_composite, score_hit
@@ -420,3 +420,22 @@ def test_an_unknown_model_is_sized_by_the_requests_available_tokens(
     )
     prepared = Prepared(request, NONCE, NOW, catalog=catalog, tokenizers=tokenizers)
     assert prepared.cap.context_window == 4321
+
+
+def test_prepared_counts_are_cached_even_when_every_body_was_cached_before(
+    catalog: Catalog,
+) -> None:
+    """The escaped bodies are the format's (one cache), the counts the counter's: a new
+    counter with nothing but new counts staged still caches them once the request fits."""
+    hot, _ = hot_and_cold()
+    request = AssemblyRequest(agent_id=AGENT, org_id=ORG, query="q", model="gpt-4o")
+    inputs = AssemblyInputs(request, None, hot, (), BRANCHES, NONCE, NOW)
+    for _ in range(2):  # the first pass leaves every body in the format's cache
+        tokenizers = Tokenizers(None, 65536)
+        counter = tokenizers.counter("o200k_base", "o200k_base")
+        prepared = Prepared(request, NONCE, NOW, catalog=catalog, tokenizers=tokenizers)
+        prepared.hits("hot", hot)
+        body = XML_TAGS.body_piece(hot[0].content)
+        assert counter.peek(body) is None  # staged, not cached
+        assemble_pure(inputs, catalog=catalog, tokenizers=tokenizers, prepared=prepared)
+        assert counter.peek(body) is not None
