@@ -168,6 +168,10 @@ class DirectiveCache:
             self._store(key, read.directive, self._clock())
         except trio.TooSlowError:
             read.error = f"no answer within {timeout * 1000:.0f}ms"
+        except trio.Cancelled:
+            # The cache is closing: a caller still waiting must not take "no directive".
+            read.error = "the directive cache closed before its read finished"
+            raise
         except SourceError as exc:
             read.error = str(exc)
         except Exception as exc:  # contained as a branch contains it: an error, logged

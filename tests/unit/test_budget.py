@@ -7,7 +7,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ibex.assembly import budget as budget_mod
-from ibex.assembly.budget import compute_budget, context_window, response_reserve
+from ibex.assembly.budget import (
+    compute_budget,
+    context_ceiling,
+    context_window,
+    response_reserve,
+)
 from ibex.assembly.catalog import (
     UNKNOWN_MODEL_MAX_OUTPUT,
     Catalog,
@@ -283,6 +288,21 @@ def test_ceiling_is_clamped_at_zero() -> None:
     assert (b.response_reserve, b.safety_buffer) == (500, 240)
     assert b.ceiling == 0
     assert b.usable_budget == 0
+
+
+def test_context_ceiling_is_clamped_at_zero_like_the_budgets() -> None:
+    """The pipeline's and the client's ceiling: the same rule, the same clamp."""
+    fam = FamilyPolicy(safety_buffer_fraction=0.4, name="f")
+    assert context_ceiling(cap_x(600), fam, 0) == 0
+    assert context_ceiling(cap_x(600), FAM_X, 500) == 0  # 500 - 500 - 25
+    assert context_ceiling(cap_x(600), FAM_X, 0) == 600 - 500 - 30
+
+
+def test_a_budget_without_left_out_history_reports_none_dropped() -> None:
+    """messages_dropped counts the oldest messages left out (contract, TokenBudget 12, 13):
+    a budget told of none reports zero, not a default guess."""
+    b = budget(10_000, messages=100)
+    assert (b.messages_dropped, b.messages_dropped_tokens) == (0, 0)
 
 
 # --------------------------------------------------------------------------- unknown models

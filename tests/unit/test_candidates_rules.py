@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import math
 
+import msgspec
 import pytest
 
 from ibex.assembly.candidates import (
@@ -19,10 +20,14 @@ from ibex.assembly.candidates import (
     SearchFilter,
     hit_used,
     is_own,
+    merge,
     rank_search,
+    select,
     select_candidates,
+    stream_candidates,
     used,
 )
+from ibex.assembly.scoring import COMPOSITE
 from ibex.assembly.structs import AssemblyOptions, AssemblyRequest, MemoryHit, ScoredMemory
 
 ORG = "0000000a-000b-4000-8000-00000000000c"
@@ -150,6 +155,32 @@ def test_max_memories_cap(cap: int, kept: int) -> None:
     assert [(m.memory_id, m.exclusion) for m in excluded] == [
         (f"m{i}", "truncated") for i in range(4 - kept, -1, -1)
     ]
+    assert all(m.token_estimate == 0 for m in excluded)  # truncated before any pricing
+
+
+def test_a_truncated_candidate_is_reported_unpriced_even_when_priced_early() -> None:
+    """A price counted while retrieval waited is not reported for a candidate the caps
+    cut: as when pricing follows the caps (candidates.merge)."""
+    cold = [hit(f"m{i}", 0.1 * i) for i in range(3)]
+    request = req(max_memories=1)
+    stream = stream_candidates(
+        request, cold, NOW, False, lambda m: msgspec.structs.replace(m, token_estimate=7)
+    )
+    empty = stream_candidates(request, (), NOW, False, lambda m: m)
+    selection = merge(request, empty, stream)
+    assert [m.token_estimate for m in selection.candidates] == [7]
+    assert [(m.exclusion, m.token_estimate) for m in selection.excluded] == [("truncated", 0)] * 2
+
+
+@pytest.mark.parametrize("branch", ["hot", "cold"])
+def test_one_candidate_with_the_services_composite_is_ranked_by_it(branch: str) -> None:
+    """The service's composite is used when every candidate carries one; one is every."""
+    request = req()
+    one = [hit("a", 0.9, branch=branch, composite_score=0.2)]
+    hot, cold = (one, []) if branch == "hot" else ([], one)
+    selection = select(request, hot, cold, NOW)
+    assert selection.score_schema == COMPOSITE
+    assert [m.composite_score for m in selection.candidates] == [0.2]
 
 
 @pytest.mark.parametrize(("cap", "kept"), [(0, 100), (100, 100), (101, 100), (150, 100), (99, 99)])
@@ -268,3 +299,21 @@ def test_select_candidates_scores_recency_at_the_time_it_is_given() -> None:
     ranked, _ = select_candidates(req(recency_weight=1.0), [], cold, NOW)
     assert [m.memory_id for m in ranked] == ["new", "old"]
     assert ranked[0].composite_score > 0.99 > 0.25 > ranked[1].composite_score
+
+
+def test_an_oversized_hit_is_failed_and_the_hits_after_it_are_still_candidates() -> None:
+    cold = [hit("a", 0.9), hit("big", 0.8, oversized=True), hit("c", 0.7)]
+    ranked, excluded = select_candidates(req(), [], cold, NOW)
+    assert [m.memory_id for m in ranked] == ["a", "c"]
+    assert [(m.memory_id, m.exclusion) for m in excluded] == [("big", "failed")]
+
+
+def test_every_hit_of_a_skipped_stream_is_reported_filtered() -> None:
+    hot = [hit(f"h{i}", 0.9, branch="hot") for i in range(3)]
+    ranked, excluded = select_candidates(req(skip_hot_memories=True), hot, [], NOW)
+    assert ranked == []
+    assert [(m.memory_id, m.exclusion) for m in excluded] == [
+        ("h0", "filter"),
+        ("h1", "filter"),
+        ("h2", "filter"),
+    ]

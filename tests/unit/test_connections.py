@@ -269,6 +269,17 @@ def test_a_flood_of_refusals_is_logged_once_per_interval_with_what_was_refused(
         (4, 1, 1, False),  # refused since the last line
     ]
     assert conns.refused == 5
+    assert [r.max_per_peer for r in lines] == [None, None]  # type: ignore[attr-defined]
+
+
+def test_a_refusal_line_carries_the_per_peer_cap(caplog: pytest.LogCaptureFixture) -> None:
+    """docs/operations.md: connections_refused carries max_per_peer."""
+    conns = make(Clock(), max_connections=1, max_per_peer=3)
+    hold_busy(conns)
+    with caplog.at_level(logging.WARNING, logger="ibex.service.connections"):
+        assert not conns.admit(FakeConn(), "192.0.2.7")
+    (line,) = _events(caplog, "connections_refused")
+    assert line.max_per_peer == 3  # type: ignore[attr-defined]
 
 
 def test_refusals_while_draining_say_so(caplog: pytest.LogCaptureFixture) -> None:

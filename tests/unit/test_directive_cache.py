@@ -389,3 +389,32 @@ async def test_a_failed_read_is_the_callers_source_error_and_a_bug_is_logged(
             await c.fetch(ORG, AGENT, V1)
     assert [r.getMessage() for r in caplog.records] == ["directive_refresh_failed"]
     assert caplog.records[0].exc_info is not None
+
+
+async def test_a_caller_waiting_on_a_read_the_closing_cache_cancels_gets_an_error(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Cancelled reads (the cache's exit) are errors for their waiters, never "no directive"."""
+    store = SlowStore(None)
+    got: list[object] = []
+
+    async def waiter(c: DirectiveCache) -> None:
+        try:
+            got.append(await c.fetch(ORG, AGENT, V1))
+        except SourceError as exc:
+            got.append(str(exc))
+
+    async with trio.open_nursery() as nursery, owned(store, refresh_timeout=60.0) as c:
+        nursery.start_soon(waiter, c)
+        await trio.sleep(1.0)
+        assert store.calls == 1
+    assert got == ["the directive cache closed before its read finished"]
+
+
+async def test_after_the_cache_is_left_a_miss_reads_in_the_callers_task() -> None:
+    store = Store()
+    store.values[(ORG, AGENT)] = directive(V1)
+    async with owned(store) as c:
+        pass
+    assert await c.fetch(ORG, AGENT, V1) == Answer(directive(V1), "")
+    assert store.calls == 1 and c.cached(ORG, AGENT, V1) is not None

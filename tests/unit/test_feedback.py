@@ -25,6 +25,7 @@ from ibex.errors import InputError, SourceError
 from ibex.sources.feedback import (
     FeedbackRejected,
     FeedbackRetryable,
+    _detail,
     decode_updates,
     send_feedback,
 )
@@ -411,3 +412,20 @@ async def test_no_time_for_an_attempt_says_so(autojump_clock: trio.testing.MockC
     with pytest.raises(SourceError) as info:
         await _send(ScriptedSink(), 0.002)
     assert str(info.value) == "feedback: no time left for an attempt"
+
+
+def test_an_answer_nested_too_deeply_is_a_source_error_naming_it() -> None:
+    """Unknown keys are skipped, however deep: their nesting ends in the stated error."""
+    deep = b"[" * 100_000 + b"]" * 100_000
+    body = b'{"data": {"updates": [], "x": ' + deep + b"}}"
+    with pytest.raises(SourceError) as info:
+        decode_updates(body, (M1,))
+    assert str(info.value) == "feedback: invalid JSON: nested too deeply"
+
+
+def test_a_source_error_detail_is_cut_to_160_characters() -> None:
+    """The detail a branch or RPC carries is bounded: at most 160 characters, '...' marking
+    a cut (the same bound as the retrieval branches' details)."""
+    assert _detail("a" * 160) == "a" * 160
+    assert _detail("a" * 161) == "a" * 157 + "..."
+    assert len(_detail("b" * 10_000)) == 160

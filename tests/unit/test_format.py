@@ -342,12 +342,14 @@ class UnpricedTrailer(MarkdownFormat):
         return [*super().render_pieces(**sections), "an unpriced trailer. " * 3000]
 
 
+@pytest.mark.parametrize("model", ["gpt-4o", "gpt-4o-2024-08-06"])
 def test_a_text_longer_than_its_priced_pieces_is_refused_never_sent(
-    tokenizers: Tokenizers, catalog: Catalog
+    tokenizers: Tokenizers, catalog: Catalog, model: str
 ) -> None:
     """The re-count has the last word: memories are dropped while the text is over the
-    ceiling, and with none left the call is refused, naming the sizes, not answered over."""
-    inp = inputs("gpt-4o", 8000, HISTORY[-2:], MEMORIES[:2])
+    ceiling, and with none left the call is refused, naming the sizes, not answered over.
+    It names the catalog model whose window applies (a dated snapshot resolves to gpt-4o)."""
+    inp = inputs(model, 8000, HISTORY[-2:], MEMORIES[:2])
     with pytest.raises(TooLargeError) as info:
         assemble(inp, catalog, tokenizers, PipelineConfig(format=UnpricedTrailer()))
     assert info.value.field == "recent_messages"

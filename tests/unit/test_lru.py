@@ -81,3 +81,17 @@ def test_no_budget_or_no_entries_stores_nothing() -> None:
     one.put("a", "x")
     one.put("b", "y")
     assert len(one) == 1 and one.get("b") == "y"
+
+
+def test_by_default_one_entry_may_take_a_sixteenth_of_the_budget() -> None:
+    """The default item limit: 1/16 of max_bytes (so a few huge texts cannot flush the rest)."""
+    lru: ByteLRU[str, int] = ByteLRU(1600, sizeof=lambda key, value: value)
+    assert lru.max_item_bytes == 100
+    assert lru.put("at", 100) and lru.get("at") == 100
+    assert not lru.put("over", 101) and lru.get("over") is None
+
+
+def test_an_entry_as_large_as_the_whole_budget_is_stored_when_the_item_limit_allows() -> None:
+    lru: ByteLRU[str, int] = ByteLRU(100, max_item_bytes=1000, sizeof=lambda key, value: value)
+    assert lru.put("all", 100) and lru.bytes == 100 and lru.get("all") == 100
+    assert not lru.put("more", 101) and lru.get("all") == 100

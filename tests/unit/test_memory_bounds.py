@@ -9,12 +9,14 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from ibex.assembly.candidates import SearchFilter, rank_search, select
+from ibex.assembly.lru import ENTRY_OVERHEAD
 from ibex.assembly.structs import AssemblyOptions, AssemblyRequest, MemoryHit
 from ibex.config import Settings, load_settings
 from ibex.sources import memory_schema
@@ -411,6 +413,12 @@ def test_the_decoded_answers_cache_is_bounded_in_bytes() -> None:
     info = cache.info()
     one = memory_schema._answer_size((bodies[0], "hot", 20), tuple(decode_hits(bodies[0], "hot")))
     assert one > len(bodies[0]) + 4 * (400 + memory_schema.HIT_BYTES)
+    # What CPython holds for the body and each content, plus the map's node (ByteLRU's rule).
+    assert one == (
+        sys.getsizeof(bodies[0])
+        + 4 * (sys.getsizeof("x" * 400) + memory_schema.HIT_BYTES)
+        + ENTRY_OVERHEAD
+    )
     assert info.entries == (256 * 1024) // one and info.bytes <= 256 * 1024
     cache.decode(bodies[-1], "hot", limit=20)  # the newest is still there
     cache.decode(bodies[0], "hot", limit=20)  # the oldest is gone
@@ -418,3 +426,12 @@ def test_the_decoded_answers_cache_is_bounded_in_bytes() -> None:
     big = _body(*(_result(i, "y" * 4000) for i in range(4)))  # over 16 KiB counted
     cache.decode(big, "hot", limit=20)
     assert cache.decode(big, "hot", limit=20) and cache.info().hits == 1
+
+
+def test_the_cache_decodes_with_the_sources_content_cap() -> None:
+    """A content over the source's `max_content_bytes` is flagged, cached or not."""
+    cache = memory_schema.DecodedAnswers()
+    body = _body(_result(0, "a" * 101), _result(1, "a" * 100))
+    for _ in range(2):
+        hits = cache.decode(body, "hot", limit=20, max_content_bytes=100)
+        assert [(h.oversized, len(h.content)) for h in hits] == [(True, 0), (False, 100)]

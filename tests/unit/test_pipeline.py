@@ -993,6 +993,32 @@ def test_a_refused_request_leaves_every_cache_unchanged(catalog: Catalog) -> Non
     assert fmt.body_cache_info().entries > body.entries
 
 
+def test_a_request_refused_for_its_tools_alone_leaves_every_cache_unchanged(
+    catalog: Catalog,
+) -> None:
+    """No history to leave out: directive and tools past the ceiling are refused at the
+    count stage (count_fixed_sections' docstring: a refused request caches nothing)."""
+    tokenizers = Tokenizers(None, 65536)
+    counter = tokenizers.counter("o200k_base", "o200k_base")
+    tag = new_nonce(8)
+    directive = Directive(f"Directive {tag}: be brief.")
+    tools = [TOOL.replace("deploy", f"deploy_{tag}")] * 6
+    before = (counter.cache_info(), fmt.body_cache_info())
+    with pytest.raises(TooLargeError, match="directive, history and tools take"):
+        run(
+            inputs(request(available_tokens=2000, tools=tools), directive=directive),
+            catalog,
+            tokenizers,
+        )
+    info, body = counter.cache_info(), fmt.body_cache_info()
+    assert (info.size, info.bytes, body.entries, body.bytes) == (
+        before[0].size,
+        before[0].bytes,
+        before[1].entries,
+        before[1].bytes,
+    )
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.integers(1, 64), st.randoms(use_true_random=False))
 def test_a_decimal_nonce_costs_what_zeros_of_its_width_cost(
@@ -1690,6 +1716,7 @@ def test_a_reject_history_overflow_refusal_names_more_than_the_room(
     with pytest.raises(TooLargeError) as info:
         run(inputs(req), catalog, tokenizers)
     needs = int(re.search(r"the history needs at least (\d+) tokens", str(info.value))[1])
+    assert str(info.value).endswith(", and reject_history_overflow is set")  # names its cause
     assert needs > 1480  # no directive or tools: the whole ceiling was its room
 
 

@@ -252,3 +252,16 @@ def test_calls_parked_for_a_worker_thread_are_not_work_ahead_at_the_cpu_gate() -
     assert rule.verdict(CallFacts("headers", remaining=0.034), a, time.monotonic()) is None
     a.thread_waiting = 2  # one of them runs: it is ahead, and two calls' CPU do not fit
     assert rule.verdict(CallFacts("headers", remaining=0.034), a, time.monotonic()) is not None
+
+
+def test_without_a_share_given_a_call_waiting_on_its_branches_counts_as_a_whole_answer() -> None:
+    """CpuSaturation's own default (Admission passes its configured share): each call still
+    retrieving is one call's CPU (10 ms) ahead of a new one, which has 25 ms after the margin."""
+    config = AdmissionConfig(wait_margin=0.015, min_useful=0.020)
+    a = Admission(config, Metrics(), ())
+    _saturated(a, 0.010)
+    rule = CpuSaturation(config.min_useful, config.saturated, config.wait_margin)
+    a.in_flight = a.retrieving = 1  # 10 ms ahead, 10 ms its own: fits
+    assert rule.verdict(CallFacts("headers", remaining=0.040), a, time.monotonic()) is None
+    a.in_flight = a.retrieving = 2  # 20 ms ahead: does not
+    assert rule.verdict(CallFacts("headers", remaining=0.040), a, time.monotonic()) is not None

@@ -8,13 +8,15 @@ timings may differ, so they are left out of the comparison.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ibex.assembly.catalog import Catalog, load_catalog
-from ibex.assembly.formatter import new_nonce
+from ibex.assembly.formatter import XML_TAGS, new_nonce
 from ibex.assembly.pipeline import AssemblyInputs, assemble_pure
 from ibex.assembly.prepare import Prepared
 from ibex.assembly.scoring import COMPOSITE, INTERIM, as_composite, score_hit
@@ -28,7 +30,7 @@ from ibex.assembly.structs import (
     MemoryHit,
     Message,
 )
-from ibex.assembly.tokens import Tokenizers
+from ibex.assembly.tokens import TokenCounter, Tokenizers
 from ibex.errors import TooLargeError
 from ibex.testing.samples import AGENT, ORG
 
@@ -301,3 +303,139 @@ def test_as_composite_is_score_hit_under_the_composite_schema(
     options = AssemblyOptions()
     expected = score_hit(h, options, NOW, COMPOSITE) if composite is not None else None
     assert as_composite(score_hit(h, options, NOW, INTERIM), h) == expected
+
+
+class _RecordingCounter:
+    """A counter without a cache that records every text it is asked to count."""
+
+    def __init__(self, real: TokenCounter) -> None:
+        self.real = real
+        self.estimate_kind = real.estimate_kind
+        self.max_token_bytes = real.max_token_bytes
+        self.texts: list[str] = []
+
+    def count(self, text: str) -> int:
+        self.texts.append(text)
+        return self.real.count_uncached(text)
+
+    count_uncached = count
+
+    def peek(self, text: str) -> int | None:
+        return None
+
+    def remember(self, items: Sequence[tuple[str, int]]) -> None:
+        pass
+
+    def additive_cut(self, text: str) -> int:
+        return self.real.additive_cut(text)
+
+
+class _Recording:
+    """One recording counter per family, handed out again on every call (as Tokenizers does)."""
+
+    def __init__(self, tokenizers: Tokenizers) -> None:
+        self.tokenizers = tokenizers
+        self.counters: dict[str, _RecordingCounter] = {}
+
+    def counter(self, family: str, encoding: str | None) -> _RecordingCounter:
+        if family not in self.counters:
+            self.counters[family] = _RecordingCounter(self.tokenizers.counter(family, encoding))
+        return self.counters[family]
+
+
+def test_work_done_early_is_not_done_again(catalog: Catalog, tokenizers: Tokenizers) -> None:
+    """With the fixed sections and both streams prepared, only merge, pack and render
+    remain (the module's docstring): nothing is counted again at the wall, and the
+    answer is the one computed from scratch."""
+    hot, cold = hot_and_cold()
+    request = AssemblyRequest(
+        agent_id=AGENT,
+        org_id=ORG,
+        query="q",
+        model="gpt-4o",
+        recent_messages=(Message("user", TEXTS[0]), Message("assistant", TEXTS[1])),
+        tool_schemas=('{"name": "lookup"}',),
+    )
+    directive = Directive("Answer briefly.")
+    inputs = AssemblyInputs(request, directive, hot, cold, BRANCHES, NONCE, NOW)
+    source = _Recording(tokenizers)
+    prepared = Prepared(request, NONCE, NOW, catalog=catalog, tokenizers=source)
+    prepared.directive(directive)
+    prepared.hits("hot", hot)
+    prepared.hits("cold", cold)
+    counter = source.counter("o200k_base", "o200k_base")
+    assert counter.texts  # the early work counted the directive, history, tools and prices
+    counter.texts.clear()
+    early = assemble_pure(inputs, catalog=catalog, tokenizers=source, prepared=prepared)
+    assert counter.texts == []
+    plain = assemble_pure(inputs, catalog=catalog, tokenizers=source)
+    assert counter.texts  # from scratch, the same answer costs counting (so the check can fail)
+    assert without_timings(early) == without_timings(plain)
+    assert early.memories_used and early.history_tokens > 0 and early.tool_tokens > 0
+
+
+def test_streams_not_prepared_are_scored_at_the_inputs_now(
+    catalog: Catalog, tokenizers: Tokenizers
+) -> None:
+    """Only the fixed sections prepared: the pipeline scores both branches itself, recency
+    against the inputs' `now`, so the answer is the one computed without early work."""
+    hot, cold = hot_and_cold()
+    dated = "2025-03-01T08:30:00Z"
+    hot = tuple(msgspec.structs.replace(h, created_at=dated) for h in hot)
+    cold = tuple(msgspec.structs.replace(h, created_at=dated) for h in cold)
+    options = AssemblyOptions(recency_weight=0.5, relevance_weight=0.5)
+    request = AssemblyRequest(
+        agent_id=AGENT, org_id=ORG, query="q", model="gpt-4o", options=options
+    )
+    directive = Directive("Answer briefly.")
+    inputs = AssemblyInputs(request, directive, hot, cold, BRANCHES, NONCE, NOW)
+    prepared = Prepared(request, NONCE, NOW, catalog=catalog, tokenizers=tokenizers)
+    prepared.directive(directive)
+    early = run(inputs, catalog, tokenizers, prepared)
+    assert isinstance(early, AssemblyResult) and early.memories_used
+    assert early == run(inputs, catalog, tokenizers)
+
+
+def test_a_stream_scored_at_another_instant_is_not_used(
+    catalog: Catalog, tokenizers: Tokenizers
+) -> None:
+    """Same hits, another `now`: recency differs, so the pipeline scores them again."""
+    hot, _ = hot_and_cold()
+    hot = tuple(msgspec.structs.replace(h, created_at="2025-03-01T08:30:00Z") for h in hot)
+    options = AssemblyOptions(recency_weight=0.5, relevance_weight=0.5)
+    request = AssemblyRequest(
+        agent_id=AGENT, org_id=ORG, query="q", model="gpt-4o", options=options
+    )
+    prepared = Prepared(request, NONCE, NOW, catalog=catalog, tokenizers=tokenizers)
+    prepared.hits("hot", hot)
+    later = AssemblyInputs(request, None, hot, (), BRANCHES, NONCE, NOW + 86400.0 * 30)
+    assert run(later, catalog, tokenizers, prepared) == run(later, catalog, tokenizers)
+
+
+def test_an_unknown_model_is_sized_by_the_requests_available_tokens(
+    catalog: Catalog, tokenizers: Tokenizers
+) -> None:
+    request = AssemblyRequest(
+        agent_id=AGENT, org_id=ORG, query="q", model="mystery-model", available_tokens=4321
+    )
+    prepared = Prepared(request, NONCE, NOW, catalog=catalog, tokenizers=tokenizers)
+    assert prepared.cap.context_window == 4321
+
+
+def test_prepared_counts_are_cached_even_when_every_body_was_cached_before(
+    catalog: Catalog,
+) -> None:
+    """The escaped bodies are the format's (one cache), the counts the counter's: a new
+    counter with nothing but new counts staged still caches them once the request fits."""
+    hot, _ = hot_and_cold()
+    request = AssemblyRequest(agent_id=AGENT, org_id=ORG, query="q", model="gpt-4o")
+    inputs = AssemblyInputs(request, None, hot, (), BRANCHES, NONCE, NOW)
+    for _ in range(2):  # the first pass leaves every body in the format's cache
+        tokenizers = Tokenizers(None, 65536)
+        counter = tokenizers.counter("o200k_base", "o200k_base")
+        prepared = Prepared(request, NONCE, NOW, catalog=catalog, tokenizers=tokenizers)
+        prepared.hits("hot", hot)
+        body = XML_TAGS.body_piece(hot[0].content)
+        assert counter.peek(body) is None  # staged, not cached
+        assemble_pure(inputs, catalog=catalog, tokenizers=tokenizers, prepared=prepared)
+        assert counter.peek(body) is not None

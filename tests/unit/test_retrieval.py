@@ -15,6 +15,7 @@ import math
 import re
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 import pytest
@@ -25,6 +26,7 @@ from ibex.assembly.candidates import SearchFilter
 from ibex.assembly.structs import (
     AssemblyOptions,
     AssemblyRequest,
+    BranchSource,
     Directive,
     MemoryHit,
     SearchRequest,
@@ -949,3 +951,39 @@ async def test_the_directive_branch_asks_the_sources_memory_again_when_it_starts
     src = Remembers()
     assert await _directive(src, ORG, AGENT, "v1") == Answer(held, "cache")  # type: ignore[arg-type]
     assert src.calls == [(ORG, AGENT, "v1")]
+
+
+@dataclass
+class Told:
+    """A Landing that records what it is told, in order."""
+
+    events: list[tuple[str, str, object]] = field(default_factory=list)
+
+    def known(self, source: BranchSource, value: Any) -> None:
+        self.events.append(("known", source, value))
+
+    def landed(self, source: BranchSource, value: Any) -> None:
+        self.events.append(("landed", source, value))
+
+
+async def test_the_landing_is_told_every_branch_as_it_ends(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Skipped branches are `known` before anything runs; each running branch, the last
+    (run in the request's own task) included, `landed` with its answer, or None on failure."""
+    fake = FakeSources({"directive": Plan(1 * MS), "cold": Plan(3 * MS, SourceError("down"))})
+    told = Told()
+    opts = AssemblyOptions(skip_hot_memories=True)
+    with trio.fail_after(1):
+        await retrieve(
+            request(options=opts),
+            directive_source=fake,
+            memory_source=fake,
+            config=DEFAULTS,
+            landing=told,
+        )
+    assert told.events == [
+        ("known", "hot", None),
+        ("landed", "directive", DIRECTIVE),
+        ("landed", "cold", None),
+    ]
