@@ -962,6 +962,20 @@ def test_counting_a_huge_history_costs_about_one_window(
     assert source.chars <= 16 * ceiling + 8192, source.chars
 
 
+class CacheState(typing.NamedTuple):
+    """What the token counter and the body cache hold: entries and bytes of each."""
+
+    count_entries: int
+    count_bytes: int
+    body_entries: int
+    body_bytes: int
+
+
+def cache_state(counter: TokenCounter) -> CacheState:
+    info, body = counter.cache_info(), fmt.body_cache_info()
+    return CacheState(info.size, info.bytes, body.entries, body.bytes)
+
+
 def test_a_refused_request_leaves_every_cache_unchanged(catalog: Catalog) -> None:
     tokenizers = Tokenizers(None, 65536)
     counter = tokenizers.counter("o200k_base", "o200k_base")
@@ -969,28 +983,24 @@ def test_a_refused_request_leaves_every_cache_unchanged(catalog: Catalog) -> Non
     directive = Directive(f"Directive {tag}: be brief.")
     tools = (f'{{"name": "tool_{tag}"}}',)
     msgs = [Message("user", f"old {tag}"), Message("user", f"{tag} " * 3000)]
-    before = (counter.cache_info(), fmt.body_cache_info())
+    before = cache_state(counter)
     with pytest.raises(TooLargeError):
         run(
             inputs(request(available_tokens=1000, messages=msgs, tools=tools), directive=directive),
             catalog,
             tokenizers,
         )
-    info, body = counter.cache_info(), fmt.body_cache_info()
-    assert (info.size, info.bytes, body.entries, body.bytes) == (
-        before[0].size,
-        before[0].bytes,
-        before[1].entries,
-        before[1].bytes,
-    )
+    after = cache_state(counter)
+    assert after == before
     # The same request with a history that fits does cache (so the check above can fail).
     run(
         inputs(request(messages=msgs[:1], tools=tools), directive=directive),
         catalog,
         tokenizers,
     )
-    assert counter.cache_info().size > info.size
-    assert fmt.body_cache_info().entries > body.entries
+    now = cache_state(counter)
+    assert now.count_entries > after.count_entries
+    assert now.body_entries > after.body_entries
 
 
 def test_a_request_refused_for_its_tools_alone_leaves_every_cache_unchanged(
@@ -1003,20 +1013,15 @@ def test_a_request_refused_for_its_tools_alone_leaves_every_cache_unchanged(
     tag = new_nonce(8)
     directive = Directive(f"Directive {tag}: be brief.")
     tools = [TOOL.replace("deploy", f"deploy_{tag}")] * 6
-    before = (counter.cache_info(), fmt.body_cache_info())
+    before = cache_state(counter)
     with pytest.raises(TooLargeError, match="directive, history and tools take"):
         run(
             inputs(request(available_tokens=2000, tools=tools), directive=directive),
             catalog,
             tokenizers,
         )
-    info, body = counter.cache_info(), fmt.body_cache_info()
-    assert (info.size, info.bytes, body.entries, body.bytes) == (
-        before[0].size,
-        before[0].bytes,
-        before[1].entries,
-        before[1].bytes,
-    )
+    after = cache_state(counter)
+    assert after == before
 
 
 @settings(max_examples=60, deadline=None)
