@@ -30,7 +30,7 @@ import trio_asyncio
 import trio_asyncio._handles
 
 from benchmarks.load.driver import METHOD, build_requests
-from benchmarks.load.stack import Stack, free_port
+from benchmarks.load.stack import ROOT, Stack, free_port
 from ibex.config import load_settings
 from ibex.service.root import make_daemon
 from ibex.testing.grpcio_stubs import context_pb2 as pb
@@ -69,7 +69,7 @@ def install(counts: Counts) -> None:
 async def measure(stack: Stack, calls: int, versions: bool, cache: bool) -> dict[str, Any]:
     port = free_port()
     extra = {} if cache else {"IBEX_CONTEXT_DIRECTIVE_CACHE_ENTRIES": "0"}
-    env = stack.env(port, **extra)
+    env = stack.env(port, ROOT, **extra)
     settings = load_settings({k: v for k, v in env.items() if k.startswith("IBEX_CONTEXT_")})
     daemon = make_daemon(settings)
     counts = Counts()

@@ -42,7 +42,7 @@ from typing import Any
 from benchmarks.load.driver import Driver, build_requests, fixed_rate, warm_up
 from benchmarks.load.report import summarize
 from benchmarks.load.speed import reference_cpu_ms, spread
-from benchmarks.load.stack import ROOT, Daemon, Stack, free_port, wait_listening
+from benchmarks.load.stack import ROOT, Stack, free_port, wait_listening
 
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "load.tracing.json"
 CALLERS = 32
@@ -106,28 +106,6 @@ def sink_counts(url: str) -> dict[str, int]:
         return counts
 
 
-class BaseDaemon(Daemon):
-    """`python -m ibex serve` from a checkout of another revision (its own directory)."""
-
-    def __init__(self, env: dict[str, str], root: Path, port: int) -> None:
-        self.workers, self.port, self.addr = 1, port, f"127.0.0.1:{port}"
-        self.log = tempfile.TemporaryFile()  # noqa: SIM115 (closed in stop())
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ibex", "serve"],
-            cwd=root,
-            env={**env, "PYTHONPATH": str(root)},
-            stdin=subprocess.DEVNULL,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        self.root_pid = self.proc.pid
-        if not wait_listening(self.proc, port, 1):
-            tail = self.output()[-3000:]
-            self.stop()
-            raise RuntimeError(f"base daemon did not start:\n{tail}")
-
-
 def checkout(rev: str, into: Path) -> None:
     """The tree of `rev` (a git revision of this repository) unpacked into `into`."""
     archive = subprocess.run(
@@ -153,12 +131,9 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         if "off" in modes:
             daemons["off"] = stack_exit.enter_context(stack.daemon(1))
         if "on" in modes:
-            daemons["on"] = stack_exit.enter_context(stack.daemon(1, **on_env))
+            daemons["on"] = stack_exit.enter_context(stack.daemon(1, ROOT, **on_env))
         if "base" in modes:
-            port = free_port()
-            base = BaseDaemon(stack.env(port), args.base_root, port)
-            stack_exit.callback(base.stop)
-            daemons["base"] = base
+            daemons["base"] = stack_exit.enter_context(stack.daemon(1, args.base_root))
         drivers = {m: Driver(daemons[m].addr, channels=4) for m in modes}
         try:
             salt = await warm_up([drivers[m] for m in modes], stack.tenants, 50)

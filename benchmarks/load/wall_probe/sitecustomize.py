@@ -115,7 +115,7 @@ def _install() -> None:
 
         return run
 
-    convert_module.response_to_proto = timed(  # type: ignore[assignment]
+    convert_module.response_to_proto = timed(
         "6a of which response_to_proto", convert_module.response_to_proto
     )
     metrics_module.Metrics.observe_assembly = timed(  # type: ignore[method-assign]
