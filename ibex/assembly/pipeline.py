@@ -294,9 +294,17 @@ def pricer(
     fixed = count(fmt.memory_open_prefix) + count(fmt.memory_close)
     suffix = fmt.memory_open_suffix
     replace = msgspec.structs.replace
+    # The previous candidate's content and its body's count: a hit's scored variants
+    # (one per schema) share their content object, so its body is escaped and
+    # counted once; a `Staged` counts what is not cached yet every time it is asked.
+    last_content: str | None = None
+    last_tokens = 0
 
     def priced(m: ScoredMemory) -> ScoredMemory:
-        return replace(m, token_estimate=fixed + count(suffix(m)) + count(body(m.content)))
+        nonlocal last_content, last_tokens
+        if m.content is not last_content:
+            last_content, last_tokens = m.content, count(body(m.content))
+        return replace(m, token_estimate=fixed + count(suffix(m)) + last_tokens)
 
     return priced
 

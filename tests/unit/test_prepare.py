@@ -374,6 +374,23 @@ def test_work_done_early_is_not_done_again(catalog: Catalog, tokenizers: Tokeniz
     assert early.memories_used and early.history_tokens > 0 and early.tool_tokens > 0
 
 
+def test_a_hits_body_is_counted_once_for_both_of_its_schemas(
+    catalog: Catalog, tokenizers: Tokenizers
+) -> None:
+    """Each hot hit carries a composite, so it is priced under both schemas it may be
+    ranked by; its escaped body is the same text in both, and is counted once."""
+    hot, _ = hot_and_cold()
+    assert all(h.composite_score is not None for h in hot)
+    request = AssemblyRequest(agent_id=AGENT, org_id=ORG, query="q", model="gpt-4o")
+    source = _Recording(tokenizers)
+    prepared = Prepared(request, NONCE, NOW, catalog=catalog, tokenizers=source)
+    counter = source.counter("o200k_base", "o200k_base")
+    counter.texts.clear()
+    prepared.hits("hot", hot)
+    bodies = [XML_TAGS.body_piece(h.content) for h in hot]
+    assert [counter.texts.count(b) for b in bodies] == [1, 1, 1]
+
+
 def test_streams_not_prepared_are_scored_at_the_inputs_now(
     catalog: Catalog, tokenizers: Tokenizers
 ) -> None:
