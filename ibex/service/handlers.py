@@ -142,13 +142,15 @@ class ContextService:
             t0 = time.perf_counter()
             code = "OK"
             call = None
-            if self.tracing is not None:
-                call = self.tracing.call(SERVICE, method, stream.metadata, t0)
             try:
                 self.admission.check_open()
                 peer_cert = stream.peer.cert() if self.auth.mtls else None
                 self.auth.authenticate(stream.metadata or {}, peer_cert)
                 caller_authenticated(stream)
+                if self.tracing is not None:
+                    # Traced only once authenticated: a stranger's call exports no span,
+                    # and its `traceparent` cannot put our spans into a trace it chose.
+                    call = self.tracing.call(SERVICE, method, stream.metadata, t0)
                 await handler(stream, call)
                 if _cancel_swallowed():
                     raise asyncio.CancelledError
