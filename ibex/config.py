@@ -58,6 +58,10 @@ __all__ = [
 PREFIX = "IBEX_CONTEXT_"
 #: IBEX_CONTEXT_NONCE_KEY's least length (= ibex.assembly.nonce.MIN_KEY_CHARS).
 NONCE_KEY_MIN_CHARS = 32
+#: IBEX_CONTEXT_NONCE_MAX_AGE's default and bounds, seconds (= ibex.assembly.nonce's).
+NONCE_MAX_AGE_DEFAULT = 1800.0
+NONCE_MAX_AGE_MIN = 60.0
+NONCE_MAX_AGE_MAX = 30 * 86400.0
 # Variables read outside `load_settings` (the CLI client's token).
 EXTRA_KNOWN = frozenset({"CLIENT_TOKEN"})
 # Query parameters of a URL that carry a secret (redis-py reads `password`).
@@ -206,6 +210,20 @@ def _sha256_list(name: str, raw: str) -> tuple[str, ...]:
         if not re.fullmatch(r"[0-9a-f]{64}", h):
             raise ConfigError(f"{name}: each entry must be 64 hex digits (a SHA-256)")
     return hashes
+
+
+def _nonce_max_age(name: str, raw: str) -> float:
+    """A session nonce's lifetime: a duration with its unit (a bare number is refused, as
+    milliseconds would be far below the least), from a minute to 30 days."""
+    if raw.strip()[-1:].isdigit():
+        raise ConfigError(f"{name}: give a unit, e.g. 1800s, got {raw!r}")
+    seconds = parse_duration(name, raw)
+    if not NONCE_MAX_AGE_MIN <= seconds <= NONCE_MAX_AGE_MAX:
+        raise ConfigError(
+            f"{name}: must be between {NONCE_MAX_AGE_MIN:g}s and {NONCE_MAX_AGE_MAX:g}s, "
+            f"got {raw!r}"
+        )
+    return seconds
 
 
 def _nonce_key(name: str, raw: str) -> str:
@@ -389,6 +407,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         int | UnsetType, var("FORMATTER_NONCE_BYTES", ints(8, 64), "PipelineConfig.nonce_bytes")
     ] = UNSET
     nonce_key: Annotated[str | None, var("NONCE_KEY", _nonce_key, secret=True)] = None
+    nonce_max_age: Annotated[float, var("NONCE_MAX_AGE", _nonce_max_age)] = NONCE_MAX_AGE_DEFAULT
     catalog_path: Annotated[str | None, var("CATALOG_PATH", _file)] = None
     tiktoken_dir: Annotated[str | None, var("TIKTOKEN_DIR", _file)] = None
     token_cache_entries: Annotated[int, var("TOKEN_CACHE_ENTRIES", ints(0, 10_000_000))] = 65536

@@ -12,6 +12,7 @@ import contextlib
 import functools
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -155,6 +156,7 @@ class Assembler:
         offload_threads: int | None = None,
         feedback_sink: FeedbackSink | None = None,
         nonce_key: NonceKey | None = None,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self.catalog = catalog
         self.tokenizers = tokenizers
@@ -168,6 +170,8 @@ class Assembler:
         self.threads = WorkerThreads(offload_threads or default_threads())
         self.feedback_sink = feedback_sink  # where RecordMemoryFeedback goes; None: UNAVAILABLE
         self.nonce_key = nonce_key
+        # Unix time, which every replica shares: it picks a session nonce's lifetime window.
+        self.wall_clock = wall_clock
 
     def nonce(self, request: AssemblyRequest) -> str:
         """Session-scoped with a key and a session (the provider can cache the prefix), else fresh.
@@ -177,7 +181,7 @@ class Assembler:
         nbytes = self.pipeline.nonce_bytes
         if self.nonce_key is not None and request.session_id:
             return self.nonce_key.nonce(
-                request.org_id, request.agent_id, request.session_id, nbytes
+                request.org_id, request.agent_id, request.session_id, nbytes, self.wall_clock()
             )
         return new_nonce(nbytes)
 

@@ -251,7 +251,9 @@ async def open_assembler(
             pipeline=layer_config(PipelineConfig, settings),
             backend="+".join(backend),
             feedback_sink=feedback_sink,
-            nonce_key=NonceKey(settings.nonce_key) if settings.nonce_key else None,
+            nonce_key=(
+                NonceKey(settings.nonce_key, settings.nonce_max_age) if settings.nonce_key else None
+            ),
         )
     finally:
         # The directive cache's reads end first, then the memory source (closed shielded,
