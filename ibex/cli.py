@@ -24,11 +24,18 @@ def _settings() -> Settings:
     try:
         return load_settings()
     except ConfigError as exc:
-        print(f"ibex: configuration error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
+        raise SystemExit(_refuse(exc)) from None
+
+
+def _refuse(exc: ConfigError, what: str | None = None) -> int:
+    """Say why start-up stopped in one line on stderr; the error's class's exit status."""
+    print(f"ibex: {exc.label}: {what or exc}", file=sys.stderr)
+    return exc.exit_status
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    """Serve until a signal; a start-up refused by a setting, a file or an address is one
+    line on stderr and a distinct exit status (docs/operations.md), never a traceback."""
     import trio
 
     from ibex.ops.logs import configure_logging
@@ -42,8 +49,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         try:
             settings.check_worker_ports()
         except ConfigError as exc:
-            print(f"ibex: configuration error: {exc}", file=sys.stderr)
-            return 2
+            return _refuse(exc)
     if args.supervisor_fd is not None:
         try:
             os.fstat(args.supervisor_fd)
@@ -56,27 +62,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
     configure_logging(settings.log_level)
     if not args.worker:  # the supervisor already said it for its workers
         _warn_unknown_variables()
-    # /metrics exposition is ~1.25 ms of pure Python per scrape: served by a supervisor
-    # process (multiprocess mode) whenever it is on, so a scrape never pauses calls.
-    if (settings.workers > 1 or settings.metrics_addr) and not args.worker:
-        from ibex.ops.workers import supervise
-        from ibex.service.root import check_bind_policy, drain_grace
-
-        try:
-            check_bind_policy(settings)
-        except ConfigError as exc:
-            print(f"ibex: configuration error: {exc}", file=sys.stderr)
-            return 2
-        return supervise(settings, drain_grace=drain_grace(settings))
-    from ibex.ops.metrics import Metrics
-    from ibex.service.root import make_daemon
-
-    metrics = Metrics()
-    daemon = make_daemon(
-        settings, metrics=metrics, reuse_port=args.worker, worker_index=args.worker_index
-    )
-
+        _warn_config(settings)
     try:
+        # /metrics exposition is ~1.25 ms of pure Python per scrape: served by a supervisor
+        # process (multiprocess mode) whenever it is on, so a scrape never pauses calls.
+        if (settings.workers > 1 or settings.metrics_addr) and not args.worker:
+            from ibex.ops.workers import supervise
+            from ibex.service.root import check_bind_policy, drain_grace
+
+            check_bind_policy(settings)
+            return supervise(settings, drain_grace=drain_grace(settings))
+        from ibex.ops.metrics import Metrics
+        from ibex.service.root import make_daemon
+
+        metrics = Metrics()
+        daemon = make_daemon(
+            settings, metrics=metrics, reuse_port=args.worker, worker_index=args.worker_index
+        )
         if args.supervisor_fd is None:
             trio.run(daemon.serve)
         else:
@@ -85,8 +87,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         error = _startup_error(exc)
         if error is None:
             raise
-        print(f"ibex: configuration error: {error}", file=sys.stderr)
-        return 2
+        return _refuse(error, _naming(settings, error))
     return 0
 
 
@@ -109,17 +110,38 @@ def _warn_unknown_variables() -> None:
         log.warning("unknown_setting", extra={"variable": name, "closest": closest})
 
 
-def _startup_error(exc: BaseException) -> BaseException | None:
-    """The bad setting or file behind a failed start, unwrapped from Trio's exception groups."""
-    from ibex.assembly.catalog import CatalogError
-    from ibex.assembly.tokens import TokenizerError
-    from ibex.sources.local_file import LocalFileError
+def _warn_config(settings: Settings) -> None:
+    """A configuration that serves less than it could: one warning line each, at every start."""
+    from ibex.service.root import config_warnings
 
-    if isinstance(exc, ConfigError | CatalogError | LocalFileError | TokenizerError):
+    for warning in config_warnings(settings):
+        variable = warning.partition(":")[0]
+        log.warning("config_warning", extra={"variable": variable, "detail": warning})
+
+
+def _startup_error(exc: BaseException) -> ConfigError | None:
+    """The bad setting, file or address behind a failed start, found inside Trio's
+    exception groups (None: not a start-up error, let it propagate)."""
+    if isinstance(exc, ConfigError):
         return exc
-    if isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
-        return _startup_error(exc.exceptions[0])
+    if isinstance(exc, BaseExceptionGroup):
+        matched = exc.subgroup(lambda e: isinstance(e, ConfigError))
+        while isinstance(matched, BaseExceptionGroup):
+            matched = matched.exceptions[0]
+        if isinstance(matched, ConfigError):
+            return matched
     return None
+
+
+def _naming(settings: Settings, error: ConfigError) -> str:
+    """The error's line, with the variable that names the address when it is one."""
+    from ibex.errors import ListenError
+
+    if isinstance(error, ListenError):
+        from ibex.service.root import listen_variable
+
+        return f"{listen_variable(settings, error.port)} {error}"
+    return str(error)
 
 
 def _replace(settings: Settings, **changes: Any) -> Settings:
@@ -284,19 +306,46 @@ def render_report(result: Any) -> str:
 
 
 def cmd_config(args: argparse.Namespace) -> int:
-    """Print every setting's effective value, an unset one at its layer's default."""
+    """Print every variable's effective value: set, its default, or computed at start.
+
+    The plain form is `VARIABLE=value` lines (an environment file: durations with a
+    unit, lists comma-separated, an off setting empty); `--json` is one object.
+    Secrets are redacted in both.
+    """
     from ibex.service.root import effective_settings
 
-    settings = _settings()
-    print(json.dumps(effective_settings(settings), indent=2, sort_keys=True))
+    shown = effective_settings(_settings())
+    if args.json:
+        print(json.dumps(shown, indent=2))
+        return 0
+    for name, value in shown.items():
+        print(f"{name}={_env_value(value)}")
     return 0
 
 
+def _env_value(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return ",".join(str(v) for v in value)
+    return str(value)
+
+
 def cmd_check(args: argparse.Namespace) -> int:
-    """Validate settings, catalog and tokenizer files offline; exit non-zero on any error."""
+    """Validate settings, catalog and tokenizer files offline and try every listening
+    address; exit 1 on any error. Warnings (a configuration that serves less than it
+    could) are printed but do not fail the check."""
     from ibex.assembly.catalog import CatalogError, load_catalog
     from ibex.assembly.tokens import TokenizerError, verify_files
-    from ibex.service.root import check_bind_policy, server_ssl_context, uses_local_sample
+    from ibex.service.root import (
+        check_bind_policy,
+        config_warnings,
+        listen_problems,
+        server_ssl_context,
+        uses_local_sample,
+    )
     from ibex.sources.local_file import LocalFileError, LocalFileSource
 
     settings = _settings()
@@ -305,15 +354,26 @@ def cmd_check(args: argparse.Namespace) -> int:
     for name, closest in unknown:
         hint = f" (did you mean {closest}?)" if closest else ""
         print(f"settings: warning: unknown variable {name}{hint}")
-    if not unknown:
+    warnings = config_warnings(settings)
+    for line in warnings:
+        print(f"settings: warning: {line}")
+    if not unknown and not warnings:
         print("settings: ok")
     try:
-        warning = check_bind_policy(settings)
+        insecure = check_bind_policy(settings)
         server_ssl_context(settings)
-        print(f"bind {settings.grpc_addr}: ok" + (f" (warning: {warning})" if warning else ""))
     except ConfigError as exc:
         ok = False
         print(f"bind: ERROR {exc}")
+    else:
+        problems = listen_problems(settings)
+        for addr, problem in problems:
+            print(f"bind {addr}: ERROR {problem}")
+        if not problems:
+            print(
+                f"bind {settings.grpc_addr}: ok" + (f" (warning: {insecure})" if insecure else "")
+            )
+        ok = ok and not problems
     try:
         catalog = load_catalog(settings.catalog_path)
         print(f"catalog: ok ({len(catalog.models)} models, {len(catalog.families)} families)")
@@ -325,7 +385,7 @@ def cmd_check(args: argparse.Namespace) -> int:
             print(f"tokenizer: {line}")
     except TokenizerError as exc:
         ok = False
-        print(f"tokenizer: ERROR {exc}")
+        print(f"tokenizer: ERROR IBEX_CONTEXT_TIKTOKEN_DIR: {exc}")
     if uses_local_sample(settings):
         try:
             src = LocalFileSource.load(settings.local_source_path)
@@ -393,6 +453,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.set_defaults(func=cmd_feedback)
 
     c = sub.add_parser("config", help="print effective settings (secrets redacted)")
+    c.add_argument("--json", action="store_true", help="print one JSON object")
     c.set_defaults(func=cmd_config)
     k = sub.add_parser("check", help="validate settings, catalog and tokenizer files offline")
     k.set_defaults(func=cmd_check)

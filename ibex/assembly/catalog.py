@@ -12,7 +12,7 @@ from pathlib import Path
 
 import msgspec
 
-from ibex.errors import ConfigError, InputError
+from ibex.errors import ConfigFileError, InputError
 
 #: Encodings the project can count exactly, offline.
 EXACT_ENCODINGS = frozenset({"cl100k_base", "o200k_base"})
@@ -24,7 +24,7 @@ UNKNOWN_FAMILY = "unknown"
 ESTIMATE_WORST_UNDERCOUNT = 0.043
 
 
-class CatalogError(ConfigError):
+class CatalogError(ConfigFileError):
     """The catalog file is malformed; the message names the file and entry."""
 
 

@@ -15,8 +15,8 @@ import gc
 import logging
 import signal
 import ssl
-from collections.abc import Callable, Sequence
-from contextlib import AbstractAsyncContextManager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractAsyncContextManager, contextmanager
 from typing import TYPE_CHECKING, Any
 
 import grpclib.server
@@ -28,6 +28,8 @@ from grpclib.health.check import ServiceStatus
 from grpclib.health.service import Health
 
 from ibex.assembly.tokens import Tokenizers
+from ibex.errors import ListenError
+from ibex.netaddr import bind_problem, join_host_port
 from ibex.ops.metrics import Metrics
 from ibex.ops.sdnotify import Notifier, run_watchdog
 from ibex.service.admission import Admission, AdmissionConfig
@@ -193,12 +195,14 @@ class Daemon:
             if sock is not None:
                 await trio_asyncio.aio_as_trio(server.start)(sock=sock)
             else:
-                await trio_asyncio.aio_as_trio(server.start)(
-                    host, self.config.port, reuse_port=self.config.reuse_port or None
-                )
+                with _listening(host, self.config.port):
+                    await trio_asyncio.aio_as_trio(server.start)(
+                        host, self.config.port, reuse_port=self.config.reuse_port or None
+                    )
             self.port = bound_port(server)
             for own in self.config.own_ports:
-                await trio_asyncio.aio_as_trio(listen_also)(server, host, own)
+                with _listening(host, own):
+                    await trio_asyncio.aio_as_trio(listen_also)(server, host, own)
             self.health_status.set(True)
             log.info(
                 "serving",
@@ -266,6 +270,16 @@ class Daemon:
         self.admission.draining = True
         server.close()
         await trio_asyncio.aio_as_trio(server.wait_closed)()
+
+
+@contextmanager
+def _listening(host: str, port: int) -> Iterator[None]:
+    """A failed bind as a ListenError naming the address (one line at start, no traceback)."""
+    try:
+        yield
+    except OSError as exc:
+        problem = bind_problem(exc)
+        raise ListenError(f"{join_host_port(host, port)}: {problem}", host, port) from None
 
 
 def _worker_trailer(worker: str) -> Callable[[SendTrailingMetadata], Any]:
