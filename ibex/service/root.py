@@ -208,8 +208,8 @@ def _insecure_redis(settings: Settings) -> list[str]:
         # With Sentinel the data nodes are whatever the sentinels name: off loopback
         # unless every sentinel is local.
         host = _url_host(url)
-        remote = remote_sentinels[0] if sentinels else (None if is_loopback(host) else host)
-        if remote is not None:
+        remote = bool(remote_sentinels) if sentinels else not is_loopback(host)
+        if remote:
             where = "the nodes the sentinels name" if sentinels else host
             out.append(
                 f"{PREFIX}REDIS_URL: its password is sent in clear to {where} (not "

@@ -345,8 +345,8 @@ def test_unit_sets_up_per_worker_ports() -> None:
 
 def test_config_map_sets_connection_age_for_rebalancing() -> None:
     data = manifests()["ConfigMap"]["data"]
-    age = parse_duration("AGE", data["IBEX_CONTEXT_MAX_CONNECTION_AGE"], bare_unit="s")
-    grace = parse_duration("GRACE", data["IBEX_CONTEXT_MAX_CONNECTION_AGE_GRACE"], bare_unit="s")
+    age = parse_duration("AGE", data["IBEX_CONTEXT_MAX_CONNECTION_AGE"], bare=False)
+    grace = parse_duration("GRACE", data["IBEX_CONTEXT_MAX_CONNECTION_AGE_GRACE"], bare=False)
     # Long enough to amortise reconnects, short enough that scale-ups get traffic soon;
     # the grace covers far more than the 45 ms a call may take.
     assert 60 <= age <= 1800
