@@ -332,6 +332,17 @@ def test_network_policy_ports() -> None:
     }
 
 
+def test_unit_does_not_restart_what_a_restart_cannot_fix() -> None:
+    """A bad setting or file stops every start the same way (docs/operations.md, exit
+    statuses); an address in use may clear, so it is not in the list."""
+    from ibex.errors import ConfigError, ConfigFileError, ListenError
+
+    service = parse_unit(UNIT.read_text())["Service"]
+    statuses = {int(x) for x in service["RestartPreventExitStatus"][0].split()}
+    assert statuses == {ConfigError.exit_status, ConfigFileError.exit_status} == {2, 4}
+    assert ListenError.exit_status not in statuses
+
+
 def test_unit_sets_up_per_worker_ports() -> None:
     service = parse_unit(UNIT.read_text())["Service"]
     env = dict(e.split("=", 1) for e in service["Environment"])
