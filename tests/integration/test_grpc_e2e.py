@@ -424,7 +424,11 @@ async def test_cli_config_redacts_secrets() -> None:
 
 
 async def test_cli_check(tmp_path: Path) -> None:
-    good = await in_thread(run_cli, "check")
+    from ibex.testing.grpc_harness import free_port
+
+    # `ibex check` tries the bind: a free port, not the default another daemon may hold.
+    free = {"IBEX_CONTEXT_GRPC_ADDR": f"127.0.0.1:{free_port()}"}
+    good = await in_thread(run_cli, "check", env=free)
     assert good.returncode == 0, good.stdout + good.stderr
     assert "catalog: ok" in good.stdout
 
