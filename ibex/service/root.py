@@ -262,10 +262,16 @@ def listen_problems(settings: Settings) -> list[tuple[str, str]]:
 
 
 def listen_variable(settings: Settings, port: int) -> str:
-    """The variable that names listening port `port` (for a ListenError's one line)."""
+    """The variable that names listening port `port` (for a ListenError's one line).
+
+    A worker's own port is WORKER_PORT_BASE + its slot; a worker process's
+    settings say one worker, so its port is not among `worker_ports()`.
+    """
+    if port == split_host_port(settings.grpc_addr)[1]:
+        return f"{PREFIX}GRPC_ADDR"
     if settings.metrics_addr and split_host_port(settings.metrics_addr)[1] == port:
         return f"{PREFIX}METRICS_ADDR"
-    if port in settings.worker_ports() and port != split_host_port(settings.grpc_addr)[1]:
+    if settings.worker_port_base is not None:
         return f"{PREFIX}WORKER_PORT_BASE"
     return f"{PREFIX}GRPC_ADDR"
 

@@ -382,3 +382,22 @@ def test_directive_cache_max_age() -> None:
     assert got.directive_cache_max_age == 3
     with pytest.raises(ConfigError, match="IBEX_CONTEXT_DIRECTIVE_CACHE_MAX_AGE"):
         load_settings({"IBEX_CONTEXT_DIRECTIVE_CACHE_MAX_AGE": "0s"})
+
+
+def test_a_listening_port_is_named_by_its_variable() -> None:
+    """The one line of a failed bind names the setting: worker i's own port is
+    WORKER_PORT_BASE + i, also in a worker process, whose settings say one worker."""
+    from ibex.service.root import listen_variable
+
+    worker = load_settings(
+        {
+            "IBEX_CONTEXT_GRPC_ADDR": "127.0.0.1:9092",
+            "IBEX_CONTEXT_WORKER_PORT_BASE": "9100",
+            "IBEX_CONTEXT_METRICS_ADDR": "9464",
+        }
+    )
+    assert worker.workers == 1
+    assert listen_variable(worker, 9092) == "IBEX_CONTEXT_GRPC_ADDR"
+    assert listen_variable(worker, 9103) == "IBEX_CONTEXT_WORKER_PORT_BASE"
+    assert listen_variable(worker, 9464) == "IBEX_CONTEXT_METRICS_ADDR"
+    assert listen_variable(load_settings({}), 9092) == "IBEX_CONTEXT_GRPC_ADDR"
