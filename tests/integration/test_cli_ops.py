@@ -11,7 +11,12 @@ from typing import Any
 
 import grpc
 import pytest
+import trio
+import trio_asyncio
 
+from ibex.assembly.structs import Directive
+from ibex.config import load_settings
+from ibex.service.root import redis_directive_source
 from ibex.testing.grpc_harness import (
     AGENT,
     ORG,
@@ -24,6 +29,7 @@ from ibex.testing.grpc_harness import (
 )
 from ibex.testing.grpcio_stubs import context_pb2, context_pb2_grpc
 from ibex.testing.redis_server import RedisServer
+from ibex.testing.redis_topology import MASTER_NAME, ClusterSetup, SentinelSetup
 
 SAMPLE = json.loads((ROOT / "ibex/data/sample_memories.json").read_text())
 CATALOG = json.loads((ROOT / "ibex/data/catalog.json").read_text())
@@ -355,3 +361,69 @@ async def _assemble(d: RunningDaemon) -> str:
     out = await in_thread(run_cli, "assemble", "--addr", d.target)
     assert out.returncode == 0, out.stderr
     return out.stdout
+
+
+# -- directive through Sentinel and Cluster, read back by the daemon's own reader ----------------
+
+
+async def _the_daemon_reads(env: dict[str, str]) -> Directive | None:
+    """The directive as the daemon's composition root builds its Redis reader from `env`."""
+    source, _ = redis_directive_source(load_settings(env))
+    try:
+        return await source.get_directive(ORG, AGENT)
+    finally:
+        await source.aclose()
+
+
+async def test_directive_put_and_get_through_sentinel(
+    tmp_path: Path, trio_asyncio_loop: trio_asyncio.TrioEventLoop
+) -> None:
+    """Sentinel with a password of its own, the data nodes' password and db from the URL
+    (its host is never dialled), as the daemon's settings describe it."""
+    setup = await trio.to_thread.run_sync(SentinelSetup, tmp_path, "data-pw", "sentinel-pw")
+    try:
+        env = {
+            "IBEX_CONTEXT_REDIS_SENTINELS": ",".join(f"{h}:{p}" for h, p in setup.sentinels),
+            "IBEX_CONTEXT_REDIS_SENTINEL_MASTER": MASTER_NAME,
+            "IBEX_CONTEXT_REDIS_SENTINEL_PASSWORD": "sentinel-pw",
+            "IBEX_CONTEXT_REDIS_URL": "redis://:data-pw@192.0.2.1:1/3",
+        }
+        put = await in_thread(
+            run_cli, "directive", "put", "--content", DIRECTIVE, "--version-id", VERSION, env=env
+        )
+        assert put.returncode == 0, put.stderr
+        got = await in_thread(run_cli, "directive", "get", "--json", env=env)
+        assert got.returncode == 0, got.stderr
+        assert json.loads(got.stdout)["content"] == DIRECTIVE
+        assert await _the_daemon_reads(env) == Directive(DIRECTIVE, "system_first", VERSION)
+        wrong = await in_thread(
+            run_cli,
+            "directive", "get",
+            env={**env, "IBEX_CONTEXT_REDIS_SENTINEL_PASSWORD": "nope"},
+        )  # fmt: skip
+        assert wrong.returncode == 1
+        assert wrong.stderr.startswith(
+            f"ibex directive get: redis (sentinel master {MASTER_NAME} via "
+            "IBEX_CONTEXT_REDIS_SENTINELS): "
+        )
+        assert "nope" not in wrong.stderr and "data-pw" not in wrong.stderr
+    finally:
+        await trio.to_thread.run_sync(setup.stop)
+
+
+async def test_directive_put_and_get_through_a_cluster(
+    tmp_path: Path, trio_asyncio_loop: trio_asyncio.TrioEventLoop
+) -> None:
+    setup = await trio.to_thread.run_sync(ClusterSetup, tmp_path)
+    try:
+        env = {"IBEX_CONTEXT_REDIS_URL": setup.seed_url, "IBEX_CONTEXT_REDIS_CLUSTER": "true"}
+        put = await in_thread(
+            run_cli, "directive", "put", "--content", DIRECTIVE, "--version-id", VERSION, env=env
+        )
+        assert put.returncode == 0, put.stderr
+        got = await in_thread(run_cli, "directive", "get", env=env)
+        assert got.returncode == 0, got.stderr
+        assert got.stdout.splitlines()[-1] == DIRECTIVE
+        assert await _the_daemon_reads(env) == Directive(DIRECTIVE, "system_first", VERSION)
+    finally:
+        await trio.to_thread.run_sync(setup.stop)
