@@ -326,7 +326,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the daemon (settings from IBEX_CONTEXT_*)",
         formatter_class=DefaultsFormatter,
     )
-    s.add_argument("--workers", type=int, default=None, help="worker processes (default 1)")
+    s.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="worker processes (default: IBEX_CONTEXT_WORKERS, which defaults to 1)",
+    )
     s.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     # Set by the supervisor (ibex/ops/workers.py): this worker's slot, for its own
     # port (IBEX_CONTEXT_WORKER_PORT_BASE + index) and the x-ibex-worker trailer.
