@@ -188,10 +188,16 @@ class ContextClient:
         ssl_context: ssl.SSLContext | None = None,
         deadline: float = DEFAULT_DEADLINE,
     ) -> None:
-        """One address (`host`, `port`), or several (`addresses`) balanced per call."""
-        targets = [parse_address(a) for a in addresses] if addresses else [(host, port)]
-        self._channels = [Channel(h, p, ssl=ssl_context) for h, p in targets]
-        self._down_until = [0.0] * len(self._channels)
+        """One address (`host`, `port`), or several (`addresses`) balanced per call.
+
+        Nothing touches asyncio here: each address's channel is made on its first
+        call, inside the caller's running loop. (grpclib binds a channel to
+        `asyncio.get_event_loop()` when it is made, which outside a running loop
+        would create and install a loop in the caller's process.)"""
+        self._targets = [parse_address(a) for a in addresses] if addresses else [(host, port)]
+        self._ssl = ssl_context
+        self._channels: list[Channel | None] = [None] * len(self._targets)
+        self._down_until = [0.0] * len(self._targets)
         self._next = 0
         self._metadata = {"authorization": f"Bearer {token}"} if token else None
         self.deadline = deadline
@@ -209,7 +215,15 @@ class ContextClient:
 
     def close(self) -> None:
         for channel in self._channels:
-            channel.close()
+            if channel is not None:
+                channel.close()
+
+    def _channel(self, index: int) -> Channel:
+        channel = self._channels[index]
+        if channel is None:
+            host, port = self._targets[index]
+            channel = self._channels[index] = Channel(host, port, ssl=self._ssl)
+        return channel
 
     def _rotation(self) -> list[int]:
         """Channel indexes for one call: round robin, addresses marked down last."""
@@ -235,7 +249,7 @@ class ContextClient:
         deadline = Deadline.from_timeout(self.deadline if timeout is None else timeout)
         refused: OSError | None = None
         for index in self._rotation():
-            async with self._channels[index].request(
+            async with self._channel(index).request(
                 path,
                 Cardinality.UNARY_UNARY,
                 type(request),

@@ -4,6 +4,7 @@ facts `ibex assemble` shows, run as `python -m ibex` against a real daemon and R
 from __future__ import annotations
 
 import json
+import socket
 import tomllib
 import uuid
 from pathlib import Path
@@ -114,6 +115,17 @@ async def test_health_of_an_address_nobody_listens_on_is_one_line_and_exit_3() -
     assert out.stdout == ""
     assert out.stderr.startswith(f"ibex health: cannot reach {addr}: ")
     assert out.stderr.count("\n") == 1  # one line, no traceback
+
+
+async def test_health_of_a_listener_that_never_answers_is_one_line_and_exit_3() -> None:
+    """The kernel accepts the connection, nothing speaks HTTP/2: no answer in --timeout."""
+    with socket.socket() as mute:
+        mute.bind(("127.0.0.1", 0))
+        mute.listen(8)
+        addr = f"127.0.0.1:{mute.getsockname()[1]}"
+        out = await in_thread(run_cli, "health", "--addr", addr, "--timeout", "0.5")
+    assert out.returncode == 3
+    assert out.stderr == f"ibex health: {addr}: no answer within 0.5s\n"
 
 
 async def test_a_malformed_address_is_a_usage_error() -> None:

@@ -40,10 +40,15 @@ after_import = server_modules()
 
 from ibex.wire import AssembleContextRequest, AssemblyOptions, Message
 
+# Made at import time, outside any loop, as a proxy module might: no loop may be created
+# and installed for the process by that (asyncio's policy keeps it in `_local._loop`).
+client = ibex.client.ContextClient(addresses=[target], deadline=5.0)
+no_loop_installed = policy._local._loop is None
+
 
 async def main():
     loop = asyncio.get_running_loop()
-    async with ibex.client.ContextClient(addresses=[target], deadline=5.0) as client:
+    async with client:
         request = AssembleContextRequest(
             org_id=sys.argv[3], agent_id=sys.argv[4], model="gpt-4o", query="deploy billing",
             recent_messages=[Message(role="user", content="Can I deploy on Friday?")],
@@ -62,6 +67,7 @@ async def main():
 
 report = asyncio.run(main())
 report.update(
+    no_loop_installed=no_loop_installed,
     after_import=after_import,
     after_call=server_modules(),
     same_policy=asyncio.get_event_loop_policy() is policy,
@@ -98,6 +104,7 @@ async def test_the_client_leaves_an_asyncio_process_as_it_found_it(policy: str) 
         "memories": report["memories"],
         "same_loop": True,
         "same_policy_inside": True,
+        "no_loop_installed": True,
         "after_import": [],
         "after_call": [],
         "same_policy": True,
