@@ -343,8 +343,8 @@ def build_parser() -> argparse.ArgumentParser:
     a = sub.add_parser(
         "assemble",
         help="ask a running daemon for a context block",
-        description="AssembleContext. Exit 0 on a full answer, 3 on a degraded one, 1 on "
-        "an error status.",
+        description="AssembleContext. Exit 0 when the daemon answered (degraded or not), "
+        "3 when it did not (the history-only fallback is printed), 1 on an error status.",
         formatter_class=DefaultsFormatter,
     )
     add_client_flags(a)

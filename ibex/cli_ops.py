@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import json
 import os
+import ssl
 import sys
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -92,17 +93,21 @@ def client_options(args: argparse.Namespace) -> tuple[str, int, str | None, Any]
     except ValueError as exc:
         raise SystemExit(_usage(args, f"--addr: {exc} (or [V6]:PORT)")) from None
     token = args.token or os.environ.get("IBEX_CONTEXT_CLIENT_TOKEN")
-    ssl_ctx = ContextClient.tls_context(args.ca, args.cert, args.key) if args.ca else None
+    try:
+        ssl_ctx = ContextClient.tls_context(args.ca, args.cert, args.key) if args.ca else None
+    except (OSError, ssl.SSLError) as exc:  # a missing or unreadable file, a bad PEM
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise SystemExit(_usage(args, f"--ca/--cert/--key: {reason} (PEM files)")) from None
     return host or "127.0.0.1", port, token, ssl_ctx
 
 
-def run_client(make_client: Callable[[], Any], call: Callable[[Any], Awaitable[Any]]) -> Any:
+def run_client(make_client: Callable[[], Any], send: Callable[[Any], Awaitable[Any]]) -> Any:
     """One client call on a fresh event loop (the client is made and closed inside it)."""
 
     async def run() -> Any:
         client = make_client()
         try:
-            return await call(client)
+            return await send(client)
         finally:
             client.close()
 
@@ -112,7 +117,7 @@ def run_client(make_client: Callable[[], Any], call: Callable[[Any], Awaitable[A
 def call(
     command: str,
     make_client: Callable[[], Any],
-    call: Callable[[Any], Awaitable[Any]],
+    send: Callable[[Any], Awaitable[Any]],
     *,
     addr: str = "",
 ) -> tuple[bool, Any]:
@@ -122,7 +127,7 @@ def call(
     from grpclib.exceptions import GRPCError, StreamTerminatedError
 
     try:
-        return True, run_client(make_client, call)
+        return True, run_client(make_client, send)
     except GRPCError as exc:
         print(f"ibex {command}: {exc.status.name}: {exc.message}", file=sys.stderr)
     except TimeoutError:  # grpclib's deadline; an OSError, so caught first
@@ -214,6 +219,15 @@ def cmd_search(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def printable(text: str, keep: str = "") -> str:
+    """`text` safe for a terminal: a control or format character (ESC sequences, bidi
+    overrides) becomes U+FFFD, except those in `keep`. Memory and directive text comes
+    from other systems and is shown to an operator, never executed by their terminal."""
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() or ch in keep else "\ufffd" for ch in text)
+
+
 def render_search(response: Any, width: int = 60) -> str:
     """One line per memory: id, composite score, confidence, category, start of the text."""
     out = [
@@ -223,12 +237,12 @@ def render_search(response: Any, width: int = 60) -> str:
     if response.memories:
         out.append(f"  {'id':<38} {'score':>6} {'conf':>5} {'category':<14} content")
     for m in response.memories:
-        text = " ".join(m.content.split())
+        text = printable(" ".join(m.content.split()))
         if len(text) > width:
             text = text[: width - 1] + "…"
         out.append(
-            f"  {m.id:<38} {m.composite_score:>6.3f} {m.confidence:>5.2f} "
-            f"{m.category[:14]:<14} {text}"
+            f"  {printable(m.id):<38} {m.composite_score:>6.3f} {m.confidence:>5.2f} "
+            f"{printable(m.category[:14]):<14} {text}"
         )
     return "\n".join(out)
 
@@ -383,7 +397,7 @@ def cmd_directive_get(args: argparse.Namespace) -> int:
     print(f"injection_mode: {directive.injection_mode}")
     print(f"bytes: {len(raw)}")
     print("content:")
-    print(directive.content)
+    print(printable(directive.content, keep="\n\t"))
     return EXIT_OK
 
 

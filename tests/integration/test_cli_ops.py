@@ -133,6 +133,11 @@ async def test_a_malformed_address_is_a_usage_error() -> None:
     assert out.returncode == 2
     assert "--addr" in out.stderr and "host:port" in out.stderr
     assert "Traceback" not in out.stderr
+    missing = await in_thread(run_cli, "health", "--ca", "/nonexistent/ca.pem")
+    assert missing.returncode == 2
+    assert missing.stderr == (
+        "ibex health: --ca/--cert/--key: No such file or directory (PEM files)\n"
+    )
 
 
 # -- search ------------------------------------------------------------------------------------
