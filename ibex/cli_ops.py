@@ -487,7 +487,7 @@ def register(sub: Any) -> None:
         "health",
         help="gRPC health of a running daemon (exit 0 only when SERVING)",
         description="The standard gRPC Health Check. Exit 0 when SERVING; 1 when the "
-        "daemon answers anything else (NOT_SERVING while starting or draining, or an "
+        "daemon answers anything else (e.g. NOT_SERVING while draining, or an "
         "unknown --service); 3 when it cannot be reached.",
         formatter_class=DefaultsFormatter,
     )
