@@ -1,21 +1,27 @@
-"""`ibex` command line: serve, assemble, feedback, config, check."""
+"""`ibex` command line: serve, assemble, feedback, config, check (and, from ibex.cli_ops,
+health, search, directive, --version)."""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import os
 import sys
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
+from ibex.cli_ops import (
+    SAMPLE_AGENT,
+    SAMPLE_ORG,
+    DefaultsFormatter,
+    VersionAction,
+    add_client_flags,
+    register,
+)
+from ibex.cli_ops import call as _call
+from ibex.cli_ops import client_options as _client_options
 from ibex.config import ConfigError, Settings, load_settings, unknown_variables
-from ibex.netaddr import split_host_port
-
-SAMPLE_ORG = "00000000-0000-4000-8000-000000000001"
-SAMPLE_AGENT = "00000000-0000-4000-8000-0000000000a1"
 
 log = logging.getLogger(__name__)
 
@@ -191,38 +197,6 @@ def cmd_assemble(args: argparse.Namespace) -> int:
     return 0 if result.status == "OK" else 3
 
 
-def _call(
-    command: str, make_client: Callable[[], Any], call: Callable[[Any], Awaitable[Any]]
-) -> tuple[bool, Any]:
-    """One client call on a fresh event loop (the client is made and closed inside it);
-    (False, None) after printing `ibex COMMAND: STATUS: message` on stderr when the daemon
-    answered an error."""
-    from grpclib.exceptions import GRPCError
-
-    async def run() -> Any:
-        client = make_client()
-        try:
-            return await call(client)
-        finally:
-            client.close()
-
-    try:
-        return True, asyncio.run(run())
-    except GRPCError as exc:
-        print(f"ibex {command}: {exc.status.name}: {exc.message}", file=sys.stderr)
-        return False, None
-
-
-def _client_options(args: argparse.Namespace) -> tuple[str, int, str | None, Any]:
-    """Host, port, bearer token and TLS context from the client flags shared by commands."""
-    from ibex.client import ContextClient
-
-    host, port = split_host_port(args.addr)
-    token = args.token or os.environ.get("IBEX_CONTEXT_CLIENT_TOKEN")
-    ssl_ctx = ContextClient.tls_context(args.ca, args.cert, args.key) if args.ca else None
-    return host or "127.0.0.1", port, token, ssl_ctx
-
-
 def cmd_feedback(args: argparse.Namespace) -> int:
     """Report which memories helped; prints each score the memory service moved."""
     from ibex.client import ContextClient
@@ -239,6 +213,7 @@ def cmd_feedback(args: argparse.Namespace) -> int:
             trace_id=args.trace,
             timeout=args.timeout,
         ),
+        addr=args.addr,
     )
     if not ok:
         return 1
@@ -286,9 +261,13 @@ def render_report(result: Any) -> str:
         f"{r.memories_included} memories included"
         + (f"; {filtered} hits of other tenants filtered" if filtered else "")
     )
+    # A branch's detail is why it did not succeed (e.g. the directive value's error).
     out.append(
         "branches: "
-        + ", ".join(f"{x.source}={x.status} ({x.latency_ms:.1f}ms)" for x in r.branches)
+        + ", ".join(
+            f"{x.source}={x.status} ({x.latency_ms:.1f}ms{'; ' + x.detail if x.detail else ''})"
+            for x in r.branches
+        )
     )
     if r.memories_used:  # usefulness shows what feedback (`ibex feedback`) changed
         out.append("included:")
@@ -397,10 +376,22 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ibex", description="Ibex context-assembly daemon")
+    p = argparse.ArgumentParser(
+        prog="ibex", description="Ibex context-assembly daemon", formatter_class=DefaultsFormatter
+    )
+    p.add_argument("--version", action=VersionAction)
     sub = p.add_subparsers(dest="command", required=True)
-    s = sub.add_parser("serve", help="run the daemon (settings from IBEX_CONTEXT_*)")
-    s.add_argument("--workers", type=int, default=None, help="worker processes (default 1)")
+    s = sub.add_parser(
+        "serve",
+        help="run the daemon (settings from IBEX_CONTEXT_*)",
+        formatter_class=DefaultsFormatter,
+    )
+    s.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="worker processes (default: IBEX_CONTEXT_WORKERS, which defaults to 1)",
+    )
     s.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     # Set by the supervisor (ibex/ops/workers.py): this worker's slot, for its own
     # port (IBEX_CONTEXT_WORKER_PORT_BASE + index) and the x-ibex-worker trailer.
@@ -409,14 +400,27 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--supervisor-fd", type=int, default=None, help=argparse.SUPPRESS)
     s.set_defaults(func=cmd_serve)
 
-    a = sub.add_parser("assemble", help="ask a running daemon for a context block")
-    a.add_argument("--addr", default=os.environ.get("IBEX_CONTEXT_GRPC_ADDR", "127.0.0.1:9092"))
-    a.add_argument("--org", default=SAMPLE_ORG)
-    a.add_argument("--agent", default=SAMPLE_AGENT)
-    a.add_argument("--query", default="How should I deploy the service on Friday?")
-    a.add_argument("--model", default="gpt-4o")
-    a.add_argument("--available-tokens", type=int, default=0)
-    a.add_argument("--max-memories", type=int, default=0)
+    a = sub.add_parser(
+        "assemble",
+        help="ask a running daemon for a context block",
+        description="AssembleContext. Exit 0 when the daemon answered (degraded or not), "
+        "3 when it did not (the history-only fallback is printed), 1 on an error status.",
+        formatter_class=DefaultsFormatter,
+    )
+    add_client_flags(a)
+    a.add_argument("--org", default=SAMPLE_ORG, help="org UUID")
+    a.add_argument("--agent", default=SAMPLE_AGENT, help="agent UUID")
+    a.add_argument(
+        "--query", default="How should I deploy the service on Friday?", help="the user turn"
+    )
+    a.add_argument("--model", default="gpt-4o", help="model id, looked up in the catalog")
+    a.add_argument(
+        "--available-tokens",
+        type=int,
+        default=0,
+        help="caps the window (0: the model's); sizes a model the catalog does not know",
+    )
+    a.add_argument("--max-memories", type=int, default=0, help="0: no cap (hard cap 100)")
     a.add_argument(
         "--message",
         type=_message,
@@ -426,29 +430,28 @@ def build_parser() -> argparse.ArgumentParser:
         help="history message (repeatable)",
     )
     a.add_argument("--tool", action="append", default=[], help="tool schema JSON (repeatable)")
-    a.add_argument("--request-id", default="cli")
-    a.add_argument("--timeout", type=float, default=2.0, help="deadline in seconds")
-    a.add_argument("--token", help="bearer token (or IBEX_CONTEXT_CLIENT_TOKEN)")
-    a.add_argument("--ca", help="CA file: use TLS")
-    a.add_argument("--cert", help="client certificate for mutual TLS")
-    a.add_argument("--key", help="client key for mutual TLS")
+    a.add_argument("--request-id", default="cli", help="correlation id, echoed")
     a.add_argument("--json", action="store_true", help="print the whole response as JSON")
     a.set_defaults(func=cmd_assemble)
 
-    f = sub.add_parser("feedback", help="tell a running daemon which memories helped")
-    f.add_argument("--addr", default=os.environ.get("IBEX_CONTEXT_GRPC_ADDR", "127.0.0.1:9092"))
-    f.add_argument("--org", default=SAMPLE_ORG)
+    f = sub.add_parser(
+        "feedback",
+        help="tell a running daemon which memories helped",
+        formatter_class=DefaultsFormatter,
+    )
+    add_client_flags(f)
+    f.add_argument("--org", default=SAMPLE_ORG, help="org UUID")
     f.add_argument(
         "--memory", action="append", required=True, metavar="ID", help="memory id (repeatable)"
     )
-    f.add_argument("--feedback", required=True, choices=("positive", "negative", "neutral"))
+    f.add_argument(
+        "--feedback",
+        required=True,
+        choices=("positive", "negative", "neutral"),
+        help="whether the memories helped",
+    )
     f.add_argument("--session", default="", help="session id")
     f.add_argument("--trace", default="", help="trace id (part of the idempotency key)")
-    f.add_argument("--timeout", type=float, default=2.0, help="deadline in seconds")
-    f.add_argument("--token", help="bearer token (or IBEX_CONTEXT_CLIENT_TOKEN)")
-    f.add_argument("--ca", help="CA file: use TLS")
-    f.add_argument("--cert", help="client certificate for mutual TLS")
-    f.add_argument("--key", help="client key for mutual TLS")
     f.add_argument("--json", action="store_true", help="print the whole response as JSON")
     f.set_defaults(func=cmd_feedback)
 
@@ -457,6 +460,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_config)
     k = sub.add_parser("check", help="validate settings, catalog and tokenizer files offline")
     k.set_defaults(func=cmd_check)
+    register(sub)
     return p
 
 
