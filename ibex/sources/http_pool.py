@@ -394,6 +394,58 @@ class HttpPool:
             scope.cancel()
         await trio.lowlevel.checkpoint()
 
+    async def warm(self, min_idle: int = 1, fresh_for: float = 0.0) -> int:
+        """Open connections until `min_idle` idle ones stay usable `fresh_for` more seconds.
+
+        So a call finds its connection made (TCP and, for https, the TLS handshake)
+        instead of connecting inside its branch's budget: before the first call,
+        and while idle, since idle connections expire after `keepalive_expiry`.
+        Idle connections that expired or that the server closed are dropped first.
+        Only free slots are used, never queued for: a pool whose slots are all
+        leased is in use, hence warm. Returns how many connections were opened;
+        TransportError (ConnectError) when a connect fails. The caller bounds the time.
+        """
+        if self._closed:
+            raise RuntimeError("HTTP pool is closed")
+        self._sweep()
+        opened = 0
+        while self._fresh_idle(fresh_for) < min_idle:
+            try:
+                self._slots.acquire_nowait()
+            except trio.WouldBlock:
+                break
+            try:
+                conn = await self._connect()
+            finally:
+                self._slots.release()
+            if self._closed:
+                conn.close()
+                break
+            # An idle pooled connection like any other: one the server closes before
+            # it is used gets the one re-send on a fresh connection.
+            conn.reused = True
+            conn.idle_since = trio.current_time()
+            self._idle.append(conn)
+            opened += 1
+        return opened
+
+    def _sweep(self) -> None:
+        """Close idle connections that expired, or that the server closed, or that have
+        bytes waiting."""
+        horizon = trio.current_time() - self._keepalive_expiry
+        keep = []
+        for conn in self._idle:
+            if conn.idle_since < horizon or conn.dead_or_dirty():
+                conn.close()
+            else:
+                keep.append(conn)
+        self._idle[:] = keep
+
+    def _fresh_idle(self, fresh_for: float) -> int:
+        """Idle connections that will not expire within `fresh_for` seconds."""
+        horizon = trio.current_time() - self._keepalive_expiry + fresh_for
+        return sum(1 for conn in self._idle if conn.idle_since >= horizon)
+
     async def request(
         self,
         method: str,
