@@ -90,8 +90,12 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.calls} calls per start"
     )
     for i, r in enumerate(runs, 1):
-        misses = [{s: st for s, st in c.items() if st != "success"} for c in r["calls"] if c]
-        print(f"  start {i}: {r['full']}/{len(r['calls'])} full, misses {[m for m in misses if m]}")
+        misses = {
+            n: {s: st for s, st in c.items() if st != "success"}
+            for n, c in enumerate(r["calls"], 1)
+            if any(st != "success" for st in c.values())
+        }
+        print(f"  start {i}: {r['full']}/{len(r['calls'])} complete; misses by call: {misses}")
 
 
 if __name__ == "__main__":

@@ -230,11 +230,19 @@ class MemoryHttpSource:
         calls have seconds, not a branch's milliseconds.
         """
         _require_trio()
-        for branch in BRANCHES:
+        failed: list[str] = []
+
+        async def one(branch: Branch) -> None:
             try:
                 await self._open_pool(branch).warm(min_idle, fresh_for)
             except TransportError as exc:  # fixed, safe text
-                raise SourceError(f"{branch}: {exc}") from None
+                failed.append(f"{branch}: {exc}")
+
+        async with trio.open_nursery() as nursery:
+            for branch in BRANCHES:
+                nursery.start_soon(one, branch)
+        if failed:
+            raise SourceError("; ".join(sorted(failed)))
 
     @property
     def keepalive_expiry(self) -> float:
