@@ -15,6 +15,7 @@ a busy test machine does not decide the outcome; the connect cost does.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import ssl
@@ -31,6 +32,8 @@ from grpclib.health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
 
 from ibex.ops.branch_errors import BranchErrors
 from ibex.service.daemon import Daemon
+from ibex.service.dependencies import Dependency, DependencyConfig, DependencyStates, keep, warm_all
+from ibex.sources.memory_http import MemoryHttpSource
 from ibex.testing.grpc_harness import (
     AGENT,
     ORG,
@@ -265,3 +268,29 @@ async def test_dependency_state_metric_and_branch_error_summary(
         {"error: redis: connection failed": r.errors}  # type: ignore[attr-defined]
         for r in summaries
     ]
+
+
+async def test_an_idle_memory_pool_keeps_a_connection_ready(plain_memory: FakeMemoryServer) -> None:
+    """Idle pooled connections expire (`keepalive_expiry`), so after an idle spell a call
+    would connect inside its budget; the dependency probe replaces each before it lapses.
+    After more than two expiry periods of idle, the call finds a connection: it opens none."""
+    source = MemoryHttpSource(plain_memory.url, plain_memory.token, keepalive_expiry=2.0)
+    config = DependencyConfig(probe_interval=0.1)
+    warm = functools.partial(source.warm, 1, fresh_for=1.0)
+    dep = Dependency("memory", plain_memory.url, warm)
+    states = DependencyStates()
+    async with source:
+        with trio.fail_after(PATIENCE):
+            async with trio.open_nursery() as nursery:
+                await warm_all([dep], states, config)
+                nursery.start_soon(keep, dep, states, config)
+                # 2 warmed, then each pool's replaced twice: over 2 s of idle (> the expiry).
+                while plain_memory.accepted_connections < 6:  # noqa: ASYNC110
+                    await trio.sleep(0.05)
+                nursery.cancel_scope.cancel()
+            opened = source.pool_stats("hot").opened
+            hits = await source.hot(ORG, AGENT, limit=5, min_confidence=0.0)
+            after = source.pool_stats("hot").opened
+    assert len(hits) == 5
+    assert after == opened  # no connect on the call's path
+    assert states.up("memory") is True
