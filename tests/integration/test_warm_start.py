@@ -39,6 +39,7 @@ from ibex.testing.grpc_harness import (
     ORG,
     DaemonProcess,
     daemon_process,
+    free_port,
     in_thread,
     running_daemon,
 )
@@ -294,3 +295,48 @@ async def test_an_idle_memory_pool_keeps_a_connection_ready(plain_memory: FakeMe
     assert len(hits) == 5
     assert after == opened  # no connect on the call's path
     assert states.up("memory") is True
+
+
+async def test_a_refusing_memory_service_at_start_is_down_then_up_once_it_listens(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The memory service refusing connections at start: SERVING anyway, the memory
+    dependency down (logged with the connect error, gauge 0), hot and cold answered as
+    errors; once it listens, up (logged once, gauge 1) and the branches succeed."""
+    port = free_port()
+    caplog.set_level(logging.INFO)
+    async with running_daemon(
+        redis_url=redis_server.url,
+        memory_base_url=f"http://127.0.0.1:{port}",
+        memory_api_token="test-memory-token-0123456789",
+        directive_timeout=0.1,
+        hot_timeout=0.15,
+        cold_timeout=0.3,
+        timeout=0.3,
+        deadline=0.3,
+    ) as d:
+        at_start = _gauge(d.daemon, "memory")
+        degraded = await in_thread(first_call, d.target)
+        with FakeMemoryServer(port=port) as memory:
+            memory.add_memories(ORG, AGENT, make_memories(ORG, AGENT, 8))
+            with trio.fail_after(PATIENCE):
+                while _gauge(d.daemon, "memory") != 1.0:  # noqa: ASYNC110
+                    await trio.sleep(0.05)
+            recovered = await in_thread(first_call, d.target)
+
+    refused = "transport error (ConnectError)"
+    assert at_start == 0.0
+    assert (degraded["hot"], degraded["cold"]) == (
+        f"error: hot: {refused}",
+        f"error: cold: {refused}",
+    )
+    state = [
+        (r.getMessage(), r.levelno, getattr(r, "error", None))
+        for r in caplog.records
+        if r.getMessage().startswith("dependency_")
+    ]
+    assert state == [
+        ("dependency_down", logging.WARNING, f"cold: {refused}; hot: {refused}"),
+        ("dependency_up", logging.WARNING, None),
+    ]
+    assert (recovered["hot"], recovered["cold"]) == ("success", "success")
