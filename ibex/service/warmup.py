@@ -147,7 +147,8 @@ def _request(model: str, n: int) -> Any:
 
 async def warm_pipeline(assembler: Assembler) -> float:
     """Run one synthetic assembly per tokenizer family; seconds taken. Never raises
-    (a failure is logged: the daemon serves anyway, as it did before warming existed)."""
+    (a failure is logged and the daemon serves anyway: it costs the first call's speed,
+    never an answer)."""
     t0 = time.perf_counter()
     stand = _Stand()
     twin = copy.copy(assembler)
