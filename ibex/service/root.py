@@ -21,6 +21,7 @@ asyncio and is crossed into Trio with trio-asyncio.
 
 from __future__ import annotations
 
+import functools
 import socket
 import ssl
 from collections.abc import AsyncIterator
@@ -43,6 +44,7 @@ from ibex.config import (
     Settings,
     format_duration,
     layer_fields,
+    redact_url,
 )
 from ibex.errors import ConfigError, ConfigFileError
 from ibex.netaddr import bind_problem, join_host_port, split_host_port
@@ -53,6 +55,7 @@ from ibex.service.assembler import Assembler
 from ibex.service.auth import Authenticator, is_loopback
 from ibex.service.connections import ConnectionsConfig, default_max_connections
 from ibex.service.daemon import Daemon, DaemonConfig
+from ibex.service.dependencies import Dependency
 from ibex.service.handlers import EdgeConfig
 from ibex.sources.base import DirectiveSource, MemorySource
 from ibex.sources.directive_cache import DirectiveCache, DirectiveCacheConfig
@@ -378,6 +381,20 @@ def redis_directive_source(settings: Settings) -> tuple[RedisDirectiveSource, st
     return RedisDirectiveSource(settings.redis_url), "redis"
 
 
+# Seconds an idle memory-service connection must still have before it expires for the
+# keep-warm probe (every second) to leave it: the next one replaces it before it lapses.
+MEMORY_FRESH_FOR = 2.0
+
+
+def redis_target(settings: Settings) -> str:
+    """Where the directive source reads, for logs: URLs redacted, sentinels named."""
+    url = redact_url(settings.redis_url) if settings.redis_url else ""
+    if settings.redis_sentinels:
+        sentinels = ",".join(settings.redis_sentinels)
+        return f"sentinel {sentinels} master {settings.redis_sentinel_master}"
+    return f"cluster {url}" if settings.redis_cluster else url
+
+
 def uses_local_sample(settings: Settings) -> bool:
     """The backend choice: the bundled local sample serves directives and memories when
     neither Redis nor a memory-service URL is set (the daemon and `ibex check` agree)."""
@@ -401,6 +418,7 @@ async def open_assembler(
     redis: RedisDirectiveSource | None = None
     background = AsyncExitStack()  # the memory source with its nursery (drains of cut calls)
     backend: list[str] = []
+    dependencies: list[Dependency] = []
     if uses_local_sample(settings):
         local = LocalFileSource.load(
             settings.local_source_path, max_content_bytes=settings.memory_max_content_bytes
@@ -412,6 +430,9 @@ async def open_assembler(
             redis, kind = redis_directive_source(settings)
             directive_source = redis
             backend.append(kind)
+            dependencies.append(
+                Dependency("redis", redis_target(settings), functools.partial(redis.warm, 1))
+            )
             cache_config = layer_config(DirectiveCacheConfig, settings)
             if cache_config.max_entries > 0:
                 cache = DirectiveCache(redis, cache_config)
@@ -421,6 +442,8 @@ async def open_assembler(
             await background.enter_async_context(http)
             memory_source = feedback_sink = http
             backend.append("memory-http")
+            warm = functools.partial(http.warm, 1, fresh_for=MEMORY_FRESH_FOR)
+            dependencies.append(Dependency("memory", redact_url(settings.memory_base_url), warm))
     try:
         yield Assembler(
             catalog=catalog,
@@ -433,6 +456,7 @@ async def open_assembler(
             backend="+".join(backend),
             feedback_sink=feedback_sink,
             nonce_key=NonceKey(settings.nonce_key) if settings.nonce_key else None,
+            dependencies=dependencies,
         )
     finally:
         # The directive cache's reads end first, then the memory source (closed shielded,
