@@ -8,7 +8,10 @@ spreads connections across them. The supervisor:
   it knows when every worker is ready and whether each one's Trio loop is
   still alive (WATCHDOG=1 pings); it tells systemd READY=1 once all are up;
 - restarts a worker that exits, stops pinging once serving, or is not ready
-  within WORKER_START_TIMEOUT, with a short backoff;
+  within WORKER_START_TIMEOUT, with a short backoff; but a worker that stops
+  its first start with a start-up error's status (a setting, a file, an
+  address: `START_FAILURE_STATUSES`) stops them all, and the supervisor exits
+  with that status: a restart would fail the same way, forever;
 - forwards SIGTERM/SIGINT to every worker (each drains) and exits when all
   have, escalating to SIGKILL after the drain grace;
 - serves /metrics aggregated over all workers (prometheus multiprocess mode),
@@ -39,7 +42,8 @@ from pathlib import Path
 import trio
 
 from ibex.config import Settings
-from ibex.netaddr import split_host_port
+from ibex.errors import START_FAILURE_STATUSES, ListenError
+from ibex.netaddr import bind_problem, split_host_port
 from ibex.ops.sdnotify import Notifier, run_watchdog
 
 log = logging.getLogger(__name__)
@@ -78,6 +82,9 @@ class Supervisor:
         self.stopping = False
         self.workers: list[Worker] = []
         self.all_ready = trio.Event()
+        # A worker's start-up error status, when one stopped its first start.
+        self.exit_status = 0
+        self._cancel = trio.CancelScope()
         # Imported here, not at the top: supervise() may still have to choose
         # multiprocess mode before prometheus_client is first imported.
         from ibex.ops.metrics import WorkerRestarts
@@ -109,10 +116,7 @@ class Supervisor:
                 Worker(i, runtime / f"notify-{i}.sock") for i in range(self.settings.workers)
             ]
             async with trio.open_nursery() as nursery:
-                for worker in self.workers:
-                    nursery.start_soon(self._keep_running, worker)
-                nursery.start_soon(self._announce_ready)
-                nursery.start_soon(run_watchdog, self.notifier)
+                self._cancel = nursery.cancel_scope
                 if self.settings.metrics_addr and os.environ.get(MULTIPROC_ENV):
                     from ibex.ops.metrics import exposition_registry
                     from ibex.ops.metrics_http import serve_metrics
@@ -120,15 +124,26 @@ class Supervisor:
                     registry = exposition_registry()
                     registry.register(self.restart_metric)
                     host, port = split_host_port(self.settings.metrics_addr)
-                    await nursery.start(
-                        functools.partial(
-                            serve_metrics,
-                            token_sha256=self.settings.metrics_token_sha256,
-                        ),
-                        registry,
-                        host,
-                        port,
-                    )
+                    try:
+                        await nursery.start(
+                            functools.partial(
+                                serve_metrics,
+                                token_sha256=self.settings.metrics_token_sha256,
+                            ),
+                            registry,
+                            host,
+                            port,
+                        )
+                    except OSError as exc:
+                        raise ListenError(
+                            f"{self.settings.metrics_addr}: {bind_problem(exc)}", host, port
+                        ) from None
+                # Workers after the metrics listener: an address in use stops start-up
+                # before any worker is spawned.
+                for worker in self.workers:
+                    nursery.start_soon(self._keep_running, worker)
+                nursery.start_soon(self._announce_ready)
+                nursery.start_soon(run_watchdog, self.notifier)
                 task_status.started()
                 with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
                     async for signum in signals:
@@ -170,6 +185,13 @@ class Supervisor:
             code = await self._run_once(worker)
             if self.stopping:
                 break
+            if code in START_FAILURE_STATUSES and not worker.ready.is_set():
+                # The worker said why on stderr (one line); every restart would say it again.
+                log.error("worker_start_failed", extra={"worker": worker.index, "returncode": code})
+                self.exit_status = code
+                await self.stop()
+                self._cancel.cancel()
+                return
             delay = RESTART_BACKOFF[min(worker.restarts, len(RESTART_BACKOFF) - 1)]
             worker.restarts += 1
             reason = "unresponsive" if worker.unresponsive else "exited"
@@ -272,7 +294,8 @@ async def leave_with_supervisor(fd: int, shutdown: trio.Event) -> None:
 
 def supervise(settings: Settings, *, drain_grace: float) -> int:
     """Entry point for `ibex serve --workers N` (N > 1), and for one worker with metrics on;
-    `drain_grace` is the workers' drain grace (the supervisor waits for it, then kills)."""
+    `drain_grace` is the workers' drain grace (the supervisor waits for it, then kills).
+    Returns the exit status: 0, or a worker's start-up error status."""
     own_dir = None
     if settings.metrics_addr and not os.environ.get(MULTIPROC_ENV):
         own_dir = tempfile.mkdtemp(prefix="ibex-metrics-")
@@ -281,9 +304,10 @@ def supervise(settings: Settings, *, drain_grace: float) -> int:
         from ibex.ops.metrics import clear_multiprocess_dir
 
         clear_multiprocess_dir()
+    supervisor = Supervisor(settings, drain_grace=drain_grace)
     try:
-        trio.run(Supervisor(settings, drain_grace=drain_grace).run)
+        trio.run(supervisor.run)
     finally:
         if own_dir:
             shutil.rmtree(own_dir, ignore_errors=True)
-    return 0
+    return supervisor.exit_status

@@ -12,7 +12,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -40,6 +40,7 @@ from ibex.assembly.structs import (
 from ibex.assembly.tokens import Tokenizers
 from ibex.assembly.validation import RequestLimits, validate_request, validate_search
 from ibex.errors import SourceError
+from ibex.service.dependencies import Dependency
 from ibex.service.queues import WorkerThreads, default_threads
 from ibex.sources.base import DirectiveSource, MemorySource
 from ibex.sources.feedback import FeedbackSink
@@ -157,6 +158,7 @@ class Assembler:
         feedback_sink: FeedbackSink | None = None,
         nonce_key: NonceKey | None = None,
         wall_clock: Callable[[], float] = time.time,
+        dependencies: Sequence[Dependency] = (),
     ) -> None:
         self.catalog = catalog
         self.tokenizers = tokenizers
@@ -172,6 +174,8 @@ class Assembler:
         self.nonce_key = nonce_key
         # Unix time, which every replica shares: it picks a session nonce's lifetime window.
         self.wall_clock = wall_clock
+        # What the sources depend on (Redis, the memory service): warmed before serving.
+        self.dependencies = tuple(dependencies)
 
     def nonce(self, request: AssemblyRequest) -> str:
         """Session-scoped with a key and a session (the provider can cache the prefix), else fresh.

@@ -36,6 +36,7 @@ from ibex.errors import (
     Overloaded,
     Unavailable,
 )
+from ibex.ops.branch_errors import BranchErrors
 from ibex.ops.logs import bind_request
 from ibex.ops.metrics import Metrics
 from ibex.service import convert, pb
@@ -101,6 +102,7 @@ class ContextService:
         authenticator: Authenticator,
         config: EdgeConfig | None = None,
         tracing: Tracing | None = None,
+        branch_errors: BranchErrors | None = None,
     ) -> None:
         self.assembler = assembler
         self.admission = admission
@@ -108,6 +110,7 @@ class ContextService:
         self.auth = authenticator
         self.config = config or EdgeConfig()
         self.tracing = tracing
+        self.branch_errors = branch_errors  # failed branches, logged as a summary
         # Each request's repeated fields counted on the wire before it is decoded.
         limits = assembler.limits
         self._assemble_rules = request_rules(
@@ -267,6 +270,8 @@ class ContextService:
         self, stream: grpclib.server.Stream[Any, Any], result: AssemblyResult
     ) -> None:
         self.metrics.observe_assembly(result)
+        if self.branch_errors is not None:
+            self.branch_errors.observe(result.branches)
         await stream.send_initial_metadata(
             metadata={
                 "x-ibex-degradation": result.degradation_level,

@@ -41,7 +41,7 @@ def keyed_workers(
     env = {
         "IBEX_CONTEXT_WORKER_PORT_BASE": str(base),
         "IBEX_CONTEXT_NONCE_KEY": KEY,
-        "IBEX_CONTEXT_NONCE_MAX_AGE": f"{MAX_AGE:.0f}s",
+        "IBEX_CONTEXT_NONCE_MAX_AGE": "720h",
         # The prefix compares whole contexts: a branch timed out on a loaded machine would
         # leave out the directive or memories, so give every branch time to answer.
         "IBEX_CONTEXT_TIMEOUT": "5s",
