@@ -15,7 +15,8 @@ spreads connections across them. The supervisor:
 - forwards SIGTERM/SIGINT to every worker (each drains) and exits when all
   have, escalating to SIGKILL after the drain grace;
 - serves /metrics aggregated over all workers (prometheus multiprocess mode),
-  plus its own `ibex_worker_restarts_total{reason}`;
+  plus its own `ibex_worker_restarts_total{reason}` and the `process_*`
+  series (CPU, memory, descriptors) of itself and of each live worker;
 - tells worker i its slot with the hidden `--worker-index i` option: with
   IBEX_CONTEXT_WORKER_PORT_BASE=P the worker also listens on port P+i (its own
   port, no SO_REUSEPORT), so a client can balance calls, not just connections,
@@ -118,11 +119,12 @@ class Supervisor:
             async with trio.open_nursery() as nursery:
                 self._cancel = nursery.cancel_scope
                 if self.settings.metrics_addr and os.environ.get(MULTIPROC_ENV):
-                    from ibex.ops.metrics import exposition_registry
+                    from ibex.ops.metrics import ProcessMetrics, exposition_registry
                     from ibex.ops.metrics_http import serve_metrics
 
                     registry = exposition_registry()
                     registry.register(self.restart_metric)
+                    registry.register(ProcessMetrics(self.processes))
                     host, port = split_host_port(self.settings.metrics_addr)
                     try:
                         await nursery.start(
@@ -153,6 +155,14 @@ class Supervisor:
                 nursery.cancel_scope.cancel()
         finally:
             shutil.rmtree(runtime, ignore_errors=True)
+
+    def processes(self) -> list[tuple[str, int]]:
+        """(name, pid) of this process and of every running worker, for `ProcessMetrics`."""
+        live = [("supervisor", os.getpid())]
+        for w in self.workers:
+            if w.process is not None and w.process.returncode is None:
+                live.append((f"worker-{w.index}", w.process.pid))
+        return live
 
     async def stop(self) -> None:
         """Forward SIGTERM; each worker drains. SIGKILL whoever outlives the grace."""
