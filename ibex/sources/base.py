@@ -8,10 +8,11 @@ a short detail that holds no secret and no memory text.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Generic, Protocol, TypeVar
 
 import msgspec
+import trio
 
 from ibex.assembly.structs import Directive, MemoryHit
 from ibex.errors import SourceError
@@ -23,6 +24,8 @@ __all__ = [
     "MemorySource",
     "SourceError",
     "cached_directive",
+    "prefetch_directive",
+    "read_directives",
 ]
 
 T = TypeVar("T")
@@ -44,7 +47,10 @@ class DirectiveSource(Protocol):
 
     A source may also define `cached(org_id, agent_id, version) -> DirectiveAnswer | None`:
     an answer it holds in memory, given without I/O, or None. Retrieval asks it
-    first (see `cached_directive`), so an answer in hand costs no task.
+    first (see `cached_directive`), so an answer in hand costs no task. It may
+    define `prefetch(org_id, agent_id, version) -> None` (start the read a call
+    will need, see `prefetch_directive`) and `get_directives(wanted)` (several
+    agents' directives in one round trip, see `read_directives`).
     """
 
     async def get_directive(
@@ -69,6 +75,52 @@ def cached_directive(
         source, "cached", None
     )
     return None if lookup is None else lookup(org_id, agent_id, version)
+
+
+def prefetch_directive(source: DirectiveSource, org_id: str, agent_id: str, version: str) -> None:
+    """Let the source start the read a call will need, when it offers `prefetch`; no I/O
+    here, and nothing happens for a source without one."""
+    start: Callable[[str, str, str], None] | None = getattr(source, "prefetch", None)
+    if start is not None:
+        start(org_id, agent_id, version)
+
+
+# One agent's answer among several: its directive (None: it has none) or its error.
+DirectiveOrError = Directive | None | SourceError
+
+
+# (org_id, agent_id, version): one agent's directive asked for, with the version expected.
+Wanted = tuple[str, str, str]
+
+
+async def read_directives(
+    source: DirectiveSource, wanted: Sequence[Wanted]
+) -> list[DirectiveOrError]:
+    """The directives of several agents, in order; each its own error.
+
+    A source with `get_directives(wanted)` answers them in one call (one round
+    trip where it can); any other is asked once per agent, concurrently. A
+    SourceError raised for the whole call is raised (every agent failed alike).
+    """
+    many: Callable[[Sequence[Wanted]], Awaitable[list[DirectiveOrError]]] | None = getattr(
+        source, "get_directives", None
+    )
+    if many is not None:
+        return await many(wanted)
+    if len(wanted) == 1:
+        return [await source.get_directive(*wanted[0])]
+    out: list[DirectiveOrError] = [None] * len(wanted)
+
+    async def one(i: int, org_id: str, agent_id: str, version: str) -> None:
+        try:
+            out[i] = await source.get_directive(org_id, agent_id, version)
+        except SourceError as exc:
+            out[i] = exc
+
+    async with trio.open_nursery() as nursery:
+        for i, (org_id, agent_id, version) in enumerate(wanted):
+            nursery.start_soon(one, i, org_id, agent_id, version)
+    return out
 
 
 class MemorySource(Protocol):

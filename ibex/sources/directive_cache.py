@@ -29,7 +29,7 @@ import trio
 
 from ibex.assembly.structs import Directive
 from ibex.errors import SourceError
-from ibex.sources.base import Answer, DirectiveAnswer, DirectiveSource
+from ibex.sources.base import Answer, DirectiveAnswer, DirectiveSource, read_directives
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class DirectiveCacheConfig(msgspec.Struct, frozen=True):
 
 
 class _Refresh:
-    """One read of a key in flight: every call that misses on that key waits for it."""
+    """One read of a key queued or in flight: every call that misses on that key waits for it."""
 
     __slots__ = ("directive", "done", "error")
 
@@ -103,7 +103,9 @@ class DirectiveCache:
         self.misses = 0
         self._nursery: trio.Nursery | None = None
         self._stack: contextlib.AsyncExitStack | None = None
+        # Keys queued or in flight, and the queued ones that no read task has taken yet.
         self._reading: dict[tuple[str, str], _Refresh] = {}
+        self._queued: dict[tuple[str, str], str] = {}  # key -> the version its caller named
 
     async def __aenter__(self) -> DirectiveCache:
         self._stack = contextlib.AsyncExitStack()
@@ -139,6 +141,22 @@ class DirectiveCache:
         self.hits += 1
         return Answer(entry.directive, "cache")
 
+    def prefetch(self, org_id: str, agent_id: str, version: str) -> None:
+        """Start reading the key unless the entry may serve or a read is already queued; no I/O.
+
+        Called as soon as a call is known (decoded, checked, admitted), before the
+        call's own work: its directive branch then finds the entry filled, or the
+        read under way, instead of starting it after that work. Not entered, it
+        does nothing.
+        """
+        key = (org_id, agent_id)
+        entry = self._entries.get(key)
+        if self._nursery is None or key in self._reading:
+            return
+        if entry is not None and self._fresh(entry, version, self._clock()):
+            return
+        self._queue(key, version)
+
     async def fetch(self, org_id: str, agent_id: str, version: str) -> DirectiveAnswer:
         """The directive (detail `cache` when no round trip was needed)."""
         hit = self.cached(org_id, agent_id, version)
@@ -150,36 +168,64 @@ class DirectiveCache:
             directive = await self.source.get_directive(org_id, agent_id, version)
             self._store(key, directive, self._clock())
             return Answer(directive, "")
-        read = self._reading.get(key)
-        if read is None:
-            read = self._reading[key] = _Refresh()
-            self._nursery.start_soon(self._read, key, version, read)
+        read = self._reading.get(key) or self._queue(key, version)
         await read.done.wait()
         if read.error:
             raise SourceError(read.error)
         return Answer(read.directive, "")
 
-    async def _read(self, key: tuple[str, str], version: str, read: _Refresh) -> None:
-        """Read `key` once for every waiter, under `refresh_timeout`; never raises."""
+    def _queue(self, key: tuple[str, str], version: str) -> _Refresh:
+        """Queue a read of `key`; the first key queued starts the task that reads them all."""
+        assert self._nursery is not None
+        read = self._reading[key] = _Refresh()
+        self._queued[key] = version
+        if len(self._queued) == 1:
+            self._nursery.start_soon(self._read_queued)
+        return read
+
+    async def _read_queued(self) -> None:
+        """Read every key queued before this task ran, in one `read_directives` call
+        (one round trip where the source can batch), under `refresh_timeout`; never raises.
+
+        Keys missed together (a burst of calls for different agents) then cost one
+        read and one pass of the loop's crossings, instead of one each.
+        """
+        queued, self._queued = self._queued, {}
+        keys = list(queued)
+        reads = [self._reading[key] for key in keys]
         timeout = self.config.refresh_timeout
         try:
             with trio.fail_after(timeout):
-                read.directive = await self.source.get_directive(key[0], key[1], version)
-            self._store(key, read.directive, self._clock())
+                got = await read_directives(
+                    self.source, [(org, agent, version) for (org, agent), version in queued.items()]
+                )
+            now = self._clock()
+            for key, read, answer in zip(keys, reads, got, strict=True):
+                if isinstance(answer, SourceError):
+                    read.error = str(answer)
+                else:
+                    read.directive = answer
+                    self._store(key, answer, now)
         except trio.TooSlowError:
-            read.error = f"no answer within {timeout * 1000:.0f}ms"
+            self._fail(reads, f"no answer within {timeout * 1000:.0f}ms")
         except trio.Cancelled:
             # The cache is closing: a caller still waiting must not take "no directive".
-            read.error = "the directive cache closed before its read finished"
+            self._fail(reads, "the directive cache closed before its read finished")
             raise
         except SourceError as exc:
-            read.error = str(exc)
+            self._fail(reads, str(exc))
         except Exception as exc:  # contained as a branch contains it: an error, logged
-            read.error = f"unexpected {type(exc).__name__}"
+            self._fail(reads, f"unexpected {type(exc).__name__}")
             log.exception("directive_refresh_failed")
         finally:
-            del self._reading[key]
-            read.done.set()
+            for key, read in zip(keys, reads, strict=True):
+                del self._reading[key]
+                read.done.set()
+
+    @staticmethod
+    def _fail(reads: list[_Refresh], error: str) -> None:
+        for read in reads:
+            read.directive, read.error = None, error
 
     async def get_directive(
         self, org_id: str, agent_id: str, version: str = ""

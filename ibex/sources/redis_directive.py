@@ -148,6 +148,10 @@ class _Reader(Protocol):
 
     async def get(self, key: str) -> object: ...
 
+    async def get_many(self, keys: list[str]) -> list[object]:
+        """The keys' values in order; a key's own failure (an exception) in its place."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -274,29 +278,87 @@ class RedisDirectiveSource:
         with contextlib.suppress(RedisError, OSError):
             await trio_asyncio.aio_as_trio(self._reader.close)()
 
+    async def get_directives(
+        self, wanted: Sequence[tuple[str, str, str]]
+    ) -> list[Directive | None | SourceError]:
+        """Several agents' directives in one round trip (MGET; on a cluster, one GET per
+        key, concurrently, since the keys live on any master), in order. A value that
+        does not decode is that agent's SourceError; a failed round trip raises one.
+        Trio-async; cancel freely. Each (org_id, agent_id, version) is read whatever
+        its version."""
+        if self._closed:
+            raise SourceError("redis directive source is closed")
+        keys = [directive_key(org_id, agent_id) for org_id, agent_id, _ in wanted]
+        raws = await trio_asyncio.aio_as_trio(self._get_many)(keys)
+        out: list[Directive | None | SourceError] = []
+        for raw in raws:
+            if isinstance(raw, SourceError):
+                out.append(raw)
+                continue
+            try:
+                out.append(decode_directive(raw, self._max_value_bytes))
+            except SourceError as exc:
+                out.append(exc)
+        return out
+
     async def _get(self, key: str) -> bytes | None:
         """asyncio side: one GET through the reader, errors mapped to SourceError."""
         try:
             reply = await self._reader.get(key)
-        except RedisTimeoutError:
-            raise SourceError("redis: timed out") from None
-        except MaxConnectionsError:
-            raise SourceError("redis: connection pool exhausted") from None
-        except MasterNotFoundError:
-            raise SourceError("redis: no master found by the sentinels") from None
-        except RedisConnectionError:
-            raise SourceError("redis: connection failed") from None
-        except ResponseError as exc:
-            # The server's error prefix (e.g. WRONGTYPE) says enough; the rest may echo input.
-            prefix = str(exc).split(" ", 1)[0][:32]
-            raise SourceError(f"redis: error reply {prefix}") from None
-        except RedisClusterException as exc:
-            raise SourceError(f"redis cluster: {type(exc).__name__}") from None
         except (RedisError, OSError) as exc:
-            raise SourceError(f"redis: {type(exc).__name__}") from None
-        if reply is not None and not isinstance(reply, bytes):
-            raise SourceError(f"redis: unexpected reply type {type(reply).__name__}")
-        return reply
+            raise _source_error(exc) from None
+        return _value(reply)
+
+    async def _get_many(self, keys: list[str]) -> list[bytes | None | SourceError]:
+        """asyncio side: every key through the reader's `get_many`, errors mapped to
+        SourceError (a whole round trip's raised, a key's own in its place)."""
+        try:
+            replies = await self._reader.get_many(keys)
+        except (RedisError, OSError) as exc:
+            raise _source_error(exc) from None
+        if len(replies) != len(keys):
+            raise SourceError(f"redis: {len(replies)} values for {len(keys)} keys")
+        out: list[bytes | None | SourceError] = []
+        for reply in replies:
+            if isinstance(reply, SourceError):
+                out.append(reply)
+            elif isinstance(reply, (RedisError, OSError)):
+                out.append(_source_error(reply))
+            elif isinstance(reply, BaseException):
+                out.append(SourceError(f"redis: {type(reply).__name__}"))
+            else:
+                try:
+                    out.append(_value(reply))
+                except SourceError as exc:
+                    out.append(exc)
+        return out
+
+
+def _value(reply: object) -> bytes | None:
+    if reply is not None and not isinstance(reply, bytes):
+        raise SourceError(f"redis: unexpected reply type {type(reply).__name__}")
+    return reply
+
+
+def _source_error(exc: BaseException) -> SourceError:
+    """A redis-py failure as the branch's short SourceError (no value, no secret)."""
+    if isinstance(exc, SourceError):
+        return exc
+    if isinstance(exc, RedisTimeoutError):
+        return SourceError("redis: timed out")
+    if isinstance(exc, MaxConnectionsError):
+        return SourceError("redis: connection pool exhausted")
+    if isinstance(exc, MasterNotFoundError):
+        return SourceError("redis: no master found by the sentinels")
+    if isinstance(exc, RedisConnectionError):
+        return SourceError("redis: connection failed")
+    if isinstance(exc, ResponseError):
+        # The server's error prefix (e.g. WRONGTYPE) says enough; the rest may echo input.
+        prefix = str(exc).split(" ", 1)[0][:32]
+        return SourceError(f"redis: error reply {prefix}")
+    if isinstance(exc, RedisClusterException):
+        return SourceError(f"redis cluster: {type(exc).__name__}")
+    return SourceError(f"redis: {type(exc).__name__}")
 
 
 class _PoolReader:
@@ -310,10 +372,20 @@ class _PoolReader:
         self._sentinel = sentinel
 
     async def get(self, key: str) -> object:
+        return await self._command("GET", key)
+
+    async def get_many(self, keys: list[str]) -> list[object]:
+        """One MGET: the keys share one connection and one round trip."""
+        reply = await self._command("MGET", *keys)
+        if not isinstance(reply, list):
+            raise SourceError(f"redis: unexpected reply type {type(reply).__name__}")
+        return reply
+
+    async def _command(self, *command: str) -> object:
         retries = self._retries
         while True:
             try:
-                return await self._leased_get(key)
+                return await self._leased(*command)
             except _BrokenConnection:
                 if retries <= 0:
                     raise
@@ -329,11 +401,11 @@ class _PoolReader:
             if self._sentinel is not None:
                 await self._sentinel.aclose()
 
-    async def _leased_get(self, key: str) -> object:
+    async def _leased(self, *command: str) -> object:
         pool = self.pool
         conn = await pool.get_connection()
         try:
-            await conn.send_command("GET", key)
+            await conn.send_command(*command)
             return await conn.read_response(disable_decoding=True)
         except BaseException as exc:
             # Close before release, so a reply still on the wire (cancellation,
