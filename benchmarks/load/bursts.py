@@ -140,7 +140,9 @@ def timelines(res: dict[str, Any]) -> str:
             cells = " | ".join(f"{step} {t - start:.2f}" for t, a, step in mine if a == agent)
             lines.append(f"    {agent}: {cells}")
         long_steps = [s for s in probe["steps"] if t0 <= s[0] <= t1]
-        cells = ", ".join(f"{s[0] - start:.2f}+{s[1]:.2f} {s[2]}" for s in long_steps)
+        cells = ", ".join(
+            f"{s[0] - start:.2f}+{s[1]:.2f} (CPU {s[2]:.2f}) {s[3]}" for s in long_steps
+        )
         lines.append(f"    long task steps (start+ms): {cells}")
     return "\n".join(lines)
 

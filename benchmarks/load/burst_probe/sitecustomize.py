@@ -37,7 +37,7 @@ def _install() -> None:
     import ibex.sources.retrieval as retrieval_module
 
     events: list[tuple[float, str, str]] = []  # (ms, agent, step)
-    steps: list[tuple[float, float, str]] = []  # (start ms, duration ms, task name)
+    steps: list[tuple[float, float, float, str]] = []  # (start ms, ms, CPU ms, task name)
     counted = [0]
     installed = [False]
     agents: dict[str, str] = {}  # request_id -> agent
@@ -48,16 +48,17 @@ def _install() -> None:
         events.append((time.perf_counter() * 1000.0, agent[-4:], step))
 
     class Steps(trio.abc.Instrument):
-        t0 = 0.0
+        t0 = c0 = 0.0
 
         def before_task_step(self, task: Any) -> None:
-            self.t0 = time.perf_counter()
+            self.t0, self.c0 = time.perf_counter(), time.thread_time()
 
         def after_task_step(self, task: Any) -> None:
             counted[0] += 1
             d = time.perf_counter() - self.t0
             if d > 0.0002:
-                steps.append((self.t0 * 1000.0, d * 1000.0, task.name[-40:]))
+                cpu = (time.thread_time() - self.c0) * 1000.0
+                steps.append((self.t0 * 1000.0, d * 1000.0, cpu, task.name[-40:]))
 
     from_proto = convert_module.request_from_proto
 
