@@ -10,8 +10,9 @@ comparison. Per round: each call's directive status and branch latency (ms);
 in all: how many directive branches succeeded, and the Redis commands the
 daemon sent per round (INFO commandstats).
 
-With `--root`, another checkout's daemon (e.g. a worktree of main) is measured
-the same way, the two alternating per repeat, for before/after figures.
+With `--root` (repeatable), another checkout's daemon (e.g. a worktree of main)
+is measured the same way, the checkouts alternating per repeat, for before/after
+figures.
 
 Target: at least 49 of 50 bursts' directives `success`; single calls 10 of 10.
 
@@ -39,7 +40,6 @@ from typing import Any
 import grpc
 
 from benchmarks.load.deadlines import warmed_run
-from benchmarks.load.driver import METHOD
 from benchmarks.load.stack import ROOT, Stack
 from ibex.testing.grpcio_stubs import context_pb2 as pb
 
@@ -190,10 +190,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--burst", type=int, default=5, help="calls (and agents) per burst")
     p.add_argument("--repeats", type=int, default=1, help="runs per checkout, alternated")
-    p.add_argument("--root", type=Path, default=None, help="another checkout, alternated")
+    p.add_argument(
+        "--root", type=Path, action="append", default=[], help="another checkout (repeatable)"
+    )
     p.add_argument("--probe", action="store_true", help="time each step (burst_probe)")
     args = p.parse_args(argv)
-    roots = [ROOT] if args.root is None else [ROOT, args.root.resolve()]
+    roots = [ROOT, *(root.resolve() for root in args.root)]
     asyncio.run(measure_all(roots, args.repeats, args.rounds, args.burst, args.probe))
 
 

@@ -25,11 +25,16 @@ epoll call) and a cancel scope for each; an answer cost about 9 of those steps
 is ready when an iteration starts, then polls; `batch_ready_callbacks` makes
 trio-asyncio do the same. After the callback it waited for, the loop runs as
 many more as were queued at that moment (so callbacks that keep scheduling
-callbacks still let Trio run between rounds), each through the original's own
-no-wait form (due timers first, as before; a Trio task start, e.g. a crossing
-into Trio, still waits for the task to begin). It checks trio-asyncio's
-internals at install and leaves the loop as it is (logging why) when they have
-changed.
+callbacks still let Trio run between rounds), due timers first. A Trio task
+start (a crossing into Trio: every call's `in_trio`) is handed to the nursery
+and the loop goes on: trio-asyncio's own loop waits for each such task's first
+step, a whole pass of the Trio scheduler with every other runnable task's step
+in it, so a burst of calls held every callback queued behind their crossings
+(a Redis reply, another call's request) for one pass per call. A task
+cancelled before its first step still resolves its future as cancelled
+(trio-asyncio's `AsyncHandle` checks that when it starts). It checks
+trio-asyncio's internals at install and leaves the loop as it is (logging why)
+when they have changed.
 """
 
 from __future__ import annotations
@@ -48,11 +53,11 @@ import hpack.hpack
 import hpack.table
 import trio
 import trio_asyncio._base as _base
-from sniffio import thread_local as sniffio_library
-from trio_asyncio._handles import AsyncHandle as _AsyncHandle
 from grpclib.metadata import Deadline
 from h2.exceptions import StreamClosedError
 from hyperframe.frame import Frame
+from sniffio import thread_local as sniffio_library
+from trio_asyncio._handles import AsyncHandle as _AsyncHandle
 
 from ibex.service.aio_loop import REBUILD_MIN, drop_cancelled_timers
 from ibex.service.hpack_block import send_headers_fast

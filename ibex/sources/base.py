@@ -86,7 +86,7 @@ def prefetch_directive(source: DirectiveSource, org_id: str, agent_id: str, vers
 
 
 # One agent's answer among several: its directive (None: it has none) or its error.
-DirectiveOrError = Directive | None | SourceError
+DirectiveOrError = Directive | SourceError | None
 
 
 # (org_id, agent_id, version): one agent's directive asked for, with the version expected.

@@ -79,7 +79,11 @@ class DirectiveCache:
 
     Entered with `async with`, misses are read once per key in a task the cache
     owns, under `refresh_timeout`, and every caller missing on that key waits for
-    that one read (each no longer than its own branch allows). A read is then never
+    that one read (each no longer than its own branch allows). Keys missed before
+    that task runs are read with it, in one `read_directives` call (one MGET on
+    Redis): a burst of calls for different agents costs one round trip and one
+    set of loop crossings, not one each. `prefetch` queues a call's read as soon
+    as the call is known, before its own work. A read is then never
     cut by a caller's branch timeout: on a saturated loop a Redis GET rarely makes a
     5 ms branch, and a cut GET closes its connection, so without this an expired
     entry would stay expired, every call for that agent would reconnect, and the
@@ -142,17 +146,20 @@ class DirectiveCache:
         return Answer(entry.directive, "cache")
 
     def prefetch(self, org_id: str, agent_id: str, version: str) -> None:
-        """Start reading the key unless the entry may serve or a read is already queued; no I/O.
+        """Queue a read of the key unless its entry may serve or a read is already queued;
+        no I/O here.
 
         Called as soon as a call is known (decoded, checked, admitted), before the
         call's own work: its directive branch then finds the entry filled, or the
-        read under way, instead of starting it after that work. Not entered, it
-        does nothing.
+        read under way, instead of starting the read after that work and after
+        that of every call that arrived with it. The read stores what it finds; a
+        branch that names another version than the one read reads again, as any
+        version mismatch does. Not entered, or with caching off, it does nothing.
         """
         key = (org_id, agent_id)
         entry = self._entries.get(key)
-        if self._nursery is None or key in self._reading:
-            return
+        if self._nursery is None or key in self._reading or self.config.max_entries <= 0:
+            return  # nothing to fill: the branch reads (or waits) as it always does
         if entry is not None and self._fresh(entry, version, self._clock()):
             return
         self._queue(key, version)

@@ -280,7 +280,7 @@ class RedisDirectiveSource:
 
     async def get_directives(
         self, wanted: Sequence[tuple[str, str, str]]
-    ) -> list[Directive | None | SourceError]:
+    ) -> list[Directive | SourceError | None]:
         """Several agents' directives in one round trip (MGET; on a cluster, one GET per
         key, concurrently, since the keys live on any master), in order. A value that
         does not decode is that agent's SourceError; a failed round trip raises one.
@@ -290,7 +290,7 @@ class RedisDirectiveSource:
             raise SourceError("redis directive source is closed")
         keys = [directive_key(org_id, agent_id) for org_id, agent_id, _ in wanted]
         raws = await trio_asyncio.aio_as_trio(self._get_many)(keys)
-        out: list[Directive | None | SourceError] = []
+        out: list[Directive | SourceError | None] = []
         for raw in raws:
             if isinstance(raw, SourceError):
                 out.append(raw)
@@ -309,7 +309,7 @@ class RedisDirectiveSource:
             raise _source_error(exc) from None
         return _value(reply)
 
-    async def _get_many(self, keys: list[str]) -> list[bytes | None | SourceError]:
+    async def _get_many(self, keys: list[str]) -> list[bytes | SourceError | None]:
         """asyncio side: every key through the reader's `get_many`, errors mapped to
         SourceError (a whole round trip's raised, a key's own in its place)."""
         try:
@@ -318,7 +318,7 @@ class RedisDirectiveSource:
             raise _source_error(exc) from None
         if len(replies) != len(keys):
             raise SourceError(f"redis: {len(replies)} values for {len(keys)} keys")
-        out: list[bytes | None | SourceError] = []
+        out: list[bytes | SourceError | None] = []
         for reply in replies:
             if isinstance(reply, SourceError):
                 out.append(reply)
