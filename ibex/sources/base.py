@@ -12,20 +12,20 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Generic, Protocol, TypeVar
 
 import msgspec
-import trio
 
 from ibex.assembly.structs import Directive, MemoryHit
 from ibex.errors import SourceError
 
 __all__ = [
     "Answer",
+    "BatchRead",
     "DirectiveAnswer",
     "DirectiveSource",
     "MemorySource",
     "SourceError",
+    "batch_reader",
     "cached_directive",
     "prefetch_directive",
-    "read_directives",
 ]
 
 T = TypeVar("T")
@@ -50,7 +50,7 @@ class DirectiveSource(Protocol):
     first (see `cached_directive`), so an answer in hand costs no task. It may
     define `prefetch(org_id, agent_id, version) -> None` (start the read a call
     will need, see `prefetch_directive`) and `get_directives(wanted)` (several
-    agents' directives in one round trip, see `read_directives`).
+    agents' directives in one round trip, see `batch_reader`).
     """
 
     async def get_directive(
@@ -87,40 +87,18 @@ def prefetch_directive(source: DirectiveSource, org_id: str, agent_id: str, vers
 
 # One agent's answer among several: its directive (None: it has none) or its error.
 DirectiveOrError = Directive | SourceError | None
-
-
 # (org_id, agent_id, version): one agent's directive asked for, with the version expected.
 Wanted = tuple[str, str, str]
+# A source's `get_directives`: several agents' answers in one round trip, in order.
+BatchRead = Callable[[Sequence[Wanted]], Awaitable[list[DirectiveOrError]]]
 
 
-async def read_directives(
-    source: DirectiveSource, wanted: Sequence[Wanted]
-) -> list[DirectiveOrError]:
-    """The directives of several agents, in order; each its own error.
-
-    A source with `get_directives(wanted)` answers them in one call (one round
-    trip where it can); any other is asked once per agent, concurrently. A
-    SourceError raised for the whole call is raised (every agent failed alike).
-    """
-    many: Callable[[Sequence[Wanted]], Awaitable[list[DirectiveOrError]]] | None = getattr(
-        source, "get_directives", None
-    )
-    if many is not None:
-        return await many(wanted)
-    if len(wanted) == 1:
-        return [await source.get_directive(*wanted[0])]
-    out: list[DirectiveOrError] = [None] * len(wanted)
-
-    async def one(i: int, org_id: str, agent_id: str, version: str) -> None:
-        try:
-            out[i] = await source.get_directive(org_id, agent_id, version)
-        except SourceError as exc:
-            out[i] = exc
-
-    async with trio.open_nursery() as nursery:
-        for i, (org_id, agent_id, version) in enumerate(wanted):
-            nursery.start_soon(one, i, org_id, agent_id, version)
-    return out
+def batch_reader(source: DirectiveSource) -> BatchRead | None:
+    """The source's `get_directives` when it reads several agents in one round trip, else
+    None. A source may offer the method and say `batch_reads = False` (a Redis Cluster: keys
+    live on any master, and one hung master would hold every key read with its own)."""
+    many: BatchRead | None = getattr(source, "get_directives", None)
+    return many if getattr(source, "batch_reads", True) else None
 
 
 class MemorySource(Protocol):

@@ -18,10 +18,11 @@ entry can only ever answer its own tenant.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from types import TracebackType
 
 import msgspec
@@ -29,7 +30,13 @@ import trio
 
 from ibex.assembly.structs import Directive
 from ibex.errors import SourceError
-from ibex.sources.base import Answer, DirectiveAnswer, DirectiveSource, read_directives
+from ibex.sources.base import (
+    Answer,
+    BatchRead,
+    DirectiveAnswer,
+    DirectiveSource,
+    batch_reader,
+)
 
 log = logging.getLogger(__name__)
 
@@ -191,28 +198,67 @@ class DirectiveCache:
         return read
 
     async def _read_queued(self) -> None:
-        """Read every key queued before this task ran, in one `read_directives` call
-        (one round trip where the source can batch), under `refresh_timeout`; never raises.
+        """Read every key queued before this task ran; never raises.
 
-        Keys missed together (a burst of calls for different agents) then cost one
-        read and one pass of the loop's crossings, instead of one each.
+        With a source that reads several keys in one round trip (`batch_reader`),
+        they are one read: keys missed together (a burst of calls for different
+        agents) then cost one round trip and one set of loop crossings, instead of
+        one each. Otherwise each key is its own read, in a task of its own, so a
+        key whose server hangs holds no other key's callers.
         """
+        assert self._nursery is not None
         queued, self._queued = self._queued, {}
+        many = batch_reader(self.source)
+        if many is not None and len(queued) > 1:
+            await self._read_batch(many, queued)
+            return
+        *others, last = queued.items()
+        for key, version in others:
+            self._nursery.start_soon(self._read_one, key, version)
+        await self._read_one(*last)
+
+    async def _read_one(self, key: tuple[str, str], version: str) -> None:
+        """Read `key` for every waiter, under `refresh_timeout`; never raises."""
+        read = self._reading[key]
+        try:
+            await self._guarded([read], functools.partial(self._store_one, key, version, read))
+        finally:
+            del self._reading[key]
+            read.done.set()
+
+    async def _store_one(self, key: tuple[str, str], version: str, read: _Refresh) -> None:
+        read.directive = await self.source.get_directive(key[0], key[1], version)
+        self._store(key, read.directive, self._clock())
+
+    async def _read_batch(self, many: BatchRead, queued: dict[tuple[str, str], str]) -> None:
+        """Read the queued keys in one call for every waiter, under `refresh_timeout`."""
         keys = list(queued)
         reads = [self._reading[key] for key in keys]
+        try:
+            await self._guarded(reads, functools.partial(self._store_batch, many, queued, reads))
+        finally:
+            for key, read in zip(keys, reads, strict=True):
+                del self._reading[key]
+                read.done.set()
+
+    async def _store_batch(
+        self, many: BatchRead, queued: dict[tuple[str, str], str], reads: list[_Refresh]
+    ) -> None:
+        got = await many([(org, agent, version) for (org, agent), version in queued.items()])
+        now = self._clock()
+        for key, read, answer in zip(queued, reads, got, strict=True):
+            if isinstance(answer, SourceError):
+                read.error = str(answer)
+            else:
+                read.directive = answer
+                self._store(key, answer, now)
+
+    async def _guarded(self, reads: list[_Refresh], work: Callable[[], Awaitable[None]]) -> None:
+        """`work()` under `refresh_timeout`; any failure becomes the reads' error."""
         timeout = self.config.refresh_timeout
         try:
             with trio.fail_after(timeout):
-                got = await read_directives(
-                    self.source, [(org, agent, version) for (org, agent), version in queued.items()]
-                )
-            now = self._clock()
-            for key, read, answer in zip(keys, reads, got, strict=True):
-                if isinstance(answer, SourceError):
-                    read.error = str(answer)
-                else:
-                    read.directive = answer
-                    self._store(key, answer, now)
+                await work()
         except trio.TooSlowError:
             self._fail(reads, f"no answer within {timeout * 1000:.0f}ms")
         except trio.Cancelled:
@@ -224,10 +270,6 @@ class DirectiveCache:
         except Exception as exc:  # contained as a branch contains it: an error, logged
             self._fail(reads, f"unexpected {type(exc).__name__}")
             log.exception("directive_refresh_failed")
-        finally:
-            for key, read in zip(keys, reads, strict=True):
-                del self._reading[key]
-                read.done.set()
 
     @staticmethod
     def _fail(reads: list[_Refresh], error: str) -> None:

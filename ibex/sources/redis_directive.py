@@ -177,6 +177,9 @@ class RedisDirectiveSource:
 
     def _over(self, reader: _Reader, options: RedisOptions) -> None:
         self._reader = reader
+        # One endpoint or Sentinel's master: `get_directives` is one MGET. A cluster's
+        # keys live on any master, one GET each: a cache reads them apart (`batch_reader`).
+        self.batch_reads = isinstance(reader, _PoolReader)
         self._max_value_bytes = options.max_value_bytes
         self._closed = False
 

@@ -297,10 +297,12 @@ async def test_five_agents_missing_together_cost_one_round_trip(
         got[agent] = await cache.fetch(ORG, agent, "")
 
     redis_server.command("CONFIG", "RESETSTAT")
-    async with DirectiveCache(source, DirectiveCacheConfig()) as cache:
-        async with trio.open_nursery() as nursery:
-            for agent in agents:
-                nursery.start_soon(one, cache, agent)
+    async with (
+        DirectiveCache(source, DirectiveCacheConfig()) as cache,
+        trio.open_nursery() as nursery,
+    ):
+        for agent in agents:
+            nursery.start_soon(one, cache, agent)
     assert read_commands(redis_server) == {"get": 0, "mget": 1}
     for agent in agents:
         assert got[agent].value is not None and got[agent].value.content == f"for {agent}"

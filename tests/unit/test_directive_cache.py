@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import trio
 import trio.testing
@@ -516,10 +518,12 @@ async def test_a_key_missed_while_a_batch_is_in_flight_goes_in_the_next(
     store = BatchStore(0.010)
     async with owned(store) as c, trio.open_nursery() as nursery:
         nursery.start_soon(c.fetch, ORG, AGENTS[0], "")
-        await trio.sleep(0.005)  # the first batch is in flight
         nursery.start_soon(c.fetch, ORG, AGENTS[1], "")
+        await trio.sleep(0.005)  # the first batch is in flight
+        nursery.start_soon(c.fetch, ORG, AGENTS[2], V1)
         nursery.start_soon(c.fetch, ORG, AGENTS[0], "")  # joins the read in flight
-    assert store.batches == [[(ORG, AGENTS[0], "")], [(ORG, AGENTS[1], "")]]
+    assert [sorted(b) for b in store.batches] == [[(ORG, a, "") for a in AGENTS[:2]]]
+    assert store.versions == [V1]  # a key alone is read alone
 
 
 async def test_a_source_without_batches_reads_each_key_concurrently(
@@ -550,7 +554,7 @@ async def test_a_prefetch_fills_the_entry_before_the_call_asks(
         assert c.cached(ORG, AGENT, V1) == Answer(directive(V1), "cache")
         c.prefetch(ORG, AGENT, V1)  # the entry serves: nothing to read
         await trio.sleep(0.010)
-    assert store.batches == [[(ORG, AGENT, V1)]]
+    assert store.versions == [V1] and store.batches == []
 
 
 async def test_a_call_whose_prefetch_is_in_flight_waits_for_that_read(
@@ -564,7 +568,7 @@ async def test_a_call_whose_prefetch_is_in_flight_waits_for_that_read(
         t0 = trio.current_time()
         assert await c.fetch(ORG, AGENT, V1) == Answer(directive(V1), "")
         assert trio.current_time() - t0 == pytest.approx(0.006)  # the rest of that read
-    assert len(store.batches) == 1
+    assert store.calls == 1
 
 
 async def test_prefetches_of_calls_known_together_are_one_read(
@@ -595,13 +599,14 @@ async def test_a_prefetch_revalidates_an_entry_past_its_maximum_age(
         await trio.sleep(0.01)
         assert c.cached(ORG, AGENT, V1) is None  # the revoked version no longer serves
         assert await c.fetch(ORG, AGENT, V1) == Answer(None, "")
-    assert len(store.batches) == 3  # the first read, the prefetch past max_age, the call
+    assert store.calls == 3  # the first read, the prefetch past max_age, the call
 
 
 @pytest.mark.parametrize("entered", [True, False])
 async def test_a_prefetch_does_nothing_unentered_or_with_caching_off(entered: bool) -> None:
     store = BatchStore(0.0)
     c = owned(store, max_entries=0 if entered else 10)
+    assert store.calls == 0
     if entered:
         async with c:
             c.prefetch(ORG, AGENT, V1)
@@ -609,3 +614,39 @@ async def test_a_prefetch_does_nothing_unentered_or_with_caching_off(entered: bo
     else:
         c.prefetch(ORG, AGENT, V1)
     assert store.batches == [] and store.calls == 0
+
+
+async def test_keys_of_a_source_that_does_not_batch_are_read_apart(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A Redis Cluster (`batch_reads = False`): one hung key fails alone at the refresh
+    timeout, and the keys missed with it answer as soon as they are read."""
+
+    class Cluster(BatchStore):
+        batch_reads = False
+
+        async def get_directive(
+            self, org_id: str, agent_id: str, version: str = ""
+        ) -> Directive | None:
+            if agent_id == AGENTS[0]:
+                await trio.sleep_forever()
+            return await super().get_directive(org_id, agent_id, version)
+
+    store = Cluster(0.002)
+    for agent in AGENTS:
+        store.values[(ORG, agent)] = directive(V1)
+    ended: dict[str, float] = {}
+    async with owned(store, refresh_timeout=0.25) as c:
+
+        async def one(agent: str) -> None:
+            with contextlib.suppress(SourceError):
+                await c.fetch(ORG, agent, "")
+            ended[agent] = trio.current_time()
+
+        t0 = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            for agent in AGENTS:
+                nursery.start_soon(one, agent)
+    assert store.batches == [] and store.finished == 4
+    assert ended.pop(AGENTS[0]) - t0 == pytest.approx(0.25)
+    assert all(t - t0 == pytest.approx(0.002) for t in ended.values())
