@@ -122,6 +122,28 @@ async def rounds(
     return out
 
 
+def passes_per_read(res: dict[str, Any]) -> dict[str, list[int]]:
+    """Per burst call: the Trio scheduler passes from its decode, and from its directive
+    branch's start, to that branch's end (a branch answered from the cache has none)."""
+    out: dict[str, list[int]] = {"decoded": [], "branch": []}
+    for b in res["bursts"]:
+        t0, t1 = b["window"]
+        marks: dict[tuple[str, str], int] = {}
+        for t, agent, step, n in res["probe"]["events"]:
+            if t0 <= t <= t1 and (agent, step) not in marks:
+                marks[agent, step] = n
+        for (agent, step), n in marks.items():
+            if step == "landed directive" or step == "branch end":
+                continue
+            if step == "decoded":
+                end = marks.get((agent, "branch end"), marks.get((agent, "landed directive")))
+                if end is not None:
+                    out["decoded"].append(end - n)
+            if step == "branch start" and (agent, "branch end") in marks:
+                out["branch"].append(marks[agent, "branch end"] - n)
+    return out
+
+
 def timelines(res: dict[str, Any]) -> str:
     """Per burst and agent, each probed step's time (ms) from the burst's first decode,
     and the Trio task steps longer than 0.2 ms within the burst."""
@@ -129,15 +151,26 @@ def timelines(res: dict[str, Any]) -> str:
     if not probe:
         return ""
     lines = [f"  task steps in all: {probe['task_steps']}"]
+    spans = passes_per_read(res)
+    if spans:
+        lines.append(
+            "  scheduler passes per call, median (max): decode -> directive branch ends "
+            f"{statistics.median(spans['decoded']):g} ({max(spans['decoded'])}), "
+            f"branch start -> end {statistics.median(spans['branch']):g} "
+            f"({max(spans['branch'])})"
+        )
     for i, b in enumerate(res["bursts"], 1):
         t0, t1 = b["window"]
         mine = [e for e in probe["events"] if t0 <= e[0] <= t1]
         if not mine:
             continue
         start = min(e[0] for e in mine if e[2] == "decoded")
-        lines.append(f"  burst {i}:")
+        lines.append(f"  burst {i} (step ms/scheduler pass, from the first decode):")
+        first = min(e[3] for e in mine)
         for agent in dict.fromkeys(e[1] for e in mine):
-            cells = " | ".join(f"{step} {t - start:.2f}" for t, a, step in mine if a == agent)
+            cells = " | ".join(
+                f"{step} {t - start:.2f}/{n - first}" for t, a, step, n in mine if a == agent
+            )
             lines.append(f"    {agent}: {cells}")
         long_steps = [s for s in probe["steps"] if t0 <= s[0] <= t1]
         cells = ", ".join(

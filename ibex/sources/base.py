@@ -20,6 +20,7 @@ __all__ = [
     "Answer",
     "BatchRead",
     "DirectiveAnswer",
+    "DirectiveOrError",
     "DirectiveSource",
     "MemorySource",
     "SourceError",
@@ -89,8 +90,16 @@ def prefetch_directive(source: DirectiveSource, org_id: str, agent_id: str, vers
 DirectiveOrError = Directive | SourceError | None
 # (org_id, agent_id, version): one agent's directive asked for, with the version expected.
 Wanted = tuple[str, str, str]
-# A source's `get_directives`: several agents' answers in one round trip, in order.
-BatchRead = Callable[[Sequence[Wanted]], Awaitable[list[DirectiveOrError]]]
+# A source's `get_directives(wanted, on_answers=None)`: several agents' answers in one
+# round trip, in order; `on_answers`, when given, is called with them as soon as they are
+# known (it may run on the I/O side of the loop, before the call returns).
+Answers = Callable[[list[DirectiveOrError]], None]
+
+
+class BatchRead(Protocol):
+    def __call__(
+        self, wanted: Sequence[Wanted], *, on_answers: Answers | None = None
+    ) -> Awaitable[list[DirectiveOrError]]: ...
 
 
 def batch_reader(source: DirectiveSource) -> BatchRead | None:

@@ -34,6 +34,7 @@ from ibex.sources.base import (
     Answer,
     BatchRead,
     DirectiveAnswer,
+    DirectiveOrError,
     DirectiveSource,
     batch_reader,
 )
@@ -209,7 +210,7 @@ class DirectiveCache:
         assert self._nursery is not None
         queued, self._queued = self._queued, {}
         many = batch_reader(self.source)
-        if many is not None and len(queued) > 1:
+        if many is not None:
             await self._read_batch(many, queued)
             return
         *others, last = queued.items()
@@ -223,8 +224,7 @@ class DirectiveCache:
         try:
             await self._guarded([read], functools.partial(self._store_one, key, version, read))
         finally:
-            del self._reading[key]
-            read.done.set()
+            self._finish(key, read)
 
     async def _store_one(self, key: tuple[str, str], version: str, read: _Refresh) -> None:
         read.directive = await self.source.get_directive(key[0], key[1], version)
@@ -238,20 +238,39 @@ class DirectiveCache:
             await self._guarded(reads, functools.partial(self._store_batch, many, queued, reads))
         finally:
             for key, read in zip(keys, reads, strict=True):
-                del self._reading[key]
-                read.done.set()
+                self._finish(key, read)
 
     async def _store_batch(
         self, many: BatchRead, queued: dict[tuple[str, str], str], reads: list[_Refresh]
     ) -> None:
-        got = await many([(org, agent, version) for (org, agent), version in queued.items()])
+        keys = list(queued)
+
+        def deliver(answers: list[DirectiveOrError]) -> None:
+            self._deliver(keys, reads, answers)
+
+        wanted = [(org, agent, version) for (org, agent), version in queued.items()]
+        self._deliver(keys, reads, await many(wanted, on_answers=deliver))
+
+    def _deliver(
+        self, keys: list[tuple[str, str]], reads: list[_Refresh], answers: list[DirectiveOrError]
+    ) -> None:
+        """Store the answers and wake their waiters, once (the source may tell them from
+        the I/O side before its call returns: the waiters need not wait for the return)."""
         now = self._clock()
-        for key, read, answer in zip(queued, reads, got, strict=True):
+        for key, read, answer in zip(keys, reads, answers, strict=True):
+            if read.done.is_set():
+                continue
             if isinstance(answer, SourceError):
                 read.error = str(answer)
             else:
                 read.directive = answer
                 self._store(key, answer, now)
+            self._finish(key, read)
+
+    def _finish(self, key: tuple[str, str], read: _Refresh) -> None:
+        if self._reading.get(key) is read:
+            del self._reading[key]
+        read.done.set()
 
     async def _guarded(self, reads: list[_Refresh], work: Callable[[], Awaitable[None]]) -> None:
         """`work()` under `refresh_timeout`; any failure becomes the reads' error."""
@@ -274,7 +293,8 @@ class DirectiveCache:
     @staticmethod
     def _fail(reads: list[_Refresh], error: str) -> None:
         for read in reads:
-            read.directive, read.error = None, error
+            if not read.done.is_set():  # an answer already delivered stands
+                read.directive, read.error = None, error
 
     async def get_directive(
         self, org_id: str, agent_id: str, version: str = ""

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
@@ -282,27 +282,32 @@ class RedisDirectiveSource:
             await trio_asyncio.aio_as_trio(self._reader.close)()
 
     async def get_directives(
-        self, wanted: Sequence[tuple[str, str, str]]
+        self,
+        wanted: Sequence[tuple[str, str, str]],
+        on_answers: Callable[[list[Directive | SourceError | None]], None] | None = None,
     ) -> list[Directive | SourceError | None]:
-        """Several agents' directives in one round trip (MGET; on a cluster, one GET per
-        key, concurrently, since the keys live on any master), in order. A value that
-        does not decode is that agent's SourceError; a failed round trip raises one.
-        Trio-async; cancel freely. Each (org_id, agent_id, version) is read whatever
-        its version."""
+        """Several agents' directives in one round trip (one endpoint, Sentinel: GET for
+        one key, else MGET; a cluster: one GET per key, concurrently), in order. A value
+        that does not decode is that agent's SourceError; a failed round trip raises one.
+        Trio-async; cancel freely. Each (org_id, agent_id, version) is read whatever its
+        version.
+
+        `on_answers`, when given, is called with the answers (synchronously, on the
+        asyncio side) as soon as the reply is parsed: the two loop passes the answers
+        then take to come back to this Trio task are not waited for by whoever the
+        callback tells."""
         if self._closed:
             raise SourceError("redis directive source is closed")
         keys = [directive_key(org_id, agent_id) for org_id, agent_id, _ in wanted]
-        raws = await trio_asyncio.aio_as_trio(self._get_many)(keys)
-        out: list[Directive | SourceError | None] = []
-        for raw in raws:
-            if isinstance(raw, SourceError):
-                out.append(raw)
-                continue
-            try:
-                out.append(decode_directive(raw, self._max_value_bytes))
-            except SourceError as exc:
-                out.append(exc)
-        return out
+        return await trio_asyncio.aio_as_trio(self._get_many)(keys, on_answers)
+
+    def _decode(self, raw: bytes | SourceError | None) -> Directive | SourceError | None:
+        if isinstance(raw, SourceError):
+            return raw
+        try:
+            return decode_directive(raw, self._max_value_bytes)
+        except SourceError as exc:
+            return exc
 
     async def _get(self, key: str) -> bytes | None:
         """asyncio side: one GET through the reader, errors mapped to SourceError."""
@@ -312,11 +317,19 @@ class RedisDirectiveSource:
             raise _source_error(exc) from None
         return _value(reply)
 
-    async def _get_many(self, keys: list[str]) -> list[bytes | SourceError | None]:
-        """asyncio side: every key through the reader's `get_many`, errors mapped to
-        SourceError (a whole round trip's raised, a key's own in its place)."""
+    async def _get_many(
+        self,
+        keys: list[str],
+        on_answers: Callable[[list[Directive | SourceError | None]], None] | None,
+    ) -> list[Directive | SourceError | None]:
+        """asyncio side: every key through the reader (`get` for one, `get_many`),
+        errors mapped to SourceError (a whole round trip's raised, a key's own in its
+        place), values decoded; `on_answers` told before they are returned."""
         try:
-            replies = await self._reader.get_many(keys)
+            if len(keys) == 1:
+                replies: list[object] = [await self._reader.get(keys[0])]
+            else:
+                replies = await self._reader.get_many(keys)
         except (RedisError, OSError) as exc:
             raise _source_error(exc) from None
         if len(replies) != len(keys):
@@ -334,7 +347,10 @@ class RedisDirectiveSource:
                     out.append(_value(reply))
                 except SourceError as exc:
                     out.append(exc)
-        return out
+        answers = [self._decode(raw) for raw in out]
+        if on_answers is not None:
+            on_answers(answers)
+        return answers
 
 
 def _value(reply: object) -> bytes | None:

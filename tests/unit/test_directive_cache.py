@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import pytest
 import trio
@@ -438,7 +439,7 @@ class BatchStore(SlowStore):
         self.fail: set[str] = set()
 
     async def get_directives(
-        self, wanted: list[tuple[str, str, str]]
+        self, wanted: list[tuple[str, str, str]], *, on_answers: Any = None
     ) -> list[Directive | SourceError | None]:
         self.batches.append(list(wanted))
         if self.delay is None:
@@ -522,8 +523,10 @@ async def test_a_key_missed_while_a_batch_is_in_flight_goes_in_the_next(
         await trio.sleep(0.005)  # the first batch is in flight
         nursery.start_soon(c.fetch, ORG, AGENTS[2], V1)
         nursery.start_soon(c.fetch, ORG, AGENTS[0], "")  # joins the read in flight
-    assert [sorted(b) for b in store.batches] == [[(ORG, a, "") for a in AGENTS[:2]]]
-    assert store.versions == [V1]  # a key alone is read alone
+    assert [sorted(b) for b in store.batches] == [
+        [(ORG, a, "") for a in AGENTS[:2]],
+        [(ORG, AGENTS[2], V1)],
+    ]
 
 
 async def test_a_source_without_batches_reads_each_key_concurrently(
@@ -554,7 +557,7 @@ async def test_a_prefetch_fills_the_entry_before_the_call_asks(
         assert c.cached(ORG, AGENT, V1) == Answer(directive(V1), "cache")
         c.prefetch(ORG, AGENT, V1)  # the entry serves: nothing to read
         await trio.sleep(0.010)
-    assert store.versions == [V1] and store.batches == []
+    assert store.batches == [[(ORG, AGENT, V1)]]
 
 
 async def test_a_call_whose_prefetch_is_in_flight_waits_for_that_read(
@@ -568,7 +571,7 @@ async def test_a_call_whose_prefetch_is_in_flight_waits_for_that_read(
         t0 = trio.current_time()
         assert await c.fetch(ORG, AGENT, V1) == Answer(directive(V1), "")
         assert trio.current_time() - t0 == pytest.approx(0.006)  # the rest of that read
-    assert store.calls == 1
+    assert len(store.batches) == 1
 
 
 async def test_prefetches_of_calls_known_together_are_one_read(
@@ -599,7 +602,7 @@ async def test_a_prefetch_revalidates_an_entry_past_its_maximum_age(
         await trio.sleep(0.01)
         assert c.cached(ORG, AGENT, V1) is None  # the revoked version no longer serves
         assert await c.fetch(ORG, AGENT, V1) == Answer(None, "")
-    assert store.calls == 3  # the first read, the prefetch past max_age, the call
+    assert len(store.batches) == 3  # the first read, the prefetch past max_age, the call
 
 
 @pytest.mark.parametrize("entered", [True, False])
@@ -650,3 +653,31 @@ async def test_keys_of_a_source_that_does_not_batch_are_read_apart(
     assert store.batches == [] and store.finished == 4
     assert ended.pop(AGENTS[0]) - t0 == pytest.approx(0.25)
     assert all(t - t0 == pytest.approx(0.002) for t in ended.values())
+
+
+async def test_answers_told_before_the_read_returns_wake_their_callers_then(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A source that tells the answers (`on_answers`) before its call returns: the
+    callers resume at that moment and the entries are filled, not when the read task
+    gets the return; a timeout after that moment takes nothing back."""
+
+    class Early(BatchStore):
+        async def get_directives(
+            self, wanted: list[tuple[str, str, str]], *, on_answers: Any = None
+        ) -> list[Directive | SourceError | None]:
+            answers = await super().get_directives(wanted)
+            on_answers(answers)
+            await trio.sleep(1.0)  # the way back to the read task, taking long
+            return answers
+
+    store = Early(0.002)
+    store.values[(ORG, AGENTS[0])] = directive(V1)
+    async with owned(store, refresh_timeout=0.5) as c:
+        t0 = trio.current_time()
+        got = await fetch_all(c, AGENTS[:2])
+        assert trio.current_time() - t0 == pytest.approx(0.002)
+        assert got == {AGENTS[0]: Answer(directive(V1), ""), AGENTS[1]: Answer(None, "")}
+        await trio.sleep(1.0)  # the read task's timeout has fired meanwhile
+        assert c.cached(ORG, AGENTS[0], V1) == Answer(directive(V1), "cache")
+        assert c._reading == {}

@@ -6,8 +6,9 @@ agents): the request decoded, the crossing into Trio, the directive branch's
 start, the cache's read task, the GET's asyncio side (connection leased,
 command sent, reply bytes fed to the stream, reply parsed), the return to
 Trio, the branch's end, the work done as branches land, the pipeline and the
-send. A Trio instrument records each task step longer than 0.2 ms and counts
-every task step (how many passes a call's work took). It wraps the daemon's
+send, each with the number of Trio scheduler passes (I/O checks) so far. A Trio
+instrument records each task step longer than 0.2 ms (with its CPU time) and
+counts every task step. It wraps the daemon's
 functions from outside; nothing here is part of ibex. The events are written
 as JSON to $IBEX_BURST_PROBE_OUT when the daemon exits.
 """
@@ -36,19 +37,23 @@ def _install() -> None:
     import ibex.sources.redis_directive as redis_module
     import ibex.sources.retrieval as retrieval_module
 
-    events: list[tuple[float, str, str]] = []  # (ms, agent, step)
+    events: list[tuple[float, str, str, int]] = []  # (ms, agent, step, scheduler passes)
     steps: list[tuple[float, float, float, str]] = []  # (start ms, ms, CPU ms, task name)
     counted = [0]
+    passes = [0]  # passes of the Trio scheduler (one I/O check each)
     installed = [False]
     agents: dict[str, str] = {}  # request_id -> agent
     reading: contextvars.ContextVar[str] = contextvars.ContextVar("reading", default="")
     readers: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
 
     def mark(agent: str, step: str) -> None:
-        events.append((time.perf_counter() * 1000.0, agent[-4:], step))
+        events.append((time.perf_counter() * 1000.0, agent[-4:], step, passes[0]))
 
     class Steps(trio.abc.Instrument):
         t0 = c0 = 0.0
+
+        def after_io_wait(self, timeout: float) -> None:
+            passes[0] += 1
 
         def before_task_step(self, task: Any) -> None:
             self.t0, self.c0 = time.perf_counter(), time.thread_time()
@@ -174,7 +179,7 @@ def _install() -> None:
     def timed_feed(self: Any, data: bytes) -> None:
         agent = readers.get(self)
         if agent is not None:
-            events.append((time.perf_counter() * 1000.0, agent[-4:], "reply bytes"))
+            events.append((time.perf_counter() * 1000.0, agent[-4:], "reply bytes", passes[0]))
         feed(self, data)
 
     asyncio.StreamReader.feed_data = timed_feed  # type: ignore[method-assign]
