@@ -148,13 +148,13 @@ def _install() -> None:
     aio_get_many = getattr(redis_module.RedisDirectiveSource, "_get_many", None)
     if aio_get_many is not None:
 
-        async def timed_aio_get_many(self: Any, keys: list[str]) -> Any:
+        async def timed_aio_get_many(self: Any, keys: list[str], *more: Any) -> Any:
             agents = [key.rsplit(":", 1)[-1] for key in keys]
             reading.set(agents[0])
             for agent in agents:
                 mark(agent, "asyncio get")
             try:
-                return await aio_get_many(self, keys)
+                return await aio_get_many(self, keys, *more)
             finally:
                 for agent in agents:
                     mark(agent, "reply parsed")
