@@ -72,8 +72,12 @@ async def test_a_call_waiting_for_its_slot_has_its_directive_read_meanwhile(
             stub = context_pb2_grpc.ContextAssemblyServiceStub(channel)
             memory.cold.latency_ms = HOLD_MS
             first = stub.AssembleContext.future(request(AGENT), timeout=20)
-            with trio.fail_after(5):  # the first call holds the slot, its directive read
-                while memory.requests["cold"] < 1 or reads(redis_server) < 1:  # noqa: ASYNC110
+            with trio.fail_after(5):  # the first call holds the slot, all three reads sent
+                while (  # noqa: ASYNC110  (counts of server threads and of redis-server)
+                    memory.requests["cold"] < 1
+                    or memory.requests["hot"] < 1
+                    or reads(redis_server) < 1
+                ):
                     await trio.sleep(0.005)
             redis_server.command("CONFIG", "RESETSTAT")
             second = stub.AssembleContext.future(request(OTHER_AGENT), timeout=20)
