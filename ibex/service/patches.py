@@ -11,7 +11,8 @@ is applied at import. The patches:
 - `lighten_h2` (grpclib, h2, hpack, hyperframe): response headers from
   `ibex.service.hpack_block`, and two per-frame debugging aids switched off;
 - `batch_ready_callbacks` (trio-asyncio): one Trio step per batch of ready
-  asyncio callbacks, and cancelled timers dropped before the loop waits
+  asyncio callbacks, Trio tasks started without waiting for their first step,
+  and cancelled timers dropped before the loop waits
   (`ibex.service.aio_loop.drop_cancelled_timers`);
 - `honour_cancellation_in_redis_writes` (redis-py, in `ibex.sources.redis_patches`,
   since the sources layer may not import this one);
