@@ -28,10 +28,10 @@ trio-asyncio do the same. After the callback it waited for, the loop runs as
 many more as were queued at that moment (so callbacks that keep scheduling
 callbacks still let Trio run between rounds), due timers first. A Trio task
 start (a crossing into Trio: every call's `in_trio`) is handed to the nursery
-and the loop goes on: trio-asyncio's own loop waits for each such task's first
+and the loop goes on. trio-asyncio's own loop waits for each such task's first
 step, a whole pass of the Trio scheduler with every other runnable task's step
-in it, so a burst of calls held every callback queued behind their crossings
-(a Redis reply, another call's request) for one pass per call. A task
+in it, which holds every callback queued behind a burst of calls' crossings (a
+Redis reply, another call's request) for one pass per call. A task
 cancelled before its first step still resolves its future as cancelled
 (trio-asyncio's `AsyncHandle` checks that when it starts). It checks
 trio-asyncio's internals at install and leaves the loop as it is (logging why)
