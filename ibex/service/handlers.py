@@ -262,6 +262,7 @@ class ContextService:
             request = self.assembler.check_request(convert.request_from_proto(msg))
             principal = msg.principal_context if msg.HasField("principal_context") else None
             check_principal(principal, request.org_id, request.agent_id)
+            self.assembler.prefetch(request)
             traced = () if call is None else (trace_id, call)
             result = await in_trio(self._assemble_in_trio, request, ticket, *traced)
             await self._send_assembly(stream, result)
