@@ -2,8 +2,8 @@
 
 The cases (tests/unit/golden/__init__.py), each in both section orders, cover
 every section, the category order, score and id ties, escaping of bodies and
-attributes, and the safety sentence. After an intended formatter change: ``python -m tests.unit.golden
---update`` and review the diff.
+attributes, and the safety sentence. After an intended formatter change:
+``python -m tests.unit.golden --update`` and review the diff.
 """
 
 from __future__ import annotations
