@@ -244,6 +244,12 @@ def count_fixed_sections(
     if order == "cache":
         beside += safety_tokens
     room = ceiling - beside
+    after = f"directive ({directive_tokens}) and tools ({tool_tokens})"
+    if order == "cache":
+        after = (
+            f"directive ({directive_tokens}), tools ({tool_tokens}) "
+            f"and safety sentence ({safety_tokens})"
+        )
     messages = without_empty(request.recent_messages)
     fit = fit_history(counter, messages, nonce, room, staged)
     safety_fixed = safety_emitted(
@@ -259,15 +265,14 @@ def count_fixed_sections(
             "recent_messages",
             f"the newest message alone needs at least {fit.overflow} tokens; the model "
             f"{model!r} leaves {max(0, room)} of its {ceiling}-token context ceiling after the "
-            f"directive ({directive_tokens}) and tools ({tool_tokens})",
+            f"{after}",
         )
     if dropped and request.options.reject_history_overflow:
         raise TooLargeError(
             "recent_messages",
             f"the history needs at least {fit.tokens + fit.overflow} tokens; the model "
             f"{model!r} leaves {max(0, room)} of its {ceiling}-token context ceiling after the "
-            f"directive ({directive_tokens}) and tools ({tool_tokens}), and "
-            "reject_history_overflow is set",
+            f"{after}, and reject_history_overflow is set",
         )
     if fixed_tokens > ceiling:
         raise TooLargeError(

@@ -20,6 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from ibex.assembly import format as format_mod
+from ibex.assembly import formatter as fmt
 from ibex.assembly.catalog import Catalog, load_catalog
 from ibex.assembly.pipeline import (
     DEFAULT_CONFIG,
@@ -33,7 +34,7 @@ from ibex.assembly.tokens import EXACT, Tokenizers
 from ibex.config import PREFIX, SECTION_ORDERS, ConfigError, load_settings
 from ibex.errors import TooLargeError
 from ibex.service.root import effective_settings, layer_config
-from tests.unit.test_pipeline import EXACT_MODELS, hit, inputs, request, scenarios
+from tests.unit.test_pipeline import EXACT_MODELS, NONCE, hit, inputs, request, scenarios
 
 SEED = PipelineConfig(section_order="seed")
 CACHE = PipelineConfig(section_order="cache")
@@ -237,6 +238,30 @@ def test_work_done_early_gives_the_same_answer_in_the_cache_order(
         assert early is not None and plain is not None
         assert early.assembled_context == plain.assembled_context
         assert msgspec.structs.replace(early, metrics=plain.metrics) == plain
+
+
+def test_a_cache_order_refusal_counts_the_safety_sentence_in_the_room_left(
+    tokenizers: Tokenizers, catalog: Catalog
+) -> None:
+    # In the cache order a kept history brings the safety sentence, so the history fits
+    # in what the directive, tools and that sentence leave of the ceiling.
+    enc = tokenizers.encoding("o200k_base")
+
+    def count(pieces: list[str]) -> int:
+        return len(enc.encode_ordinary("".join(pieces)))
+
+    d = count(fmt.directive_section(DIRECTIVE, NONCE))
+    t = count(fmt.tools_section(list(TOOLS), NONCE))
+    s = count([fmt.safety_piece(NONCE)])
+    ceiling = 1480  # window 2000, reserve 500, o200k_base's 1 % safety buffer
+    huge = [Message("user", "the history that never ends " * 400)]
+    inp = inputs(request(available_tokens=2000, messages=huge, tools=TOOLS), directive=DIRECTIVE)
+    with pytest.raises(TooLargeError) as info:
+        assemble_pure(inp, catalog=catalog, tokenizers=tokenizers, config=CACHE)
+    assert (
+        f"leaves {ceiling - d - t - s} of its {ceiling}-token context ceiling after the "
+        f"directive ({d}), tools ({t}) and safety sentence ({s})"
+    ) in str(info.value)
 
 
 # --------------------------------------------------------------------------- the setting
