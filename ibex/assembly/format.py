@@ -87,7 +87,7 @@ class Format(ABC):
 
     @abstractmethod
     def safety_piece(self, nonce: str) -> str:
-        """What the nonce means; emitted whenever memories are."""
+        """What the nonce means; emitted whenever memories are (see `safety_emitted`)."""
 
     @abstractmethod
     def history_open(self, nonce: str) -> str:

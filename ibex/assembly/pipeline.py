@@ -176,7 +176,7 @@ class FixedSections(msgspec.Struct, frozen=True, gc=False):
     """What every answer carries whatever memories fit, counted once, and the budget."""
 
     directive_tokens: int  # the directive section alone
-    safety_tokens: int  # the safety sentence, emitted only with memories
+    safety_tokens: int  # the safety sentence, emitted with memories (or `safety_fixed`)
     history_tokens: int
     tool_tokens: int
     overhead_tokens: int  # the memories section's open and close, emitted only with memories
