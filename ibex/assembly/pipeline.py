@@ -241,15 +241,14 @@ def count_fixed_sections(
     # What the history fits beside: the directive and tools, and in the `cache` order
     # the safety sentence, which any kept history brings (`safety_emitted`).
     beside = directive_tokens + tool_tokens
-    if order == "cache":
-        beside += safety_tokens
-    room = ceiling - beside
     after = f"directive ({directive_tokens}) and tools ({tool_tokens})"
     if order == "cache":
+        beside += safety_tokens
         after = (
             f"directive ({directive_tokens}), tools ({tool_tokens}) "
             f"and safety sentence ({safety_tokens})"
         )
+    room = ceiling - beside
     messages = without_empty(request.recent_messages)
     fit = fit_history(counter, messages, nonce, room, staged)
     safety_fixed = safety_emitted(
@@ -277,8 +276,9 @@ def count_fixed_sections(
     if fixed_tokens > ceiling:
         raise TooLargeError(
             "recent_messages",
-            f"directive, history and tools take {fixed_tokens} "
-            f"tokens, more than the {ceiling} the model {model!r} leaves for context",
+            f"directive, history and tools{' with the safety sentence' if safety_fixed else ''} "
+            f"take {fixed_tokens} tokens, more than the {ceiling} the model {model!r} leaves "
+            "for context",
         )
     staged.commit()
     budget = compute_budget(
