@@ -17,6 +17,8 @@ import re
 
 import msgspec
 import pytest
+import trio
+import trio.testing
 from hypothesis import HealthCheck, given, settings
 
 from ibex.assembly import format as format_mod
@@ -29,11 +31,18 @@ from ibex.assembly.pipeline import (
     assemble_pure,
 )
 from ibex.assembly.prepare import Prepared
-from ibex.assembly.structs import AssemblyOptions, AssemblyResult, Directive, Message
+from ibex.assembly.structs import (
+    AssemblyOptions,
+    AssemblyRequest,
+    AssemblyResult,
+    Directive,
+    Message,
+)
 from ibex.assembly.tokens import EXACT, Tokenizers
 from ibex.config import PREFIX, SECTION_ORDERS, ConfigError, load_settings
 from ibex.errors import TooLargeError
-from ibex.service.root import effective_settings, layer_config
+from ibex.service.root import effective_settings, layer_config, open_assembler
+from ibex.sources.local_file import SAMPLE_AGENT_ID, SAMPLE_ORG_ID
 from tests.unit.test_pipeline import EXACT_MODELS, NONCE, hit, inputs, request, scenarios
 
 SEED = PipelineConfig(section_order="seed")
@@ -290,3 +299,24 @@ def test_an_unknown_order_is_refused_naming_the_variable_and_the_values(raw: str
 
 def test_the_settings_values_are_the_formats_orders() -> None:
     assert SECTION_ORDERS == format_mod.SECTION_ORDERS == ("seed", "cache")
+
+
+@pytest.mark.parametrize("order", ["seed", "cache"])
+async def test_the_daemons_assembler_writes_the_configured_order(
+    autojump_clock: trio.testing.MockClock, order: str
+) -> None:
+    # From the variable to the answer, on the bundled sample (directive and memories).
+    settings = load_settings({PREFIX + "SECTION_ORDER": order})
+    async with open_assembler(settings) as assembler:
+        result = await assembler.assemble(
+            AssemblyRequest(
+                agent_id=SAMPLE_AGENT_ID,
+                org_id=SAMPLE_ORG_ID,
+                query="how do I deploy billing",
+                model="gpt-4o",
+                recent_messages=(Message("user", "hello"),),
+                tool_schemas=TOOLS,
+            )
+        )
+    names = [n for n, _ in sections(result.assembled_context)]
+    assert names == ORDERS[order]
