@@ -242,6 +242,18 @@ def _nonce_key(name: str, raw: str) -> str:
 
 
 _LEVELS = ("debug", "info", "warning", "error")
+#: IBEX_CONTEXT_SECTION_ORDER's values (= ibex.assembly.format.SECTION_ORDERS).
+SECTION_ORDERS = ("seed", "cache")
+
+
+def _section_order(name: str, raw: str) -> str:
+    order = raw.strip().lower()
+    if order not in SECTION_ORDERS:
+        raise ConfigError(
+            f"{name}: expected one of {', '.join(SECTION_ORDERS)} (seed: the fixed order; "
+            f"cache: what changes least first, for a provider's prompt cache), got {raw.strip()!r}"
+        )
+    return order
 
 
 def _level(name: str, raw: str) -> str:
@@ -412,6 +424,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     ] = UNSET
     formatter_nonce_bytes: Annotated[
         int | UnsetType, var("FORMATTER_NONCE_BYTES", ints(8, 64), "PipelineConfig.nonce_bytes")
+    ] = UNSET
+    section_order: Annotated[
+        str | UnsetType, var("SECTION_ORDER", _section_order, "PipelineConfig.section_order")
     ] = UNSET
     nonce_key: Annotated[str | None, var("NONCE_KEY", _nonce_key, secret=True)] = None
     # A session nonce's lifetime; its bounds are checked in `load_settings`.
