@@ -107,19 +107,20 @@ METHOD = {
 }
 
 
-def call(daemon: RunningDaemon, req: Any, token: str, timeout: float = 5.0) -> Any:
+def call(daemon: RunningDaemon, req: Any, token: str, deadline: float = 5.0) -> Any:
     with daemon.channel() as channel:
         stub = context_pb2_grpc.ContextAssemblyServiceStub(channel)
         method = getattr(stub, METHOD[type(req).__name__])
-        return method(req, timeout=timeout, metadata=[("authorization", f"Bearer {token}")])
+        return method(req, timeout=deadline, metadata=[("authorization", f"Bearer {token}")])
 
 
 async def answer(
-    daemon: RunningDaemon, req: Any, token: str = BOUND, timeout: float = 5.0
+    daemon: RunningDaemon, req: Any, token: str = BOUND, deadline: float = 5.0
 ) -> tuple[grpc.StatusCode, str, Any]:
-    """(status, details, response or None): what the caller learns from one call."""
+    """(status, details, response or None): what the caller learns from one call with
+    a gRPC `deadline` (seconds)."""
     try:
-        response = await in_thread(call, daemon, req, token, timeout)
+        response = await in_thread(call, daemon, req, token, deadline)
     except grpc.RpcError as exc:
         return exc.code(), exc.details() or "", None
     return grpc.StatusCode.OK, "", response
@@ -264,17 +265,19 @@ async def test_rotating_org_ids_under_one_bound_token_shares_one_fairness_cap(
         held: dict[str, Any] = {}
 
         async def hold() -> None:
-            held["answer"] = await answer(daemon, assemble(), timeout=20.0)
+            held["answer"] = await answer(daemon, assemble(), deadline=20.0)
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(hold)
             with trio.fail_after(15):
-                while memory.requests["cold"] < 1:  # the first call is in its slot
+                # The first call is in its slot once its search arrives (a server thread
+                # counts it: no event to wait on).
+                while memory.requests["cold"] < 1:  # noqa: ASYNC110
                     await trio.sleep(0.01)
             rotated: dict[str, tuple[grpc.StatusCode, str, Any]] = {}
 
             async def rotate(org: str, agent: str) -> None:
-                rotated[org] = await answer(daemon, assemble(org, agent), timeout=1.5)
+                rotated[org] = await answer(daemon, assemble(org, agent), deadline=1.5)
 
             async with trio.open_nursery() as calls:
                 calls.start_soon(rotate, ORG_B, AGENT_B)
