@@ -19,8 +19,13 @@ from typing import Any
 import grpc
 import pytest
 import trio
+import trio_asyncio
 from google.protobuf.timestamp_pb2 import Timestamp
+from grpclib.const import Status
+from grpclib.exceptions import GRPCError
 
+from ibex import wire
+from ibex.client import ContextClient
 from ibex.testing.grpc_harness import AGENT, ORG, RunningDaemon, in_thread, running_daemon
 from ibex.testing.grpcio_stubs import context_pb2, context_pb2_grpc, principal_context_pb2
 from ibex.testing.memory_server import (
@@ -291,3 +296,26 @@ async def test_rotating_org_ids_under_one_bound_token_shares_one_fairness_cap(
         assert held["answer"][0] == grpc.StatusCode.OK  # degraded (cold timed out), served
         sample = daemon.daemon.metrics.registry.get_sample_value
         assert sample("ibex_shed_requests_total", {"reason": "org"}) == 2
+
+
+async def test_the_python_client_sends_a_principal_on_search_and_feedback(
+    memory: FakeMemoryServer,
+) -> None:
+    now = int(time.time())
+    bound = wire.PrincipalContext(org_id=ORG, agent_id=AGENT, expires_at={"seconds": now + 300})
+    async with scoped(memory, require_principal=True) as daemon, trio_asyncio.open_loop():
+        client = ContextClient("127.0.0.1", daemon.port, token=PROXY, deadline=5.0)
+        try:
+            found = await client.search_trio(
+                org_id=ORG, agent_id=AGENT, query="deploy", principal_context=bound
+            )
+            assert len(found.memories) == len(MEMORIES_A)
+            fb = await client.record_feedback_trio(
+                [MEMORIES_A[0]["id"]], "positive", org_id=ORG, principal_context=bound
+            )
+            assert fb.success is True
+            with pytest.raises(GRPCError) as info:
+                await client.record_feedback_trio([MEMORIES_A[0]["id"]], "positive", org_id=ORG)
+            assert info.value.status == Status.PERMISSION_DENIED
+        finally:
+            client.close()
