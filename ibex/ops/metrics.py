@@ -118,7 +118,7 @@ PACK_PATHS: Final[tuple[str, ...]] = get_args(PackPath)
 SHED_REASONS: Final = ("in_flight", "queue", "cpu", "org", "threads")
 RESTART_REASONS: Final = ("exited", "unresponsive")
 FEEDBACK_OUTCOMES: Final = (
-    "recorded", "invalid", "rejected", "unavailable", "deadline", "shed", "error",
+    "recorded", "invalid", "denied", "rejected", "unavailable", "deadline", "shed", "error",
 )  # fmt: skip
 
 # Stage work is sub-millisecond to tens of ms; branch latency is bounded by the

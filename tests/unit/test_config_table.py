@@ -147,6 +147,7 @@ def test_secret_rows_are_the_credentials_and_are_redacted() -> None:
     assert secrets == {
         "memory_api_token",
         "auth_tokens_sha256",
+        "auth_token_orgs",
         "redis_sentinel_password",
         "nonce_key",
         "metrics_token_sha256",
