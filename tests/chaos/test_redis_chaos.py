@@ -31,7 +31,12 @@ TENANTS = {
     "a": ("0b6f8f1e-5c3a-4f51-9a8e-0d6f1c2b3a4d", "7c9e6679-7425-40de-944b-e07fc1f90ae7"),
     "b": ("9d2c6a0e-1f7b-4c8e-8a3d-5e4f6a7b8c9d", "1a2b3c4d-5e6f-4a1b-8c2d-3e4f5a6b7c8d"),
 }
-SLEEP = 0.05  # how long DEBUG SLEEP blocks the server
+# How long DEBUG SLEEP blocks the server: long enough that the cancelled GETs are
+# sent while it still sleeps when the machine is busy (a stall of tens of ms between
+# the sleep starting and a GET leaving is common on a loaded 2-core host). The GETs
+# sent during the sleep wait for it, so those tests use socket timeouts above it.
+SLEEP = 0.25
+SLEEPY = RedisOptions(max_connections=1, connect_timeout=4 * SLEEP, socket_timeout=4 * SLEEP)
 CANCEL_AFTER = 0.005  # the directive branch's budget
 PROMPT = 0.5  # generous bound for "promptly" on a loaded 2-core machine
 
@@ -59,6 +64,19 @@ async def source(
         await src.aclose()
 
 
+@pytest.fixture
+async def sleepy_source(
+    redis_server: RedisServer, trio_asyncio_loop: trio_asyncio.TrioEventLoop
+) -> AsyncIterator[RedisDirectiveSource]:
+    """One pooled connection, with timeouts that outlast a DEBUG SLEEP of `SLEEP`."""
+    seed(redis_server)
+    src = RedisDirectiveSource(redis_server.url, SLEEPY)
+    try:
+        yield src
+    finally:
+        await src.aclose()
+
+
 async def cancelled_get(source: RedisDirectiveSource, tenant: str) -> None:
     """A GET cut off by the branch's cancel scope while the server is asleep."""
     start = time.monotonic()
@@ -70,40 +88,40 @@ async def cancelled_get(source: RedisDirectiveSource, tenant: str) -> None:
 
 @pytest.mark.parametrize("wait_for_wakeup", [True, False], ids=["after-sleep", "during-sleep"])
 async def test_cancelled_get_never_poisons_the_pool(
-    redis_server: RedisServer, source: RedisDirectiveSource, wait_for_wakeup: bool
+    redis_server: RedisServer, sleepy_source: RedisDirectiveSource, wait_for_wakeup: bool
 ) -> None:
     """The next GET, for the other tenant, must read its own reply.
 
     "during-sleep" is the sharp case: the next GET is sent while the cancelled
     GET's reply is still to come, so a reused connection would read it first.
     """
-    assert await content_of(source, "a") == "directive of tenant a"  # warm the pool
+    assert await content_of(sleepy_source, "a") == "directive of tenant a"  # warm the pool
     for i in range(12):
         victim, other = ("a", "b") if i % 2 == 0 else ("b", "a")
         with trio.fail_after(5):
             async with trio.open_nursery() as nursery:
                 await nursery.start(redis_server.debug_sleep, SLEEP)
-                await cancelled_get(source, victim)
+                await cancelled_get(sleepy_source, victim)
                 if not wait_for_wakeup:
-                    assert await content_of(source, other) == f"directive of tenant {other}"
+                    assert await content_of(sleepy_source, other) == f"directive of tenant {other}"
             if wait_for_wakeup:
-                assert await content_of(source, other) == f"directive of tenant {other}"
-            assert await content_of(source, victim) == f"directive of tenant {victim}"
+                assert await content_of(sleepy_source, other) == f"directive of tenant {other}"
+            assert await content_of(sleepy_source, victim) == f"directive of tenant {victim}"
 
 
 async def test_cancellation_while_reconnecting_leaves_no_stale_reply(
-    redis_server: RedisServer, source: RedisDirectiveSource
+    redis_server: RedisServer, sleepy_source: RedisDirectiveSource
 ) -> None:
     """The second cancel lands in the connect handshake of the replacement connection."""
-    assert await content_of(source, "a") == "directive of tenant a"
+    assert await content_of(sleepy_source, "a") == "directive of tenant a"
     for i in range(6):
         victim, other = ("a", "b") if i % 2 == 0 else ("b", "a")
         with trio.fail_after(5):
             async with trio.open_nursery() as nursery:
                 await nursery.start(redis_server.debug_sleep, SLEEP)
-                await cancelled_get(source, victim)
-                await cancelled_get(source, victim)
-                assert await content_of(source, other) == f"directive of tenant {other}"
+                await cancelled_get(sleepy_source, victim)
+                await cancelled_get(sleepy_source, victim)
+                assert await content_of(sleepy_source, other) == f"directive of tenant {other}"
 
 
 async def test_paused_redis_fails_fast_and_recovers_after_resume(
