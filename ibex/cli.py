@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import logging
 import os
 import sys
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from ibex.config import ConfigError, Settings, load_settings, unknown_variables
@@ -20,9 +22,9 @@ SAMPLE_AGENT = "00000000-0000-4000-8000-0000000000a1"
 log = logging.getLogger(__name__)
 
 
-def _settings() -> Settings:
+def _settings(env: Mapping[str, str] | None = None) -> Settings:
     try:
-        return load_settings()
+        return load_settings(env)
     except ConfigError as exc:
         print(f"ibex: configuration error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -33,7 +35,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from ibex.ops.logs import configure_logging
 
-    settings = _settings()
+    file_env: dict[str, str] = {}
+    if args.env_file is not None:
+        from ibex.ops.envfile import read_env_file
+
+        try:
+            file_env = read_env_file(Path(args.env_file))
+        except ConfigError as exc:
+            print(f"ibex: configuration error: {exc}", file=sys.stderr)
+            return 2
+    env = {**os.environ, **file_env}
+    settings = _settings(env)
     if args.workers is not None:
         if args.workers < 1:
             print("ibex serve: --workers must be >= 1", file=sys.stderr)
@@ -55,10 +67,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
             return 2
     configure_logging(settings.log_level)
     if not args.worker:  # the supervisor already said it for its workers
-        _warn_unknown_variables()
+        _warn_unknown_variables(env)
     # /metrics exposition is ~1.25 ms of pure Python per scrape: served by a supervisor
     # process (multiprocess mode) whenever it is on, so a scrape never pauses calls.
-    if (settings.workers > 1 or settings.metrics_addr) and not args.worker:
+    # An env file means reloads (SIGHUP), which only the supervisor does.
+    supervised = settings.workers > 1 or settings.metrics_addr or args.env_file is not None
+    if supervised and not args.worker:
         from ibex.ops.workers import supervise
         from ibex.service.root import check_bind_policy, drain_grace
 
@@ -67,7 +81,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         except ConfigError as exc:
             print(f"ibex: configuration error: {exc}", file=sys.stderr)
             return 2
-        return supervise(settings, drain_grace=drain_grace(settings))
+        return supervise(
+            settings,
+            drain_grace=drain_grace(settings),
+            env_file=None if args.env_file is None else Path(args.env_file),
+            file_env=file_env,
+            loader=functools.partial(_reload_settings, running=settings, fixed=args.workers),
+        )
     from ibex.ops.metrics import Metrics
     from ibex.service.root import make_daemon
 
@@ -103,9 +123,24 @@ async def _serve_while_supervised(daemon: Any, supervisor_fd: int) -> None:
         nursery.cancel_scope.cancel()
 
 
-def _warn_unknown_variables() -> None:
+def _reload_settings(
+    env: Mapping[str, str], *, running: Settings, fixed: int | None
+) -> tuple[Settings, float]:
+    """The supervisor's check of a reload's settings, as a start checks them: ConfigError
+    names the variable. The worker count stays the running one (a restart changes it)."""
+    from ibex.service.root import check_bind_policy, drain_grace
+
+    settings = load_settings(env)
+    kept = _replace(settings, workers=running.workers)
+    kept.check_worker_ports()
+    check_bind_policy(kept)
+    _warn_unknown_variables(env)
+    return (settings if fixed is None else kept), drain_grace(settings)
+
+
+def _warn_unknown_variables(env: Mapping[str, str] | None = None) -> None:
     """A typo in a setting's name would otherwise leave that setting at its default unseen."""
-    for name, closest in unknown_variables():
+    for name, closest in unknown_variables(env):
         log.warning("unknown_setting", extra={"variable": name, "closest": closest})
 
 
@@ -341,6 +376,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="run the daemon (settings from IBEX_CONTEXT_*)")
     s.add_argument("--workers", type=int, default=None, help="worker processes (default 1)")
+    s.add_argument(
+        "--env-file",
+        metavar="PATH",
+        default=None,
+        help="NAME=value lines over the environment, read at start and again at each "
+        "SIGHUP (a reload: workers replaced one at a time); runs under the supervisor",
+    )
     s.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     # Set by the supervisor (ibex/ops/workers.py): this worker's slot, for its own
     # port (IBEX_CONTEXT_WORKER_PORT_BASE + index) and the x-ibex-worker trailer.

@@ -11,6 +11,7 @@ reads no settings itself.
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import signal
@@ -142,7 +143,7 @@ class Daemon:
         """
         install_patches()
         with (
-            trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals,
+            trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals,
             precise_wakeups(),
         ):
             self.tracing = self._make_tracing()
@@ -198,7 +199,8 @@ class Daemon:
                 )
             self.port = bound_port(server)
             for own in self.config.own_ports:
-                await trio_asyncio.aio_as_trio(listen_also)(server, host, own)
+                also = functools.partial(listen_also, reuse_port=self.config.reuse_port)
+                await trio_asyncio.aio_as_trio(also)(server, host, own)
             self.health_status.set(True)
             log.info(
                 "serving",
@@ -216,7 +218,7 @@ class Daemon:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(run_watchdog, notifier)
                 nursery.start_soon(self.connections.run)
-                nursery.start_soon(_wait_signal, signals, shutdown)
+                nursery.start_soon(_wait_signal, signals, shutdown, self.config.worker is None)
                 await shutdown.wait()
                 notifier.stopping()
                 notifier.status("draining")
@@ -282,8 +284,21 @@ def _cache_totals(tokenizers: Tokenizers) -> tuple[int, int]:
     return sum(i.hits for i in info.values()), sum(i.misses for i in info.values())
 
 
-async def _wait_signal(signals: Any, shutdown: trio.Event) -> None:
+async def _wait_signal(signals: Any, shutdown: trio.Event, alone: bool) -> None:
+    """SIGTERM/SIGINT start the drain. SIGHUP (whose default would end the process) is
+    the supervisor's reload signal: a worker leaves it to the supervisor, a process
+    serving alone says that a reload needs one and serves on."""
     async for signum in signals:
+        if signum == signal.SIGHUP:
+            if alone:
+                log.warning(
+                    "reload_needs_supervisor",
+                    extra={
+                        "detail": "SIGHUP ignored: reloads are done by the supervisor "
+                        "(ibex serve --env-file PATH, --workers N or METRICS_ADDR)"
+                    },
+                )
+            continue
         log.info("signal_received", extra={"signal": int(signum)})
         shutdown.set()
         return
