@@ -37,6 +37,7 @@ from tests.integration.test_workers import (
 
 DEADLINE = 120.0  # seconds any one wait may take on a loaded machine
 IN_FLIGHT = 4  # calls kept open at once, so some are always in flight during a drain
+GENEROUS = ("TIMEOUT", "DEADLINE_MS", "DIRECTIVE_TIMEOUT_MS", "HOT_TIMEOUT_MS", "COLD_TIMEOUT_MS")
 
 
 @dataclass
@@ -76,6 +77,10 @@ def supervised(tmp_path: Path) -> Iterator[Supervised]:
         IBEX_CONTEXT_DRAIN_GRACE="5s",
         NOTIFY_SOCKET=str(tmp_path / "notify.sock"),
     )
+    # Branch budgets far above a loaded machine's stalls (a worker starting takes a
+    # core for seconds): an answer is degraded here only when a worker was not able
+    # to serve it, which is what a reload must not cause.
+    env.update({f"IBEX_CONTEXT_{name}": "2s" for name in GENEROUS})
     log_path = tmp_path / "stderr.log"
     with log_path.open("w") as log:
         proc = subprocess.Popen(
