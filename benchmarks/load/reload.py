@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
 import json
 import os
 import signal
@@ -72,6 +73,7 @@ class Record:
     degraded: bool = False
     worker: str = ""
     latency_ms: float = 0.0
+    misses: tuple[str, ...] = ()  # "source:status" of each branch that did not succeed
 
 
 @dataclass
@@ -82,6 +84,8 @@ class Run:
     pids_before: list[int] = field(default_factory=list)
     pids_after: list[int] = field(default_factory=list)
     events: Counter[str] = field(default_factory=Counter)
+    wall_start: float = 0.0  # time.time() at the first measured call's schedule origin
+    timeline: list[tuple[float, str, object]] = field(default_factory=list)
 
 
 def degraded(resp: pb.AssembleContextResponse) -> bool:
@@ -102,18 +106,37 @@ async def one(call: Any, request: bytes, rec: Record, due: float, deadline_s: fl
         resp = pb.AssembleContextResponse.FromString(raw)
         rec.status = "OK"
         rec.degraded = degraded(resp)
+        rec.misses = tuple(f"{b.source}:{b.status}" for b in resp.branches if b.status != "success")
         rec.worker = dict(trailers or ()).get("x-ibex-worker", "")
     rec.latency_ms = (loop.time() - due) * 1000.0
 
 
-def log_events(daemon: Daemon) -> Counter[str]:
-    out: Counter[str] = Counter()
+def log_lines(daemon: Daemon) -> list[dict[str, Any]]:
+    out = []
     for line in daemon.output().splitlines():
         if line.startswith("{"):
             try:
-                out[json.loads(line).get("event", "")] += 1
+                out.append(json.loads(line))
             except json.JSONDecodeError:
                 continue
+    return out
+
+
+def log_events(daemon: Daemon) -> Counter[str]:
+    return Counter(str(e.get("event", "")) for e in log_lines(daemon))
+
+
+LIFE = ("reload_started", "worker_started", "serving", "draining", "stopped", "worker_replaced")
+
+
+def timeline(daemon: Daemon, wall_start: float) -> list[tuple[float, str, object]]:
+    """The reload's log events, in seconds since the run's start (for reading the buckets)."""
+    out = []
+    for e in log_lines(daemon):
+        if e.get("event") in (*LIFE, "reload_done"):
+            ts = datetime.datetime.fromisoformat(str(e["ts"]).replace("Z", "+00:00")).timestamp()
+            if ts >= wall_start:
+                out.append((round(ts - wall_start, 2), str(e["event"]), e.get("worker")))
     return out
 
 
@@ -133,6 +156,8 @@ async def measure(
 
         async def send(seconds: float, measured: bool) -> None:
             start = loop.time() + 0.02
+            if measured:
+                run.wall_start = time.time() + 0.02
             tasks = []
             i = 0
             last_check = 0.0
@@ -159,6 +184,7 @@ async def measure(
         await send(0.0, measured=True)
     run.pids_after = sorted(daemon.worker_pids())
     run.events = log_events(daemon)
+    run.timeline = timeline(daemon, run.wall_start)
     return run
 
 
@@ -190,7 +216,20 @@ def phase(records: list[Record]) -> dict[str, Any]:
         "p99_ms": round(percentile(lat, 99), 2),
         "max_ms": round(lat[-1], 2) if lat else 0.0,
         "by_worker": dict(sorted(Counter(r.worker for r in ok).items())),
+        "branch_misses": dict(Counter(m for r in ok for m in r.misses).most_common()),
     }
+
+
+def buckets(records: list[Record], origin: float, width: float = 1.0) -> list[list[float]]:
+    """[seconds since the SIGHUP, calls, failed, degraded] per `width` seconds."""
+    out: dict[int, list[float]] = {}
+    for r in records:
+        k = int((r.sent - origin) // width)
+        row = out.setdefault(k, [k * width, 0, 0, 0])
+        row[1] += 1
+        row[2] += r.status != "OK"
+        row[3] += r.status == "OK" and r.degraded
+    return [out[k] for k in sorted(out)]
 
 
 def summarize(run: Run, before_s: float) -> dict[str, Any]:
@@ -217,6 +256,8 @@ def summarize(run: Run, before_s: float) -> dict[str, Any]:
         "before": b,
         "during": phase(during),
         "after": phase(after),
+        "events_since_sighup_s": [(round(t - run.sighup_at, 2), e, w) for t, e, w in run.timeline],
+        "buckets_since_sighup": buckets(run.records, run.sighup_at),
     }
 
 
