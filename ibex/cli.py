@@ -31,10 +31,15 @@ def _settings(env: Mapping[str, str] | None = None) -> Settings:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    import signal
+
     import trio
 
     from ibex.ops.logs import configure_logging
 
+    # SIGHUP is the supervisor's reload signal; until its handler (or a worker's) is
+    # installed, its default action would end the process. Workers inherit the ignore.
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     file_env: dict[str, str] = {}
     if args.env_file is not None:
         from ibex.ops.envfile import read_env_file

@@ -23,8 +23,11 @@ from pathlib import Path
 
 import grpc
 import pytest
+import trio
 
 from ibex.cli import SAMPLE_AGENT, SAMPLE_ORG
+from ibex.config import Settings
+from ibex.ops import workers
 from ibex.testing.grpcio_stubs import context_pb2, context_pb2_grpc
 from tests.integration.test_workers import (
     ROUND_ROBIN,
@@ -306,3 +309,58 @@ def test_sighup_to_a_process_serving_alone_is_logged_not_fatal(tmp_path: Path) -
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+# A stand-in worker: READY=1 after $FAKE_START_S seconds, then pings; SIGTERM ends it.
+FAKE_WORKER = """
+import os, signal, socket, sys, time
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+time.sleep(float(os.environ["FAKE_START_S"]))
+s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+s.sendto(b"READY=1", os.environ["NOTIFY_SOCKET"])
+while True:
+    time.sleep(0.05)
+    s.sendto(b"WATCHDOG=1", os.environ["NOTIFY_SOCKET"])
+"""
+
+
+async def test_a_reload_whose_worker_is_never_ready_keeps_the_old_one(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The new worker of a slot hangs in start-up: after WORKER_START_TIMEOUT it is killed,
+    the old one serves on and no restart is counted; the next reload, once fixed, replaces."""
+    monkeypatch.setattr(workers, "WORKER_WATCHDOG_USEC", 200_000)
+    monkeypatch.setattr(workers, "WORKER_START_TIMEOUT", 1.0)
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    env_file = tmp_path / "fake.env"
+    env_file.write_text("FAKE_START_S=0\n")
+    sup = workers.Supervisor(
+        Settings(workers=1),
+        drain_grace=1.0,
+        argv=[sys.executable, "-c", FAKE_WORKER],
+        env_file=env_file,
+        file_env={"FAKE_START_S": "0"},
+    )
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sup.run)
+        with trio.fail_after(30):
+            await sup.all_ready.wait()
+        first = sup.workers[0].current
+        assert first is not None and first.pid is not None
+
+        env_file.write_text("FAKE_START_S=3600\n")
+        with trio.fail_after(30):
+            assert await sup.reload() is False
+        assert sup.workers[0].current is first and first.returncode is None
+        assert sup.reload_metric.counts == {"done": 0, "failed": 1, "rejected": 0}
+
+        env_file.write_text("FAKE_START_S=0\n")
+        with trio.fail_after(30):
+            assert await sup.reload() is True
+        second = sup.workers[0].current
+        assert second is not None and second.pid != first.pid
+        assert first.exited.is_set() and first.returncode == 0  # drained on SIGTERM
+        assert sup.reload_metric.counts == {"done": 1, "failed": 1, "rejected": 0}
+        assert sup.restart_metric.counts == {"exited": 0, "unresponsive": 0}
+        await sup.stop()
+        nursery.cancel_scope.cancel()
