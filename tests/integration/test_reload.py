@@ -173,7 +173,9 @@ def test_sighup_replaces_every_worker_while_calls_keep_being_answered(
         before = list(client.ok)
         supervised.env_file.write_text("IBEX_CONTEXT_LOG_LEVEL=info\nIBEX_CONTEXT_HOT_LIMIT=7\n")
         os.kill(supervised.proc.pid, signal.SIGHUP)
-        wait_until(lambda: bool(supervised.events("reload_done")), "reload_done", client.round)
+        over = ("reload_done", "reload_failed", "reload_rejected")
+        wait_until(lambda: any(map(supervised.events, over)), "the reload's end", client.round)
+        assert supervised.events("reload_done"), supervised.log_path.read_text()[-3000:]
         during = client.ok[len(before) :]
         client.calls(40)  # and the new workers serve on
     finally:

@@ -1,4 +1,4 @@
-"""`--env-file`: the EnvironmentFile= subset the example file uses, bounded, errors without values."""
+"""`--env-file`: the EnvironmentFile= subset the example uses, bounded, errors without values."""
 
 from __future__ import annotations
 
