@@ -1,23 +1,29 @@
-"""`ibex` command line: serve, assemble, feedback, config, check."""
+"""`ibex` command line: serve, assemble, feedback, config, check (and, from ibex.cli_ops,
+health, search, directive, --version)."""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import functools
 import json
 import logging
 import os
 import sys
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from ibex.cli_ops import (
+    SAMPLE_AGENT,
+    SAMPLE_ORG,
+    DefaultsFormatter,
+    VersionAction,
+    add_client_flags,
+    register,
+)
+from ibex.cli_ops import call as _call
+from ibex.cli_ops import client_options as _client_options
 from ibex.config import ConfigError, Settings, load_settings, unknown_variables
-from ibex.netaddr import split_host_port
-
-SAMPLE_ORG = "00000000-0000-4000-8000-000000000001"
-SAMPLE_AGENT = "00000000-0000-4000-8000-0000000000a1"
 
 log = logging.getLogger(__name__)
 
@@ -26,11 +32,18 @@ def _settings(env: Mapping[str, str] | None = None) -> Settings:
     try:
         return load_settings(env)
     except ConfigError as exc:
-        print(f"ibex: configuration error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
+        raise SystemExit(_refuse(exc)) from None
+
+
+def _refuse(exc: ConfigError, what: str | None = None) -> int:
+    """Say why start-up stopped in one line on stderr; the error's class's exit status."""
+    print(f"ibex: {exc.label}: {what or exc}", file=sys.stderr)
+    return exc.exit_status
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    """Serve until a signal; a start-up refused by a setting, a file or an address is one
+    line on stderr and a distinct exit status (docs/operations.md), never a traceback."""
     import signal
 
     import trio
@@ -47,8 +60,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         try:
             file_env = read_env_file(Path(args.env_file))
         except ConfigError as exc:
-            print(f"ibex: configuration error: {exc}", file=sys.stderr)
-            return 2
+            return _refuse(exc)
     env = {**os.environ, **file_env}
     settings = _settings(env)
     if args.workers is not None:
@@ -59,8 +71,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         try:
             settings.check_worker_ports()
         except ConfigError as exc:
-            print(f"ibex: configuration error: {exc}", file=sys.stderr)
-            return 2
+            return _refuse(exc)
     if args.supervisor_fd is not None:
         try:
             os.fstat(args.supervisor_fd)
@@ -73,35 +84,31 @@ def cmd_serve(args: argparse.Namespace) -> int:
     configure_logging(settings.log_level)
     if not args.worker:  # the supervisor already said it for its workers
         _warn_unknown_variables(env)
+        _warn_config(settings)
     # /metrics exposition is ~1.25 ms of pure Python per scrape: served by a supervisor
     # process (multiprocess mode) whenever it is on, so a scrape never pauses calls.
     # An env file means reloads (SIGHUP), which only the supervisor does.
     supervised = settings.workers > 1 or settings.metrics_addr or args.env_file is not None
-    if supervised and not args.worker:
-        from ibex.ops.workers import supervise
-        from ibex.service.root import check_bind_policy, drain_grace
-
-        try:
-            check_bind_policy(settings)
-        except ConfigError as exc:
-            print(f"ibex: configuration error: {exc}", file=sys.stderr)
-            return 2
-        return supervise(
-            settings,
-            drain_grace=drain_grace(settings),
-            env_file=None if args.env_file is None else Path(args.env_file),
-            file_env=file_env,
-            loader=functools.partial(_reload_settings, running=settings, fixed=args.workers),
-        )
-    from ibex.ops.metrics import Metrics
-    from ibex.service.root import make_daemon
-
-    metrics = Metrics()
-    daemon = make_daemon(
-        settings, metrics=metrics, reuse_port=args.worker, worker_index=args.worker_index
-    )
-
     try:
+        if supervised and not args.worker:
+            from ibex.ops.workers import supervise
+            from ibex.service.root import check_bind_policy, drain_grace
+
+            check_bind_policy(settings)
+            return supervise(
+                settings,
+                drain_grace=drain_grace(settings),
+                env_file=None if args.env_file is None else Path(args.env_file),
+                file_env=file_env,
+                loader=functools.partial(_reload_settings, running=settings, fixed=args.workers),
+            )
+        from ibex.ops.metrics import Metrics
+        from ibex.service.root import make_daemon
+
+        metrics = Metrics()
+        daemon = make_daemon(
+            settings, metrics=metrics, reuse_port=args.worker, worker_index=args.worker_index
+        )
         if args.supervisor_fd is None:
             trio.run(daemon.serve)
         else:
@@ -110,8 +117,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         error = _startup_error(exc)
         if error is None:
             raise
-        print(f"ibex: configuration error: {error}", file=sys.stderr)
-        return 2
+        return _refuse(error, _naming(settings, error))
     return 0
 
 
@@ -140,6 +146,7 @@ def _reload_settings(
     kept.check_worker_ports()
     check_bind_policy(kept)
     _warn_unknown_variables(env)
+    _warn_config(kept)
     return (settings if fixed is None else kept), drain_grace(settings)
 
 
@@ -149,17 +156,38 @@ def _warn_unknown_variables(env: Mapping[str, str] | None = None) -> None:
         log.warning("unknown_setting", extra={"variable": name, "closest": closest})
 
 
-def _startup_error(exc: BaseException) -> BaseException | None:
-    """The bad setting or file behind a failed start, unwrapped from Trio's exception groups."""
-    from ibex.assembly.catalog import CatalogError
-    from ibex.assembly.tokens import TokenizerError
-    from ibex.sources.local_file import LocalFileError
+def _warn_config(settings: Settings) -> None:
+    """A configuration that serves less than it could: one warning line each, at every start."""
+    from ibex.service.root import config_warnings
 
-    if isinstance(exc, ConfigError | CatalogError | LocalFileError | TokenizerError):
+    for warning in config_warnings(settings):
+        variable = warning.partition(":")[0]
+        log.warning("config_warning", extra={"variable": variable, "detail": warning})
+
+
+def _startup_error(exc: BaseException) -> ConfigError | None:
+    """The bad setting, file or address behind a failed start, found inside Trio's
+    exception groups (None: not a start-up error, let it propagate)."""
+    if isinstance(exc, ConfigError):
         return exc
-    if isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
-        return _startup_error(exc.exceptions[0])
+    if isinstance(exc, BaseExceptionGroup):
+        matched = exc.subgroup(lambda e: isinstance(e, ConfigError))
+        while isinstance(matched, BaseExceptionGroup):
+            matched = matched.exceptions[0]
+        if isinstance(matched, ConfigError):
+            return matched
     return None
+
+
+def _naming(settings: Settings, error: ConfigError) -> str:
+    """The error's line, with the variable that names the address when it is one."""
+    from ibex.errors import ListenError
+
+    if isinstance(error, ListenError):
+        from ibex.service.root import listen_variable
+
+        return f"{listen_variable(settings, error.port)} {error}"
+    return str(error)
 
 
 def _replace(settings: Settings, **changes: Any) -> Settings:
@@ -209,38 +237,6 @@ def cmd_assemble(args: argparse.Namespace) -> int:
     return 0 if result.status == "OK" else 3
 
 
-def _call(
-    command: str, make_client: Callable[[], Any], call: Callable[[Any], Awaitable[Any]]
-) -> tuple[bool, Any]:
-    """One client call on a fresh event loop (the client is made and closed inside it);
-    (False, None) after printing `ibex COMMAND: STATUS: message` on stderr when the daemon
-    answered an error."""
-    from grpclib.exceptions import GRPCError
-
-    async def run() -> Any:
-        client = make_client()
-        try:
-            return await call(client)
-        finally:
-            client.close()
-
-    try:
-        return True, asyncio.run(run())
-    except GRPCError as exc:
-        print(f"ibex {command}: {exc.status.name}: {exc.message}", file=sys.stderr)
-        return False, None
-
-
-def _client_options(args: argparse.Namespace) -> tuple[str, int, str | None, Any]:
-    """Host, port, bearer token and TLS context from the client flags shared by commands."""
-    from ibex.client import ContextClient
-
-    host, port = split_host_port(args.addr)
-    token = args.token or os.environ.get("IBEX_CONTEXT_CLIENT_TOKEN")
-    ssl_ctx = ContextClient.tls_context(args.ca, args.cert, args.key) if args.ca else None
-    return host or "127.0.0.1", port, token, ssl_ctx
-
-
 def cmd_feedback(args: argparse.Namespace) -> int:
     """Report which memories helped; prints each score the memory service moved."""
     from ibex.client import ContextClient
@@ -257,6 +253,7 @@ def cmd_feedback(args: argparse.Namespace) -> int:
             trace_id=args.trace,
             timeout=args.timeout,
         ),
+        addr=args.addr,
     )
     if not ok:
         return 1
@@ -304,9 +301,13 @@ def render_report(result: Any) -> str:
         f"{r.memories_included} memories included"
         + (f"; {filtered} hits of other tenants filtered" if filtered else "")
     )
+    # A branch's detail is why it did not succeed (e.g. the directive value's error).
     out.append(
         "branches: "
-        + ", ".join(f"{x.source}={x.status} ({x.latency_ms:.1f}ms)" for x in r.branches)
+        + ", ".join(
+            f"{x.source}={x.status} ({x.latency_ms:.1f}ms{'; ' + x.detail if x.detail else ''})"
+            for x in r.branches
+        )
     )
     if r.memories_used:  # usefulness shows what feedback (`ibex feedback`) changed
         out.append("included:")
@@ -324,19 +325,46 @@ def render_report(result: Any) -> str:
 
 
 def cmd_config(args: argparse.Namespace) -> int:
-    """Print every setting's effective value, an unset one at its layer's default."""
+    """Print every variable's effective value: set, its default, or computed at start.
+
+    The plain form is `VARIABLE=value` lines (an environment file: durations with a
+    unit, lists comma-separated, an off setting empty); `--json` is one object.
+    Secrets are redacted in both.
+    """
     from ibex.service.root import effective_settings
 
-    settings = _settings()
-    print(json.dumps(effective_settings(settings), indent=2, sort_keys=True))
+    shown = effective_settings(_settings())
+    if args.json:
+        print(json.dumps(shown, indent=2))
+        return 0
+    for name, value in shown.items():
+        print(f"{name}={_env_value(value)}")
     return 0
 
 
+def _env_value(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return ",".join(str(v) for v in value)
+    return str(value)
+
+
 def cmd_check(args: argparse.Namespace) -> int:
-    """Validate settings, catalog and tokenizer files offline; exit non-zero on any error."""
+    """Validate settings, catalog and tokenizer files offline and try every listening
+    address; exit 1 on any error. Warnings (a configuration that serves less than it
+    could) are printed but do not fail the check."""
     from ibex.assembly.catalog import CatalogError, load_catalog
     from ibex.assembly.tokens import TokenizerError, verify_files
-    from ibex.service.root import check_bind_policy, server_ssl_context, uses_local_sample
+    from ibex.service.root import (
+        check_bind_policy,
+        config_warnings,
+        listen_problems,
+        server_ssl_context,
+        uses_local_sample,
+    )
     from ibex.sources.local_file import LocalFileError, LocalFileSource
 
     settings = _settings()
@@ -345,15 +373,26 @@ def cmd_check(args: argparse.Namespace) -> int:
     for name, closest in unknown:
         hint = f" (did you mean {closest}?)" if closest else ""
         print(f"settings: warning: unknown variable {name}{hint}")
-    if not unknown:
+    warnings = config_warnings(settings)
+    for line in warnings:
+        print(f"settings: warning: {line}")
+    if not unknown and not warnings:
         print("settings: ok")
     try:
-        warning = check_bind_policy(settings)
+        insecure = check_bind_policy(settings)
         server_ssl_context(settings)
-        print(f"bind {settings.grpc_addr}: ok" + (f" (warning: {warning})" if warning else ""))
     except ConfigError as exc:
         ok = False
         print(f"bind: ERROR {exc}")
+    else:
+        problems = listen_problems(settings)
+        for addr, problem in problems:
+            print(f"bind {addr}: ERROR {problem}")
+        if not problems:
+            print(
+                f"bind {settings.grpc_addr}: ok" + (f" (warning: {insecure})" if insecure else "")
+            )
+        ok = ok and not problems
     try:
         catalog = load_catalog(settings.catalog_path)
         print(f"catalog: ok ({len(catalog.models)} models, {len(catalog.families)} families)")
@@ -365,7 +404,7 @@ def cmd_check(args: argparse.Namespace) -> int:
             print(f"tokenizer: {line}")
     except TokenizerError as exc:
         ok = False
-        print(f"tokenizer: ERROR {exc}")
+        print(f"tokenizer: ERROR IBEX_CONTEXT_TIKTOKEN_DIR: {exc}")
     if uses_local_sample(settings):
         try:
             src = LocalFileSource.load(settings.local_source_path)
@@ -377,10 +416,22 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ibex", description="Ibex context-assembly daemon")
+    p = argparse.ArgumentParser(
+        prog="ibex", description="Ibex context-assembly daemon", formatter_class=DefaultsFormatter
+    )
+    p.add_argument("--version", action=VersionAction)
     sub = p.add_subparsers(dest="command", required=True)
-    s = sub.add_parser("serve", help="run the daemon (settings from IBEX_CONTEXT_*)")
-    s.add_argument("--workers", type=int, default=None, help="worker processes (default 1)")
+    s = sub.add_parser(
+        "serve",
+        help="run the daemon (settings from IBEX_CONTEXT_*)",
+        formatter_class=DefaultsFormatter,
+    )
+    s.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="worker processes (default: IBEX_CONTEXT_WORKERS, which defaults to 1)",
+    )
     s.add_argument(
         "--env-file",
         metavar="PATH",
@@ -396,14 +447,27 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--supervisor-fd", type=int, default=None, help=argparse.SUPPRESS)
     s.set_defaults(func=cmd_serve)
 
-    a = sub.add_parser("assemble", help="ask a running daemon for a context block")
-    a.add_argument("--addr", default=os.environ.get("IBEX_CONTEXT_GRPC_ADDR", "127.0.0.1:9092"))
-    a.add_argument("--org", default=SAMPLE_ORG)
-    a.add_argument("--agent", default=SAMPLE_AGENT)
-    a.add_argument("--query", default="How should I deploy the service on Friday?")
-    a.add_argument("--model", default="gpt-4o")
-    a.add_argument("--available-tokens", type=int, default=0)
-    a.add_argument("--max-memories", type=int, default=0)
+    a = sub.add_parser(
+        "assemble",
+        help="ask a running daemon for a context block",
+        description="AssembleContext. Exit 0 when the daemon answered (degraded or not), "
+        "3 when it did not (the history-only fallback is printed), 1 on an error status.",
+        formatter_class=DefaultsFormatter,
+    )
+    add_client_flags(a)
+    a.add_argument("--org", default=SAMPLE_ORG, help="org UUID")
+    a.add_argument("--agent", default=SAMPLE_AGENT, help="agent UUID")
+    a.add_argument(
+        "--query", default="How should I deploy the service on Friday?", help="the user turn"
+    )
+    a.add_argument("--model", default="gpt-4o", help="model id, looked up in the catalog")
+    a.add_argument(
+        "--available-tokens",
+        type=int,
+        default=0,
+        help="caps the window (0: the model's); sizes a model the catalog does not know",
+    )
+    a.add_argument("--max-memories", type=int, default=0, help="0: no cap (hard cap 100)")
     a.add_argument(
         "--message",
         type=_message,
@@ -413,36 +477,37 @@ def build_parser() -> argparse.ArgumentParser:
         help="history message (repeatable)",
     )
     a.add_argument("--tool", action="append", default=[], help="tool schema JSON (repeatable)")
-    a.add_argument("--request-id", default="cli")
-    a.add_argument("--timeout", type=float, default=2.0, help="deadline in seconds")
-    a.add_argument("--token", help="bearer token (or IBEX_CONTEXT_CLIENT_TOKEN)")
-    a.add_argument("--ca", help="CA file: use TLS")
-    a.add_argument("--cert", help="client certificate for mutual TLS")
-    a.add_argument("--key", help="client key for mutual TLS")
+    a.add_argument("--request-id", default="cli", help="correlation id, echoed")
     a.add_argument("--json", action="store_true", help="print the whole response as JSON")
     a.set_defaults(func=cmd_assemble)
 
-    f = sub.add_parser("feedback", help="tell a running daemon which memories helped")
-    f.add_argument("--addr", default=os.environ.get("IBEX_CONTEXT_GRPC_ADDR", "127.0.0.1:9092"))
-    f.add_argument("--org", default=SAMPLE_ORG)
+    f = sub.add_parser(
+        "feedback",
+        help="tell a running daemon which memories helped",
+        formatter_class=DefaultsFormatter,
+    )
+    add_client_flags(f)
+    f.add_argument("--org", default=SAMPLE_ORG, help="org UUID")
     f.add_argument(
         "--memory", action="append", required=True, metavar="ID", help="memory id (repeatable)"
     )
-    f.add_argument("--feedback", required=True, choices=("positive", "negative", "neutral"))
+    f.add_argument(
+        "--feedback",
+        required=True,
+        choices=("positive", "negative", "neutral"),
+        help="whether the memories helped",
+    )
     f.add_argument("--session", default="", help="session id")
     f.add_argument("--trace", default="", help="trace id (part of the idempotency key)")
-    f.add_argument("--timeout", type=float, default=2.0, help="deadline in seconds")
-    f.add_argument("--token", help="bearer token (or IBEX_CONTEXT_CLIENT_TOKEN)")
-    f.add_argument("--ca", help="CA file: use TLS")
-    f.add_argument("--cert", help="client certificate for mutual TLS")
-    f.add_argument("--key", help="client key for mutual TLS")
     f.add_argument("--json", action="store_true", help="print the whole response as JSON")
     f.set_defaults(func=cmd_feedback)
 
     c = sub.add_parser("config", help="print effective settings (secrets redacted)")
+    c.add_argument("--json", action="store_true", help="print one JSON object")
     c.set_defaults(func=cmd_config)
     k = sub.add_parser("check", help="validate settings, catalog and tokenizer files offline")
     k.set_defaults(func=cmd_check)
+    register(sub)
     return p
 
 

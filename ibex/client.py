@@ -1,7 +1,11 @@
 """Client library for Python proxies: one reused HTTP/2 connection, fail-open.
 
 `ContextClient` is asyncio (grpclib); from Trio, call the `*_trio` methods inside
-`trio_asyncio.open_loop()`. The default deadline is 45 ms. When the daemon is
+`trio_asyncio.open_loop()`. Importing this module loads no server code and no
+Trio (the wire messages come from `ibex.wire`; trio-asyncio, which replaces
+asyncio's event-loop policy when imported, is imported by the `*_trio` methods
+only), so an asyncio proxy's loop and policy stay as it set them. Examples:
+docs/api.md. The default deadline is 45 ms. When the daemon is
 slow, down or shedding (DEADLINE_EXCEEDED, UNAVAILABLE, RESOURCE_EXHAUSTED
 "overloaded: ...") the client does not raise: it returns an `Assembled` marked
 degraded whose context is the history alone, so the proxy can go on with the
@@ -13,7 +17,8 @@ RESOURCE_EXHAUSTED that names a field (an input that cannot fit): they are bugs
 to fix, not load to ride out.
 
 Several addresses (`addresses=["10.0.0.5:9100", "10.0.0.5:9101", ...]`, e.g. one
-per worker port, see README "Scaling") are balanced per call, round robin, the
+per worker port, see docs/operations.md "One host: workers and per-worker
+ports") are balanced per call, round robin, the
 way gRPC's `round_robin` policy does it: one HTTP/2 connection per address, each
 call on the next one. An address whose connection cannot be made is skipped for
 `DOWN_FOR` seconds and the call goes to the next address at once (nothing was
@@ -30,7 +35,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import msgspec
-import trio_asyncio
 from grpclib.client import Channel
 from grpclib.const import Cardinality, Status
 from grpclib.exceptions import GRPCError, StreamTerminatedError
@@ -42,14 +46,23 @@ from ibex.assembly.formatter import XML_TAGS
 from ibex.assembly.history import Staged, fit_history
 from ibex.assembly.structs import Message
 from ibex.netaddr import split_host_port
-from ibex.service import pb
+from ibex.wire import (
+    SERVICE,
+    AssembleContextRequest,
+    AssembleContextResponse,
+    RecordMemoryFeedbackRequest,
+    RecordMemoryFeedbackResponse,
+    SearchMemoriesRequest,
+    SearchMemoriesResponse,
+)
 
 DEFAULT_DEADLINE = 0.045
 # Feedback is sent after the model answered, off the latency path: room for the
 # daemon's one retry against the memory service.
 DEFAULT_FEEDBACK_DEADLINE = 1.0
 FAIL_OPEN = frozenset({Status.DEADLINE_EXCEEDED, Status.UNAVAILABLE, Status.RESOURCE_EXHAUSTED})
-_PATH = "/ibex.context.v1.ContextAssemblyService/"
+_PATH = f"/{SERVICE}/"
+_HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 DOWN_FOR = 1.0  # seconds an address that refused a connection is passed over (gRPC: 1 s backoff)
 
 Address = str | tuple[str, int]
@@ -175,10 +188,16 @@ class ContextClient:
         ssl_context: ssl.SSLContext | None = None,
         deadline: float = DEFAULT_DEADLINE,
     ) -> None:
-        """One address (`host`, `port`), or several (`addresses`) balanced per call."""
-        targets = [parse_address(a) for a in addresses] if addresses else [(host, port)]
-        self._channels = [Channel(h, p, ssl=ssl_context) for h, p in targets]
-        self._down_until = [0.0] * len(self._channels)
+        """One address (`host`, `port`), or several (`addresses`) balanced per call.
+
+        Nothing touches asyncio here: each address's channel is made on its first
+        call, inside the caller's running loop. (grpclib binds a channel to
+        `asyncio.get_event_loop()` when it is made, which outside a running loop
+        would create and install a loop in the caller's process.)"""
+        self._targets = [parse_address(a) for a in addresses] if addresses else [(host, port)]
+        self._ssl = ssl_context
+        self._channels: list[Channel | None] = [None] * len(self._targets)
+        self._down_until = [0.0] * len(self._targets)
         self._next = 0
         self._metadata = {"authorization": f"Bearer {token}"} if token else None
         self.deadline = deadline
@@ -196,7 +215,15 @@ class ContextClient:
 
     def close(self) -> None:
         for channel in self._channels:
-            channel.close()
+            if channel is not None:
+                channel.close()
+
+    def _channel(self, index: int) -> Channel:
+        channel = self._channels[index]
+        if channel is None:
+            host, port = self._targets[index]
+            channel = self._channels[index] = Channel(host, port, ssl=self._ssl)
+        return channel
 
     def _rotation(self) -> list[int]:
         """Channel indexes for one call: round robin, addresses marked down last."""
@@ -214,7 +241,7 @@ class ContextClient:
 
     async def _unary(
         self,
-        method: str,
+        path: str,
         request: Any,
         reply: Any,
         timeout: float | None,  # noqa: ASYNC109  (a gRPC deadline, sent as grpc-timeout)
@@ -222,8 +249,8 @@ class ContextClient:
         deadline = Deadline.from_timeout(self.deadline if timeout is None else timeout)
         refused: OSError | None = None
         for index in self._rotation():
-            async with self._channels[index].request(
-                _PATH + method,
+            async with self._channel(index).request(
+                path,
                 Cardinality.UNARY_UNARY,
                 type(request),
                 reply,
@@ -253,12 +280,13 @@ class ContextClient:
         timeout: float | None = None,  # noqa: ASYNC109  (gRPC deadline)
         **fields: Any,
     ) -> Assembled:
-        """AssembleContext; `request` is a pb.AssembleContextRequest or its fields."""
+        """AssembleContext; `request` is an `ibex.wire.AssembleContextRequest` or its
+        fields as keyword arguments (nested messages as `ibex.wire` messages or dicts)."""
         if request is None:
-            request = pb.AssembleContextRequest(**fields)
+            request = AssembleContextRequest(**fields)
         try:
             msg, meta = await self._unary(
-                "AssembleContext", request, pb.AssembleContextResponse, timeout
+                _PATH + "AssembleContext", request, AssembleContextResponse, timeout
             )
         except GRPCError as exc:
             if is_input_error(exc):
@@ -279,17 +307,38 @@ class ContextClient:
 
     async def search(
         self,
+        request: Any | None = None,
         *,
         timeout: float | None = None,  # noqa: ASYNC109  (gRPC deadline)
         **fields: Any,
     ) -> Any:
+        """SearchMemories; `request` is an `ibex.wire.SearchMemoriesRequest` or its fields.
+        Not fail-open: errors raise GRPCError, an unreachable daemon OSError."""
+        if request is None:
+            request = SearchMemoriesRequest(**fields)
         msg, _ = await self._unary(
-            "SearchMemories",
-            pb.SearchMemoriesRequest(**fields),
-            pb.SearchMemoriesResponse,
-            timeout,
+            _PATH + "SearchMemories", request, SearchMemoriesResponse, timeout
         )
         return msg
+
+    async def health(
+        self,
+        service: str = "",
+        *,
+        timeout: float | None = None,  # noqa: ASYNC109  (gRPC deadline)
+    ) -> str:
+        """The standard gRPC Health Check's status name (`SERVING`, `NOT_SERVING`, ...)
+        for `service` ("" is the whole server); errors raise GRPCError (NOT_FOUND for a
+        service the daemon does not know) or OSError (no connection)."""
+        # grpclib's copy of the health messages, imported here: a proxy that has its own
+        # (grpcio-health-checking) registers the same protobuf names, and one process
+        # cannot load both unless it calls this.
+        from grpclib.health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
+
+        msg, _ = await self._unary(
+            _HEALTH_CHECK, HealthCheckRequest(service=service), HealthCheckResponse, timeout
+        )
+        return str(HealthCheckResponse.ServingStatus.Name(msg.status))
 
     async def record_feedback(
         self,
@@ -308,7 +357,7 @@ class ContextClient:
         idempotency key from them, so the feedback is still counted once.
         `timeout` defaults to DEFAULT_FEEDBACK_DEADLINE.
         """
-        request = pb.RecordMemoryFeedbackRequest(
+        request = RecordMemoryFeedbackRequest(
             memory_ids=list(memory_ids),
             feedback=feedback,
             org_id=org_id,
@@ -316,9 +365,9 @@ class ContextClient:
             trace_id=trace_id,
         )
         msg, _ = await self._unary(
-            "RecordMemoryFeedback",
+            _PATH + "RecordMemoryFeedback",
             request,
-            pb.RecordMemoryFeedbackResponse,
+            RecordMemoryFeedbackResponse,
             DEFAULT_FEEDBACK_DEADLINE if timeout is None else timeout,
         )
         return msg
@@ -336,13 +385,23 @@ class ContextClient:
             messages_dropped=dropped,
         )
 
-    # Trio entry points (inside trio_asyncio.open_loop()).
+    # Trio entry points (inside trio_asyncio.open_loop()). trio_asyncio is imported here,
+    # not at the top: importing it installs its own asyncio event-loop policy.
 
     async def assemble_trio(self, request: Any | None = None, **kw: Any) -> Assembled:
+        import trio_asyncio
+
         result: Assembled = await trio_asyncio.aio_as_trio(self.assemble)(request, **kw)
         return result
 
     async def record_feedback_trio(
         self, memory_ids: Sequence[str], feedback: str, **kw: Any
     ) -> Any:
+        import trio_asyncio
+
         return await trio_asyncio.aio_as_trio(self.record_feedback)(memory_ids, feedback, **kw)
+
+    async def search_trio(self, request: Any | None = None, **kw: Any) -> Any:
+        import trio_asyncio
+
+        return await trio_asyncio.aio_as_trio(self.search)(request, **kw)

@@ -36,17 +36,20 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import UNSET, UnsetType
 
-from ibex.errors import ConfigError
+from ibex.errors import ConfigError, ConfigFileError
 from ibex.netaddr import parse_allowed_san, split_host_port
 
 __all__ = [
+    "DURATIONS",
     "PREFIX",
     "TABLE",
     "UNSET",
     "ConfigError",
+    "ConfigFileError",
     "Settings",
     "UnsetType",
     "Var",
+    "format_duration",
     "known_variables",
     "layer_fields",
     "load_settings",
@@ -62,7 +65,9 @@ NONCE_KEY_MIN_CHARS = 32
 EXTRA_KNOWN = frozenset({"CLIENT_TOKEN"})
 # Query parameters of a URL that carry a secret (redis-py reads `password`).
 _SECRET_QUERY = re.compile(r"pass|secret|token|key|auth", re.IGNORECASE)
-_DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*(ms|s)?\s*$")
+_DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*(ms|s|m|h)?\s*$")
+#: Seconds per duration unit.
+UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 #: A parser: (the variable's full name, its raw non-blank value) -> the value, or ConfigError.
 Parse = Callable[[str, str], Any]
@@ -97,17 +102,32 @@ def redact_url(value: str) -> str:
     return f"{scheme}{sep}{base}{qmark}{query}{hashmark}{fragment}"
 
 
-def parse_duration(name: str, raw: str, *, bare_unit: str = "ms") -> float:
-    """`45`, `45ms` or `0.2s` to seconds; non-finite, zero or negative is an error."""
+def parse_duration(name: str, raw: str, *, bare: bool = True) -> float:
+    """`45`, `45ms`, `0.2s`, `2m` or `1h` to seconds; a bare number is milliseconds.
+
+    With `bare=False` a number without a unit is refused: for a setting whose
+    documented unit is the second, reading `45` as milliseconds would silently
+    turn 45 s into 45 ms. Non-finite, zero or negative is an error.
+    """
     m = _DURATION.match(raw)
     if not m:
-        raise ConfigError(f"{name}: expected a duration like 45, 45ms or 0.2s, got {raw!r}")
-    value = float(m.group(1))
-    unit = m.group(2) or bare_unit
-    seconds = value / 1000.0 if unit == "ms" else value
+        raise ConfigError(f"{name}: expected a duration like 45ms, 0.2s or 2m, got {raw!r}")
+    if m.group(2) is None and not bare:
+        raise ConfigError(
+            f"{name}: give a unit, e.g. 45ms or 5s (a bare number would be milliseconds), "
+            f"got {raw!r}"
+        )
+    seconds = float(m.group(1)) * UNITS[m.group(2) or "ms"]
     if not math.isfinite(seconds) or seconds <= 0:
         raise ConfigError(f"{name}: duration must be finite and > 0, got {raw!r}")
     return seconds
+
+
+def format_duration(seconds: float) -> str:
+    """`seconds` as `parse_duration` reads it back: milliseconds below a second, else seconds."""
+    value, unit = (seconds * 1000.0, "ms") if seconds < 1.0 else (seconds, "s")
+    text = f"{value:.6f}".rstrip("0").rstrip(".")
+    return f"{text}{unit}"
 
 
 def _int(name: str, raw: str, lo: int, hi: int) -> int:
@@ -191,7 +211,7 @@ def _local_addr(name: str, raw: str) -> str:
 def _file(name: str, raw: str) -> str:
     value = raw.strip()
     if not os.path.exists(value):
-        raise ConfigError(f"{name}: no such file or directory: {value!r}")
+        raise ConfigFileError(f"{name}: no such file or directory: {value!r}")
     return value
 
 
@@ -242,9 +262,10 @@ def urls(*schemes: str) -> Parse:
     return functools.partial(_url, schemes=schemes)
 
 
-# Durations: a bare number is milliseconds (`MS`) or seconds (`SECONDS`); both take a unit.
-MS: Parse = functools.partial(parse_duration, bare_unit="ms")
-SECONDS: Parse = functools.partial(parse_duration, bare_unit="s")
+# Durations take a unit (ms, s, m, h). A bare number is milliseconds (`MS`); a setting
+# documented in seconds refuses it (`WITH_UNIT`) rather than read `45` as 45 ms.
+MS: Parse = functools.partial(parse_duration, bare=True)
+WITH_UNIT: Parse = functools.partial(parse_duration, bare=False)
 MiB = 1024 * 1024
 GiB = 1024 * MiB
 
@@ -321,7 +342,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         float | UnsetType, var("QUEUE_INTERVAL_MS", MS, "AdmissionConfig.queue_interval")
     ] = UNSET
     request_read_timeout: Annotated[
-        float | UnsetType, var("REQUEST_READ_TIMEOUT", SECONDS, "AdmissionConfig.read_timeout")
+        float | UnsetType, var("REQUEST_READ_TIMEOUT", WITH_UNIT, "AdmissionConfig.read_timeout")
     ] = UNSET
     max_in_flight: Annotated[
         int | UnsetType, var("MAX_IN_FLIGHT", ints(1, 100_000), "AdmissionConfig.max_in_flight")
@@ -337,7 +358,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # None: half of MAX_CONCURRENT_ASSEMBLIES (computed by the root)
     max_org_assemblies: Annotated[int | None, var("MAX_ORG_ASSEMBLIES", ints(1, 100_000))] = None
     max_queue_wait: Annotated[
-        float | UnsetType, var("MAX_QUEUE_WAIT", SECONDS, "AdmissionConfig.max_queue_wait")
+        float | UnsetType, var("MAX_QUEUE_WAIT", WITH_UNIT, "AdmissionConfig.max_queue_wait")
     ] = UNSET
     # memory service
     memory_base_url: Annotated[str | None, var("MEMORY_BASE_URL", _http_url)] = None
@@ -360,10 +381,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         var("DIRECTIVE_CACHE_BYTES", ints(0, 4 * GiB), "DirectiveCacheConfig.max_bytes"),
     ] = UNSET
     directive_cache_ttl: Annotated[
-        float | UnsetType, var("DIRECTIVE_CACHE_TTL", SECONDS, "DirectiveCacheConfig.ttl")
+        float | UnsetType, var("DIRECTIVE_CACHE_TTL", WITH_UNIT, "DirectiveCacheConfig.ttl")
     ] = UNSET
     directive_cache_max_age: Annotated[
-        float | UnsetType, var("DIRECTIVE_CACHE_MAX_AGE", SECONDS, "DirectiveCacheConfig.max_age")
+        float | UnsetType, var("DIRECTIVE_CACHE_MAX_AGE", WITH_UNIT, "DirectiveCacheConfig.max_age")
     ] = UNSET
     redis_sentinels: Annotated[tuple[str, ...], var("REDIS_SENTINELS", _addrs)] = ()
     redis_sentinel_master: Annotated[str | None, var("REDIS_SENTINEL_MASTER", _text)] = None
@@ -420,7 +441,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     allow_insecure: Annotated[bool, var("ALLOW_INSECURE", _bool)] = False
     # connections and draining
     drain_grace: Annotated[
-        float | UnsetType, var("DRAIN_GRACE", SECONDS, "DaemonConfig.drain_grace")
+        float | UnsetType, var("DRAIN_GRACE", WITH_UNIT, "DaemonConfig.drain_grace")
     ] = UNSET
     # None: min(1024, RLIMIT_NOFILE soft - 64) at start-up
     max_connections: Annotated[int | None, var("MAX_CONNECTIONS", ints(1, 1_000_000))] = None
@@ -429,22 +450,24 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         int | None, var("MAX_CONNECTIONS_PER_PEER", ints(1, 1_000_000))
     ] = None
     connection_auth_timeout: Annotated[
-        float | UnsetType, var("CONNECTION_AUTH_TIMEOUT", SECONDS, "ConnectionsConfig.auth_timeout")
+        float | UnsetType,
+        var("CONNECTION_AUTH_TIMEOUT", WITH_UNIT, "ConnectionsConfig.auth_timeout"),
     ] = UNSET
     tls_handshake_timeout: Annotated[
         float | UnsetType,
-        var("TLS_HANDSHAKE_TIMEOUT", SECONDS, "ConnectionsConfig.tls_handshake_timeout"),
+        var("TLS_HANDSHAKE_TIMEOUT", WITH_UNIT, "ConnectionsConfig.tls_handshake_timeout"),
     ] = UNSET
     connection_idle_timeout: Annotated[
-        float | UnsetType, var("CONNECTION_IDLE_TIMEOUT", SECONDS, "ConnectionsConfig.idle_timeout")
+        float | UnsetType,
+        var("CONNECTION_IDLE_TIMEOUT", WITH_UNIT, "ConnectionsConfig.idle_timeout"),
     ] = UNSET
     max_connection_age: Annotated[
-        float | UnsetType, var("MAX_CONNECTION_AGE", SECONDS, "ConnectionsConfig.max_age")
+        float | UnsetType, var("MAX_CONNECTION_AGE", WITH_UNIT, "ConnectionsConfig.max_age")
     ] = UNSET
     # None: DRAIN_GRACE
-    max_connection_age_grace: Annotated[float | None, var("MAX_CONNECTION_AGE_GRACE", SECONDS)] = (
-        None
-    )
+    max_connection_age_grace: Annotated[
+        float | None, var("MAX_CONNECTION_AGE_GRACE", WITH_UNIT)
+    ] = None
     # processes, metrics, logs
     workers: Annotated[int, var("WORKERS", ints(1, 256))] = 1
     worker_port_base: Annotated[int | None, var("WORKER_PORT_BASE", ints(1, 65535))] = None
@@ -527,6 +550,8 @@ def _table() -> dict[str, Var]:
 #: Settings field -> its row: the one table every reader of the settings uses.
 TABLE: Mapping[str, Var] = _table()
 SECRET_FIELDS = frozenset(field for field, row in TABLE.items() if row.secret)
+#: The duration settings (values in seconds, shown with a unit by `ibex config`).
+DURATIONS = frozenset(field for field, row in TABLE.items() if row.parse in (MS, WITH_UNIT))
 
 
 def layer_fields(struct: str) -> dict[str, str]:

@@ -90,4 +90,40 @@ class Unimplemented(IbexError):
 
 
 class ConfigError(IbexError, ValueError):
-    """A setting or start-up file is missing or malformed; the message names the variable."""
+    """A setting or start-up file is missing or malformed; the message names the variable.
+
+    `exit_status` is what `ibex serve` exits with when it stops start-up (one
+    value per class, listed in docs/operations.md), so a supervisor or a unit's
+    `RestartPreventExitStatus=` can tell a mistake a restart cannot fix from one
+    it may (an address still held by a process on its way out).
+    """
+
+    exit_status: ClassVar[int] = 2
+    label: ClassVar[str] = "configuration error"
+
+
+class ConfigFileError(ConfigError):
+    """A file a setting names (or a bundled one) is missing or cannot be loaded:
+    certificate, key or CA, catalog, tokenizer rank files, local data."""
+
+    exit_status: ClassVar[int] = 4
+    label: ClassVar[str] = "cannot load a file"
+
+
+class ListenError(ConfigError):
+    """An address the daemon is configured to listen on cannot be bound (in use, not an
+    address of this host, not permitted); the message names the address."""
+
+    exit_status: ClassVar[int] = 5
+    label: ClassVar[str] = "cannot listen"
+
+    def __init__(self, message: str, host: str, port: int) -> None:
+        super().__init__(message)
+        self.host = host
+        self.port = port
+
+
+#: The exit statuses of a start-up stopped by one of the errors above.
+START_FAILURE_STATUSES = frozenset(
+    {ConfigError.exit_status, ConfigFileError.exit_status, ListenError.exit_status}
+)

@@ -12,6 +12,7 @@ the settings parser and matched by the authenticator through the same rules.
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 
 
@@ -24,6 +25,22 @@ def split_host_port(addr: str) -> tuple[str, int]:
     if not sep or not port.isdigit() or int(port) > 65535:
         raise ValueError(f"expected host:port, got {addr!r}")
     return host.strip("[]"), int(port)
+
+
+def join_host_port(host: str, port: int) -> str:
+    """`host:port`, an IPv6 literal bracketed (the inverse of `split_host_port`)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def bind_problem(exc: OSError) -> str:
+    """A failed bind in an operator's words (the daemon and `ibex check` say the same)."""
+    if exc.errno == errno.EADDRINUSE:
+        return "address in use"
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return "not an address of this host"
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return "permission denied (a port below 1024 needs privileges)"
+    return exc.strerror or str(exc)
 
 
 # Entry prefixes of IBEX_CONTEXT_TLS_ALLOWED_SANS -> the type names `ssl.getpeercert` reports.

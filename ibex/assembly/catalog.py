@@ -12,7 +12,7 @@ from pathlib import Path
 
 import msgspec
 
-from ibex.errors import ConfigError, InputError
+from ibex.errors import ConfigFileError, InputError
 
 #: Encodings the project can count exactly, offline.
 EXACT_ENCODINGS = frozenset({"cl100k_base", "o200k_base"})
@@ -24,7 +24,7 @@ UNKNOWN_FAMILY = "unknown"
 ESTIMATE_WORST_UNDERCOUNT = 0.043
 
 
-class CatalogError(ConfigError):
+class CatalogError(ConfigFileError):
     """The catalog file is malformed; the message names the file and entry."""
 
 
@@ -60,6 +60,7 @@ class Catalog:
         self._by_length = sorted(self.models, key=len, reverse=True)
         self._resolved: dict[str, ModelCapability | None] = {}
         self._validate()
+        self.known_models = _name_list(sorted(self.models))
 
     def _validate(self) -> None:
         if UNKNOWN_FAMILY not in self.families:
@@ -144,6 +145,15 @@ def load_catalog(path: str | None = None) -> Catalog:
 
 #: max_output_tokens of a model the catalog does not know (sized by available_tokens).
 UNKNOWN_MODEL_MAX_OUTPUT = 4096
+#: How many model ids an unknown model's error names (an operator file may add hundreds).
+KNOWN_MODELS_LISTED = 20
+
+
+def _name_list(names: list[str]) -> str:
+    """Up to KNOWN_MODELS_LISTED ids, each cut at 64 characters, and how many more."""
+    shown = ", ".join(name[:64] for name in names[:KNOWN_MODELS_LISTED])
+    more = len(names) - KNOWN_MODELS_LISTED
+    return shown + (f" and {more} more" if more > 0 else "")
 
 
 def resolve_model(catalog: Catalog, model: str, available_tokens: int) -> ModelCapability:
@@ -159,4 +169,11 @@ def resolve_model(catalog: Catalog, model: str, available_tokens: int) -> ModelC
             tokenizer_family="unknown",
             model_id=model,
         )
-    raise InputError("model", f"unknown model {model[:64]!r} and available_tokens not set")
+    # The error says what would be accepted: a known id (or a dated id that starts with
+    # one), an operator catalog entry, or a window given by the caller.
+    raise InputError(
+        "model",
+        f"unknown model {model[:64]!r} and available_tokens not set; known models: "
+        f"{catalog.known_models} (a dated id resolves to the known id it starts with); "
+        "add models with IBEX_CONTEXT_CATALOG_PATH, or send available_tokens",
+    )

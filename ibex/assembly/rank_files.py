@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import tiktoken
 
-from ibex.errors import ConfigError
+from ibex.errors import ConfigFileError
 
 #: Cap on decompressed rank files, so a corrupt or hostile .gz cannot balloon.
 _MAX_RANK_FILE_BYTES = 64 * 1024 * 1024
@@ -82,7 +82,7 @@ ENCODINGS: dict[str, EncodingSpec] = {
 }
 
 
-class TokenizerError(ConfigError, RuntimeError):
+class TokenizerError(ConfigFileError, RuntimeError):
     """A rank file is missing, corrupt or unverified, or counts of two kinds were mixed."""
 
 

@@ -28,6 +28,7 @@ ibex_worker_restarts_total             C      reason          workers restarted 
 ibex_worker_reloads_total              C      result          SIGHUP reloads by the supervisor
 ibex_feedback_total                    C      outcome         RecordMemoryFeedback calls by outcome
 ibex_feedback_retries_total            C                      second feedback attempts (same key)
+ibex_dependency_up                     G      dependency      1 reachable, 0 down (redis, memory)
 =====================================  =====  ==============  ====================================
 
 C counter, G gauge, H histogram. ``code`` is the gRPC status name (``OK``,
@@ -37,6 +38,10 @@ C counter, G gauge, H histogram. ``code`` is the gRPC status name (``OK``,
 ``ibex_worker_reloads_total`` (``result``: ``done``, every worker replaced;
 ``failed``, a new worker did not become ready and the old ones kept serving;
 ``rejected``, the new settings did not load and no worker was touched).
+``ibex_dependency_up`` has a
+series per configured dependency once its first probe (before serving) has
+ended; with several workers the exposed value is the lowest of the live
+workers' (0 when any worker cannot reach it).
 
 Token-cache hit rate: ``rate(ibex_token_cache_hits_total[5m]) /
 (rate(ibex_token_cache_hits_total[5m]) + rate(ibex_token_cache_misses_total[5m]))``.
@@ -360,6 +365,14 @@ class Metrics:
             registry=r,
         )
 
+        self.dependency_up = Gauge(
+            "ibex_dependency_up",
+            "Whether the dependency answered its last probe (1) or not (0).",
+            ["dependency"],
+            multiprocess_mode="livemin",
+            registry=r,
+        )
+
         self._token_source: TokenCacheSource | None = None
         self._token_seen = (0, 0)
         self._token_collector: _TokenCacheCollector | None = None
@@ -418,6 +431,10 @@ class Metrics:
         Retries are counted as they start (`feedback_retries.inc`), whatever follows.
         """
         (self._feedback.get(outcome) or self.feedback.labels(outcome)).inc()
+
+    def set_dependency_up(self, dependency: str, up: bool) -> None:
+        """A dependency's state changed (`ibex.service.dependencies`)."""
+        self.dependency_up.labels(dependency).set(1 if up else 0)
 
     def in_flight(self) -> AbstractContextManager[None]:
         """Count the enclosed block as an in-flight request, however it ends."""

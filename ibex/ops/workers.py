@@ -8,7 +8,10 @@ spreads connections across them. The supervisor:
   it knows when every worker is ready and whether each one's Trio loop is
   still alive (WATCHDOG=1 pings); it tells systemd READY=1 once all are up;
 - restarts a worker that exits, stops pinging once serving, or is not ready
-  within WORKER_START_TIMEOUT, with a short backoff;
+  within WORKER_START_TIMEOUT, with a short backoff; but a worker that stops
+  its first start with a start-up error's status (a setting, a file, an
+  address: `START_FAILURE_STATUSES`) stops them all, and the supervisor exits
+  with that status: a restart would fail the same way, forever;
 - forwards SIGTERM/SIGINT to every worker (each drains) and exits when all
   have, escalating to SIGKILL after the drain grace;
 - on SIGHUP reloads: reads `--env-file` again, validates it, then replaces
@@ -56,7 +59,8 @@ from pathlib import Path
 import trio
 
 from ibex.config import ConfigError, Settings, load_settings
-from ibex.netaddr import split_host_port
+from ibex.errors import START_FAILURE_STATUSES, ListenError
+from ibex.netaddr import bind_problem, split_host_port
 from ibex.ops.envfile import read_env_file
 from ibex.ops.sdnotify import Notifier, run_watchdog
 
@@ -151,6 +155,9 @@ class Supervisor:
         self.workers: list[Worker] = []
         self.live: set[Run] = set()
         self.all_ready = trio.Event()
+        # A worker's start-up error status, when one stopped its first start.
+        self.exit_status = 0
+        self._cancel = trio.CancelScope()
         self._generation = 0
         self._runtime: Path | None = None
         self._nursery: trio.Nursery | None = None
@@ -189,13 +196,16 @@ class Supervisor:
                 self.workers = [Worker(i) for i in range(self.settings.workers)]
                 async with trio.open_nursery() as nursery:
                     self._nursery = nursery
+                    self._cancel = nursery.cancel_scope
+                    if self.settings.metrics_addr and os.environ.get(MULTIPROC_ENV):
+                        await self._serve_metrics(nursery)
+                    # Workers after the metrics listener: an address in use stops start-up
+                    # before any worker is spawned.
                     for worker in self.workers:
                         nursery.start_soon(self._keep_running, worker)
                     nursery.start_soon(self._announce_ready)
                     nursery.start_soon(self._reloader)
                     nursery.start_soon(run_watchdog, self.notifier)
-                    if self.settings.metrics_addr and os.environ.get(MULTIPROC_ENV):
-                        await self._serve_metrics(nursery)
                     task_status.started()
                     async for signum in signals:
                         if signum == signal.SIGHUP:
@@ -216,12 +226,17 @@ class Supervisor:
         registry.register(self.restart_metric)
         registry.register(self.reload_metric)
         host, port = split_host_port(self.settings.metrics_addr or "")
-        await nursery.start(
-            functools.partial(serve_metrics, token_sha256=self.settings.metrics_token_sha256),
-            registry,
-            host,
-            port,
-        )
+        try:
+            await nursery.start(
+                functools.partial(serve_metrics, token_sha256=self.settings.metrics_token_sha256),
+                registry,
+                host,
+                port,
+            )
+        except OSError as exc:
+            raise ListenError(
+                f"{self.settings.metrics_addr}: {bind_problem(exc)}", host, port
+            ) from None
 
     async def stop(self) -> None:
         """Forward SIGTERM; each worker drains. SIGKILL whoever outlives the grace."""
@@ -274,6 +289,13 @@ class Supervisor:
                 assert run is not None
                 continue
             code = run.returncode
+            if code in START_FAILURE_STATUSES and not slot.ready.is_set():
+                # The worker said why on stderr (one line); every restart would say it again.
+                log.error("worker_start_failed", extra={"worker": slot.index, "returncode": code})
+                self.exit_status = code
+                await self.stop()
+                self._cancel.cancel()
+                return
             delay = RESTART_BACKOFF[min(slot.restarts, len(RESTART_BACKOFF) - 1)]
             slot.restarts += 1
             self.restart_metric.inc("unresponsive" if run.unresponsive else "exited")
@@ -537,7 +559,8 @@ def supervise(
 ) -> int:
     """Entry point for `ibex serve --workers N` (N > 1), and for one worker with metrics on
     or an env file; `drain_grace` is the workers' drain grace (the supervisor waits for it,
-    then kills). `env_file`, `file_env` and `loader`: see `Supervisor`."""
+    then kills). `env_file`, `file_env` and `loader`: see `Supervisor`. Returns the exit
+    status: 0, or a worker's start-up error status."""
     own_dir = None
     if settings.metrics_addr and not os.environ.get(MULTIPROC_ENV):
         own_dir = tempfile.mkdtemp(prefix="ibex-metrics-")
@@ -546,12 +569,12 @@ def supervise(
         from ibex.ops.metrics import clear_multiprocess_dir
 
         clear_multiprocess_dir()
+    supervisor = Supervisor(
+        settings, drain_grace=drain_grace, env_file=env_file, file_env=file_env, loader=loader
+    )
     try:
-        supervisor = Supervisor(
-            settings, drain_grace=drain_grace, env_file=env_file, file_env=file_env, loader=loader
-        )
         trio.run(supervisor.run)
     finally:
         if own_dir:
             shutil.rmtree(own_dir, ignore_errors=True)
-    return 0
+    return supervisor.exit_status

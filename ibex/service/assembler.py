@@ -12,6 +12,7 @@ import contextlib
 import functools
 import logging
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -39,6 +40,7 @@ from ibex.assembly.structs import (
 from ibex.assembly.tokens import Tokenizers
 from ibex.assembly.validation import RequestLimits, validate_request, validate_search
 from ibex.errors import SourceError
+from ibex.service.dependencies import Dependency
 from ibex.service.queues import WorkerThreads, default_threads
 from ibex.sources.base import DirectiveSource, MemorySource
 from ibex.sources.feedback import FeedbackSink
@@ -155,6 +157,7 @@ class Assembler:
         offload_threads: int | None = None,
         feedback_sink: FeedbackSink | None = None,
         nonce_key: NonceKey | None = None,
+        dependencies: Sequence[Dependency] = (),
     ) -> None:
         self.catalog = catalog
         self.tokenizers = tokenizers
@@ -168,6 +171,8 @@ class Assembler:
         self.threads = WorkerThreads(offload_threads or default_threads())
         self.feedback_sink = feedback_sink  # where RecordMemoryFeedback goes; None: UNAVAILABLE
         self.nonce_key = nonce_key
+        # What the sources depend on (Redis, the memory service): warmed before serving.
+        self.dependencies = tuple(dependencies)
 
     def nonce(self, request: AssemblyRequest) -> str:
         """Session-scoped with a key and a session (the provider can cache the prefix), else fresh.

@@ -16,8 +16,8 @@ import gc
 import logging
 import signal
 import ssl
-from collections.abc import Callable, Sequence
-from contextlib import AbstractAsyncContextManager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractAsyncContextManager, contextmanager
 from typing import TYPE_CHECKING, Any
 
 import grpclib.server
@@ -29,6 +29,9 @@ from grpclib.health.check import ServiceStatus
 from grpclib.health.service import Health
 
 from ibex.assembly.tokens import Tokenizers
+from ibex.errors import ListenError
+from ibex.netaddr import bind_problem, join_host_port
+from ibex.ops.branch_errors import BranchErrors
 from ibex.ops.metrics import Metrics
 from ibex.ops.sdnotify import Notifier, run_watchdog
 from ibex.service.admission import Admission, AdmissionConfig
@@ -40,12 +43,14 @@ from ibex.service.bounded import (
     BoundedReads,
 )
 from ibex.service.connections import Connections, ConnectionsConfig, LoopErrorHandler
+from ibex.service.dependencies import DependencyConfig, DependencyStates, keep, warm_all
 from ibex.service.handlers import ContextService, EdgeConfig, method_label
 from ibex.service.patches import install_patches, precise_wakeups
 from ibex.service.policies import AdmissionPolicy
 from ibex.service.protocol import bound_port, listen_also, stop_accepting, track_connections
 from ibex.service.queues import share_the_gil
 from ibex.service.reflection import with_reflection
+from ibex.service.warmup import warm_pipeline
 
 if TYPE_CHECKING:
     from ibex.ops.spans import Tracing
@@ -64,10 +69,20 @@ class DaemonConfig(msgspec.Struct, frozen=True):
     # in the `x-ibex-worker` trailer.
     own_ports: tuple[int, ...] = ()
     worker: int | None = None
+    # Bounds of warming the dependencies before serving and of probing them after.
+    dependencies: DependencyConfig = DependencyConfig()
+    # Seconds between two `branch_errors` summary lines of one source.
+    branch_errors_interval: float = 10.0
 
 
 class Daemon:
-    """One serving process. `open_assembler` opens the sources for the serving life."""
+    """One serving process. `open_assembler` opens the sources for the serving life.
+
+    Before Health says SERVING (and sd_notify READY, and the listener's first
+    accept), the assembler's dependencies are warmed and one synthetic assembly
+    runs (`_warm`); a dependency down at start is logged and served without,
+    and is probed in the background until it answers (`ibex.service.dependencies`).
+    """
 
     def __init__(
         self,
@@ -98,6 +113,8 @@ class Daemon:
         self.loop_errors = LoopErrorHandler()
         self.server: grpclib.server.Server | None = None
         self.port: int | None = None
+        self.dependencies = DependencyStates(self.metrics.set_dependency_up)
+        self.branch_errors = BranchErrors(config.branch_errors_interval)
 
     def build_server(self, assembler: Assembler) -> grpclib.server.Server:
         service = ContextService(
@@ -107,6 +124,7 @@ class Daemon:
             authenticator=self.auth,
             config=self.edge,
             tracing=self.tracing,
+            branch_errors=self.branch_errors,
         )
         # Health and reflection read their requests as the service does (bounded, timed,
         # counted): they answer before any authentication.
@@ -171,8 +189,13 @@ class Daemon:
         shutdown = shutdown if shutdown is not None else trio.Event()
         async with trio_asyncio.open_loop() as loop, self._open_assembler() as assembler:
             loop.set_exception_handler(self.loop_errors)
+            await self._warm(assembler)
             tokenizers = assembler.tokenizers
-            self.metrics.set_token_cache_source(lambda: _cache_totals(tokenizers))
+            # Counted from here: the warm-up's token counts are not the callers'.
+            base_hits, base_misses = _cache_totals(tokenizers)
+            self.metrics.set_token_cache_source(
+                lambda: _cache_since(tokenizers, base_hits, base_misses)
+            )
             server = self.build_server(assembler)
             self.server = server
             # TLS is done by the tracked protocol (counted from accept, handshake timed),
@@ -194,13 +217,15 @@ class Daemon:
             if sock is not None:
                 await trio_asyncio.aio_as_trio(server.start)(sock=sock)
             else:
-                await trio_asyncio.aio_as_trio(server.start)(
-                    host, self.config.port, reuse_port=self.config.reuse_port or None
-                )
+                with _listening(host, self.config.port):
+                    await trio_asyncio.aio_as_trio(server.start)(
+                        host, self.config.port, reuse_port=self.config.reuse_port or None
+                    )
             self.port = bound_port(server)
             for own in self.config.own_ports:
                 also = functools.partial(listen_also, reuse_port=self.config.reuse_port)
-                await trio_asyncio.aio_as_trio(also)(server, host, own)
+                with _listening(host, own):
+                    await trio_asyncio.aio_as_trio(also)(server, host, own)
             self.health_status.set(True)
             log.info(
                 "serving",
@@ -219,12 +244,47 @@ class Daemon:
                 nursery.start_soon(run_watchdog, notifier)
                 nursery.start_soon(self.connections.run)
                 nursery.start_soon(_wait_signal, signals, shutdown, self.config.worker is None)
+                for dep in assembler.dependencies:
+                    nursery.start_soon(keep, dep, self.dependencies, self.config.dependencies)
+                nursery.start_soon(self.branch_errors.run)
                 await shutdown.wait()
                 notifier.stopping()
                 notifier.status("draining")
                 await self.drain(server)
                 nursery.cancel_scope.cancel()
+            self.branch_errors.flush()
             log.info("stopped", extra={"in_flight": self.admission.in_flight})
+
+    async def _warm(self, assembler: Assembler) -> None:
+        """Connect the dependencies (each bounded) while one synthetic assembly runs.
+
+        A dependency that did not answer is logged (`dependency_down`, with
+        `starting`) and the daemon serves without it; its `keep` task goes on.
+        """
+        t0 = trio.current_time()
+        took: dict[str, float] = {}
+        pipeline: list[float] = []
+
+        async def dependencies() -> None:
+            took.update(
+                await warm_all(assembler.dependencies, self.dependencies, self.config.dependencies)
+            )
+
+        async def assembly() -> None:
+            pipeline.append(await warm_pipeline(assembler))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(dependencies)
+            nursery.start_soon(assembly)
+        log.info(
+            "warmed",
+            extra={
+                "seconds": round(trio.current_time() - t0, 4),
+                "dependencies": took,
+                "down": self.dependencies.down(),
+                "assembly_s": round(pipeline[0], 4) if pipeline else None,
+            },
+        )
 
     def _answered(self, path: str, seconds: float) -> None:
         """A call's answer left: its server-side time, HEADERS to last byte written."""
@@ -270,6 +330,16 @@ class Daemon:
         await trio_asyncio.aio_as_trio(server.wait_closed)()
 
 
+@contextmanager
+def _listening(host: str, port: int) -> Iterator[None]:
+    """A failed bind as a ListenError naming the address (one line at start, no traceback)."""
+    try:
+        yield
+    except OSError as exc:
+        problem = bind_problem(exc)
+        raise ListenError(f"{join_host_port(host, port)}: {problem}", host, port) from None
+
+
 def _worker_trailer(worker: str) -> Callable[[SendTrailingMetadata], Any]:
     """Tag every response with the worker that served it (all statuses, sheds too)."""
 
@@ -282,6 +352,11 @@ def _worker_trailer(worker: str) -> Callable[[SendTrailingMetadata], Any]:
 def _cache_totals(tokenizers: Tokenizers) -> tuple[int, int]:
     info = tokenizers.cache_info()
     return sum(i.hits for i in info.values()), sum(i.misses for i in info.values())
+
+
+def _cache_since(tokenizers: Tokenizers, hits: int, misses: int) -> tuple[int, int]:
+    now_hits, now_misses = _cache_totals(tokenizers)
+    return max(0, now_hits - hits), max(0, now_misses - misses)
 
 
 async def _wait_signal(signals: Any, shutdown: trio.Event, alone: bool) -> None:

@@ -35,6 +35,7 @@ from ibex.errors import (
     Overloaded,
     Unavailable,
 )
+from ibex.ops.branch_errors import BranchErrors
 from ibex.ops.logs import bind_request
 from ibex.ops.metrics import Metrics
 from ibex.service import convert, pb
@@ -99,6 +100,7 @@ class ContextService:
         authenticator: Authenticator,
         config: EdgeConfig | None = None,
         tracing: Tracing | None = None,
+        branch_errors: BranchErrors | None = None,
     ) -> None:
         self.assembler = assembler
         self.admission = admission
@@ -106,6 +108,7 @@ class ContextService:
         self.auth = authenticator
         self.config = config or EdgeConfig()
         self.tracing = tracing
+        self.branch_errors = branch_errors  # failed branches, logged as a summary
 
     def __mapping__(self) -> dict[str, grpclib.const.Handler]:
         unary = grpclib.const.Cardinality.UNARY_UNARY
@@ -237,6 +240,8 @@ class ContextService:
         self, stream: grpclib.server.Stream[Any, Any], result: AssemblyResult
     ) -> None:
         self.metrics.observe_assembly(result)
+        if self.branch_errors is not None:
+            self.branch_errors.observe(result.branches)
         await stream.send_initial_metadata(
             metadata={
                 "x-ibex-degradation": result.degradation_level,

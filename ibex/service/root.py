@@ -8,7 +8,9 @@ settings table (`ibex.config.Settings`, whose rows name the layer fields they
 set), passing only the settings that are set, so each struct's own field
 default is the one default; `effective_settings` reads those defaults back for
 `ibex config`. The few values derived from others are computed here by hand,
-from the built structs.
+from the built structs. `config_warnings` names the settings that make the
+daemon serve less than it could (said at start and by `ibex check`), and
+`listen_problems` tries the addresses it will listen on (for `ibex check`).
 
 `open_assembler(settings)` builds the sources the settings name (Redis for
 directives, the memory service over HTTP, or the bundled local sample when
@@ -19,6 +21,8 @@ asyncio and is crossed into Trio with trio-asyncio.
 
 from __future__ import annotations
 
+import functools
+import socket
 import ssl
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -30,11 +34,20 @@ import trio
 from ibex.assembly.catalog import Catalog, load_catalog
 from ibex.assembly.nonce import NonceKey
 from ibex.assembly.pipeline import PipelineConfig
-from ibex.assembly.tokens import Tokenizers
+from ibex.assembly.tokens import TokenizerError, Tokenizers
 from ibex.assembly.validation import RequestLimits
-from ibex.config import TABLE, UNSET, Settings, layer_fields
-from ibex.errors import ConfigError
-from ibex.netaddr import split_host_port
+from ibex.config import (
+    DURATIONS,
+    PREFIX,
+    TABLE,
+    UNSET,
+    Settings,
+    format_duration,
+    layer_fields,
+    redact_url,
+)
+from ibex.errors import ConfigError, ConfigFileError
+from ibex.netaddr import bind_problem, join_host_port, split_host_port
 from ibex.ops.metrics import Metrics
 from ibex.ops.tracing import setup_tracing
 from ibex.service.admission import AdmissionConfig
@@ -42,6 +55,7 @@ from ibex.service.assembler import Assembler
 from ibex.service.auth import Authenticator, is_loopback
 from ibex.service.connections import ConnectionsConfig, default_max_connections
 from ibex.service.daemon import Daemon, DaemonConfig
+from ibex.service.dependencies import Dependency
 from ibex.service.handlers import EdgeConfig
 from ibex.sources.base import DirectiveSource, MemorySource
 from ibex.sources.directive_cache import DirectiveCache, DirectiveCacheConfig
@@ -56,11 +70,14 @@ __all__ = [
     "Assembler",
     "admission_config",
     "check_bind_policy",
+    "config_warnings",
     "connections_config",
     "drain_grace",
     "effective_settings",
     "layer_config",
     "layer_defaults",
+    "listen_problems",
+    "listen_variable",
     "load_static",
     "make_daemon",
     "open_assembler",
@@ -114,9 +131,173 @@ def layer_defaults() -> dict[str, Any]:
 
 
 def effective_settings(settings: Settings) -> dict[str, Any]:
-    """`settings.redacted()` with each unset targeted setting at its layer default: the
-    values the daemon runs with (what `ibex config` prints)."""
-    return {**layer_defaults(), **settings.redacted()}
+    """Every variable -> the value the daemon runs with (what `ibex config` prints).
+
+    An unset targeted setting shows its layer default, a computed one (the
+    connection caps from RLIMIT_NOFILE, the per-org cap, the age grace) the
+    value computed now; durations carry a unit (`45ms`, `5s`), secrets are
+    redacted. None is a setting that is off (no URL, no age limit).
+    """
+    values: dict[str, Any] = {**layer_defaults(), **settings.redacted()}
+    connections = connections_config(settings)
+    values.update(
+        max_org_assemblies=admission_config(settings).max_org_concurrent,
+        max_connections=connections.max_connections,
+        max_connections_per_peer=connections.max_per_peer,
+        max_connection_age_grace=connections.age_grace,
+    )
+    out: dict[str, Any] = {}
+    for field, row in TABLE.items():
+        value = values.get(field)
+        if field in DURATIONS and value is not None:
+            value = format_duration(value)
+        elif isinstance(value, tuple):
+            value = list(value)
+        out[PREFIX + row.suffix] = value
+    return out
+
+
+def config_warnings(settings: Settings) -> list[str]:
+    """Settings that make the daemon serve less than it could, each naming its variable.
+
+    Said once at start (`config_warning` log lines) and by `ibex check`; none
+    stops start-up, since each can be meant (a directive-only deployment), but
+    none should pass unseen: a branch timeout set above the retrieval wall (the
+    wall cuts the branch first), Redis without the memory service (every answer
+    has no memories) or the other way round (no directive), a password sent
+    to Redis or a sentinel off loopback without TLS.
+    """
+    out: list[str] = []
+    retrieval = layer_config(RetrievalConfig, settings)
+    wall = format_duration(retrieval.wall)
+    for field in ("directive_timeout", "hot_timeout", "cold_timeout"):
+        value = getattr(settings, field)
+        if value is not UNSET and value > retrieval.wall:
+            out.append(
+                f"{PREFIX}{TABLE[field].suffix}: {format_duration(value)} is above the retrieval "
+                f"wall of {wall} (min({PREFIX}TIMEOUT, {PREFIX}DEADLINE_MS)), which cuts "
+                "the branch first"
+            )
+    redis = f"{PREFIX}REDIS_SENTINELS" if settings.redis_sentinels else f"{PREFIX}REDIS_URL"
+    if settings.redis_configured and settings.memory_base_url is None:
+        out.append(
+            f"{PREFIX}MEMORY_BASE_URL: not set while {redis} is: every answer has no "
+            "memories (the hot and cold branches are skipped)"
+        )
+    if settings.memory_base_url is not None and not settings.redis_configured:
+        out.append(
+            f"{PREFIX}REDIS_URL: not set while {PREFIX}MEMORY_BASE_URL is: every answer "
+            "has no directive (the directive branch is skipped)"
+        )
+    out += _insecure_redis(settings)
+    return out
+
+
+def _insecure_redis(settings: Settings) -> list[str]:
+    """A Redis or Sentinel password that would cross the network in clear."""
+    url = settings.redis_url
+    scheme = url.partition("://")[0].lower() if url else ""
+    if scheme in ("rediss", "unix"):  # TLS (to the sentinels too), or no network at all
+        return []
+    out: list[str] = []
+    sentinels = [split_host_port(a)[0] for a in settings.redis_sentinels]
+    remote_sentinels = [h for h in sentinels if not is_loopback(h)]
+    if settings.redis_sentinel_password and remote_sentinels:
+        out.append(
+            f"{PREFIX}REDIS_SENTINEL_PASSWORD: sent in clear to {remote_sentinels[0]} (not "
+            f"loopback); a rediss:// {PREFIX}REDIS_URL puts the sentinel connections on TLS"
+        )
+    if url and _url_has_password(url):
+        # With Sentinel the data nodes are whatever the sentinels name: off loopback
+        # unless every sentinel is local.
+        host = _url_host(url)
+        remote = bool(remote_sentinels) if sentinels else not is_loopback(host)
+        if remote:
+            where = "the nodes the sentinels name" if sentinels else host
+            out.append(
+                f"{PREFIX}REDIS_URL: its password is sent in clear to {where} (not "
+                "loopback); use rediss://"
+            )
+    return out
+
+
+def _url_has_password(url: str) -> bool:
+    """Userinfo, or a password-like query parameter (redis-py reads `password`)."""
+    rest = url.partition("://")[2]
+    if "@" in rest:
+        return True
+    query = rest.partition("#")[0].partition("?")[2]
+    return any(
+        k.strip().lower() == "password" for k, _, _ in (p.partition("=") for p in query.split("&"))
+    )
+
+
+def _url_host(url: str) -> str:
+    """The host of `scheme://[userinfo@]host[:port][/path]` (brackets dropped)."""
+    authority = url.partition("://")[2].rpartition("@")[2]
+    for stop in "/?#":
+        authority = authority.partition(stop)[0]
+    if authority.startswith("["):
+        return authority[1:].partition("]")[0]
+    return authority.partition(":")[0]
+
+
+def listen_problems(settings: Settings) -> list[tuple[str, str]]:
+    """(address, problem) for each address `ibex serve` would listen on and cannot bind now.
+
+    Each address is bound and closed at once, as the daemon binds it (every
+    address the host resolves to, SO_REUSEADDR): the gRPC address, each
+    worker's own port, the metrics address. A daemon already serving there
+    makes its address show as in use, which is what a check before a start
+    should say.
+    """
+    host, port = split_host_port(settings.grpc_addr)
+    addrs = [(f"{PREFIX}GRPC_ADDR", host, port)]
+    addrs += [(f"{PREFIX}WORKER_PORT_BASE", host, p) for p in settings.worker_ports()]
+    if settings.metrics_addr:
+        addrs.append((f"{PREFIX}METRICS_ADDR", *split_host_port(settings.metrics_addr)))
+    out: list[tuple[str, str]] = []
+    for variable, h, p in addrs:
+        problem = try_bind(h, p)
+        if problem is not None:
+            out.append((f"{join_host_port(h, p)} ({variable})", problem))
+    return out
+
+
+def listen_variable(settings: Settings, port: int) -> str:
+    """The variable that names listening port `port` (for a ListenError's one line).
+
+    A worker's own port is WORKER_PORT_BASE + its slot; a worker process's
+    settings say one worker, so its port is not among `worker_ports()`.
+    """
+    if port == split_host_port(settings.grpc_addr)[1]:
+        return f"{PREFIX}GRPC_ADDR"
+    if settings.metrics_addr and split_host_port(settings.metrics_addr)[1] == port:
+        return f"{PREFIX}METRICS_ADDR"
+    if settings.worker_port_base is not None:
+        return f"{PREFIX}WORKER_PORT_BASE"
+    return f"{PREFIX}GRPC_ADDR"
+
+
+def try_bind(host: str, port: int) -> str | None:
+    """Why `host:port` cannot be listened on now (None when it can); nothing stays bound."""
+    try:
+        infos = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except OSError as exc:
+        return f"cannot resolve: {exc.strerror or exc}"
+    for family, kind, proto, _, sockaddr in infos:
+        try:
+            with socket.socket(family, kind, proto) as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                sock.bind(sockaddr)
+                sock.listen(1)
+        except OSError as exc:
+            return bind_problem(exc)
+    return None
 
 
 def admission_config(settings: Settings) -> AdmissionConfig:
@@ -162,7 +343,10 @@ def load_static(settings: Settings) -> tuple[Catalog, Tokenizers]:
     tokenizers = Tokenizers(
         settings.tiktoken_dir, settings.token_cache_entries, settings.token_cache_bytes
     )
-    tokenizers.preload(sorted(catalog.encodings()))
+    try:
+        tokenizers.preload(sorted(catalog.encodings()))
+    except TokenizerError as exc:
+        raise TokenizerError(f"{PREFIX}TIKTOKEN_DIR: {exc}") from None
     return catalog, tokenizers
 
 
@@ -197,6 +381,20 @@ def redis_directive_source(settings: Settings) -> tuple[RedisDirectiveSource, st
     return RedisDirectiveSource(settings.redis_url), "redis"
 
 
+# Seconds an idle memory-service connection must still have before it expires for the
+# keep-warm probe (every second) to leave it: the next one replaces it before it lapses.
+MEMORY_FRESH_FOR = 2.0
+
+
+def redis_target(settings: Settings) -> str:
+    """Where the directive source reads, for logs: URLs redacted, sentinels named."""
+    url = redact_url(settings.redis_url) if settings.redis_url else ""
+    if settings.redis_sentinels:
+        sentinels = ",".join(settings.redis_sentinels)
+        return f"sentinel {sentinels} master {settings.redis_sentinel_master}"
+    return f"cluster {url}" if settings.redis_cluster else url
+
+
 def uses_local_sample(settings: Settings) -> bool:
     """The backend choice: the bundled local sample serves directives and memories when
     neither Redis nor a memory-service URL is set (the daemon and `ibex check` agree)."""
@@ -220,6 +418,7 @@ async def open_assembler(
     redis: RedisDirectiveSource | None = None
     background = AsyncExitStack()  # the memory source with its nursery (drains of cut calls)
     backend: list[str] = []
+    dependencies: list[Dependency] = []
     if uses_local_sample(settings):
         local = LocalFileSource.load(
             settings.local_source_path, max_content_bytes=settings.memory_max_content_bytes
@@ -231,6 +430,9 @@ async def open_assembler(
             redis, kind = redis_directive_source(settings)
             directive_source = redis
             backend.append(kind)
+            dependencies.append(
+                Dependency("redis", redis_target(settings), functools.partial(redis.warm, 1))
+            )
             cache_config = layer_config(DirectiveCacheConfig, settings)
             if cache_config.max_entries > 0:
                 cache = DirectiveCache(redis, cache_config)
@@ -240,6 +442,8 @@ async def open_assembler(
             await background.enter_async_context(http)
             memory_source = feedback_sink = http
             backend.append("memory-http")
+            warm = functools.partial(http.warm, 1, fresh_for=MEMORY_FRESH_FOR)
+            dependencies.append(Dependency("memory", redact_url(settings.memory_base_url), warm))
     try:
         yield Assembler(
             catalog=catalog,
@@ -252,6 +456,7 @@ async def open_assembler(
             backend="+".join(backend),
             feedback_sink=feedback_sink,
             nonce_key=NonceKey(settings.nonce_key) if settings.nonce_key else None,
+            dependencies=dependencies,
         )
     finally:
         # The directive cache's reads end first, then the memory source (closed shielded,
@@ -271,12 +476,12 @@ def server_ssl_context(settings: Settings) -> ssl.SSLContext | None:
     try:
         ctx.load_cert_chain(settings.tls_cert, settings.tls_key)
     except (OSError, ssl.SSLError) as exc:
-        raise ConfigError(f"IBEX_CONTEXT_TLS_CERT/KEY: cannot load: {exc}") from None
+        raise ConfigFileError(f"IBEX_CONTEXT_TLS_CERT/KEY: cannot load: {exc}") from None
     if settings.tls_client_ca:
         try:
             ctx.load_verify_locations(settings.tls_client_ca)
         except (OSError, ssl.SSLError) as exc:
-            raise ConfigError(f"IBEX_CONTEXT_TLS_CLIENT_CA: cannot load: {exc}") from None
+            raise ConfigFileError(f"IBEX_CONTEXT_TLS_CLIENT_CA: cannot load: {exc}") from None
         ctx.verify_mode = ssl.CERT_REQUIRED
     ctx.set_alpn_protocols(["h2"])
     return ctx

@@ -54,6 +54,7 @@ slot, and a pool that leaks slots ends up serving nothing):
 
 from __future__ import annotations
 
+import contextlib
 import select
 import socket
 import ssl
@@ -92,6 +93,10 @@ _RECV_BYTES: Final = 64 * 1024
 # Drain caps for a cancelled call's answer: past either, reconnecting is the cheaper way.
 DRAIN_BYTES: Final = 64 * 1024
 DRAIN_SECONDS: Final = 1.0
+# How long a warmed TLS 1.3 connection waits for the server's session tickets (`_settle`),
+# when new, and when an idle one turns readable later.
+SETTLE_SECONDS: Final = 0.25
+SETTLE_AGAIN_SECONDS: Final = 0.02
 _TOKEN_SEPARATORS: Final = frozenset(b' \t"(),/:;<=>?@[\\]{}')
 
 
@@ -393,6 +398,109 @@ class HttpPool:
         for scope in self._drains:
             scope.cancel()
         await trio.lowlevel.checkpoint()
+
+    async def warm(self, min_idle: int = 1, fresh_for: float = 0.0) -> int:
+        """Open connections until `min_idle` idle ones stay usable `fresh_for` more seconds.
+
+        So a call finds its connection made (TCP and, for https, the TLS handshake
+        and the server's session tickets read, see `_settle`) instead of connecting
+        inside its branch's budget: before the first call, and while idle, since
+        idle connections expire after `keepalive_expiry`. Idle connections that
+        expired, or that the server closed, are dropped first. Only free slots are
+        used, never queued for: a pool whose slots are all leased is in use, hence
+        warm. Returns how many connections were opened; TransportError
+        (ConnectError) when a connect fails. The caller bounds the time.
+        """
+        if self._closed:
+            raise RuntimeError("HTTP pool is closed")
+        await self._sweep()
+        opened = 0
+        while self._fresh_idle(fresh_for) < min_idle:
+            try:
+                self._slots.acquire_nowait()
+            except trio.WouldBlock:
+                break
+            try:
+                conn = await self._connect()
+                try:
+                    clean = await self._settle(conn, SETTLE_SECONDS)
+                except BaseException:
+                    conn.close()
+                    raise
+            finally:
+                self._slots.release()
+            opened += 1
+            if not clean or self._closed:
+                conn.close()
+                if not clean:  # the server answered nothing asked, or closed at once
+                    raise transport_error("ConnectError")
+                break
+            # An idle pooled connection like any other: one the server closes before
+            # it is used gets the one re-send on a fresh connection.
+            conn.reused = True
+            conn.idle_since = trio.current_time()
+            self._idle.append(conn)
+        return opened
+
+    async def _sweep(self) -> None:
+        """Close idle connections that expired, or that the server closed or wrote to;
+        a TLS one with records waiting is settled first (late session tickets)."""
+        horizon = trio.current_time() - self._keepalive_expiry
+        keep, suspects = [], []
+        for conn in self._idle:
+            if conn.idle_since < horizon:
+                conn.close()
+            elif not conn.dead_or_dirty():
+                keep.append(conn)
+            elif isinstance(conn.stream, trio.SSLStream):
+                suspects.append(conn)
+            else:
+                conn.close()
+        self._idle[:] = keep
+        for conn in suspects:  # out of the idle list while read: no call can take them
+            try:
+                clean = await self._settle(conn, SETTLE_AGAIN_SECONDS)
+            except BaseException:
+                conn.close()
+                raise
+            if clean and not self._closed:
+                self._idle.append(conn)
+                self._idle.sort(key=lambda c: c.idle_since)  # oldest first
+            else:
+                conn.close()
+
+    async def _settle(self, conn: _Conn, patience: float) -> bool:
+        """Read what a TLS 1.3 server sends after the handshake; True if `conn` is clean.
+
+        The server sends its session tickets once it has the client's Finished,
+        after the client's handshake has returned. Unread, they make the socket
+        readable while the connection is idle, and the reuse check closes it as
+        dirty: every warmed connection would be thrown away by its first call.
+        They carry no application data, so they are read here, for at most
+        `patience` seconds or until the session holds a ticket. Application data
+        or EOF on a connection nobody asked anything of makes it unclean. Plain
+        TCP and older TLS (tickets inside the handshake) only get the idle check.
+        """
+        stream = conn.stream
+        if not isinstance(stream, trio.SSLStream) or stream.version() != "TLSv1.3":
+            return not conn.dead_or_dirty()
+        deadline = trio.current_time() + patience
+        while (left := deadline - trio.current_time()) > 0:
+            with trio.move_on_after(min(left, 0.005)):
+                with contextlib.suppress(
+                    trio.BrokenResourceError, trio.ClosedResourceError, OSError
+                ):
+                    await stream.receive_some(_RECV_BYTES)
+                return False  # data, EOF or a broken stream: nothing to keep
+            session = stream.session
+            if session is not None and session.has_ticket and not conn.dead_or_dirty():
+                break
+        return not conn.dead_or_dirty()
+
+    def _fresh_idle(self, fresh_for: float) -> int:
+        """Idle connections that will not expire within `fresh_for` seconds."""
+        horizon = trio.current_time() - self._keepalive_expiry + fresh_for
+        return sum(1 for conn in self._idle if conn.idle_since >= horizon)
 
     async def request(
         self,

@@ -52,7 +52,7 @@ import trio
 from ibex.assembly.feedback import Feedback, ScoreUpdate
 from ibex.assembly.structs import Directive, InjectionMode, MemoryHit
 from ibex.assembly.validation import uuid_text
-from ibex.errors import ConfigError
+from ibex.errors import ConfigFileError
 from ibex.sources.memory_schema import (
     DEFAULT_MAX_CONTENT_BYTES,
     MemoryFields,
@@ -78,7 +78,7 @@ on or should that the their this to was what when where which who why will with 
 _STOPWORDS = frozenset(_STOPWORD_TEXT.split())
 
 
-class LocalFileError(ConfigError):
+class LocalFileError(ConfigFileError):
     """The local source file is missing or invalid; the message names file and item."""
 
 

@@ -220,6 +220,35 @@ class MemoryHttpSource:
         if stack is not None:
             await stack.aclose()
 
+    async def warm(self, min_idle: int = 1, fresh_for: float = 0.0) -> None:
+        """Give the hot and cold pools `min_idle` idle connections each, usable for
+        `fresh_for` more seconds (`HttpPool.warm`): connected, TLS handshake done.
+
+        Before the first call, and periodically while idle (idle connections expire
+        after `keepalive_expiry`). SourceError naming the branch when a connect
+        fails; the caller bounds the time. The feedback pool is left cold: its
+        calls have seconds, not a branch's milliseconds.
+        """
+        _require_trio()
+        failed: list[str] = []
+
+        async def one(branch: Branch) -> None:
+            try:
+                await self._open_pool(branch).warm(min_idle, fresh_for)
+            except TransportError as exc:  # fixed, safe text
+                failed.append(f"{branch}: {exc}")
+
+        async with trio.open_nursery() as nursery:
+            for branch in BRANCHES:
+                nursery.start_soon(one, branch)
+        if failed:
+            raise SourceError("; ".join(sorted(failed)))
+
+    @property
+    def keepalive_expiry(self) -> float:
+        """Seconds an idle pooled connection is kept."""
+        return self._keepalive_expiry
+
     async def hot(
         self, org_id: str, agent_id: str, *, limit: int, min_confidence: float
     ) -> list[MemoryHit]:

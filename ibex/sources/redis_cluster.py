@@ -64,12 +64,7 @@ class ClusterReader:
         """The GET's reply, as redis-py gives it; Redis errors raised as redis-py's."""
         cluster = self.client
         if not cluster.ready:
-            # The first topology read: nothing can be routed without it. Shielded: a
-            # GET cancelled here stops waiting; the read goes on for the next GET.
-            task = self._refresh
-            if task is None or (task.done() and (task.cancelled() or task.exception())):
-                task = self._refresh = asyncio.ensure_future(cluster.initialize())
-            await asyncio.shield(task)
+            await self._first_topology()
         else:
             self._maybe_refresh()
         nodes = cluster.nodes_manager.slots_cache.get(cluster.keyslot(key))
@@ -99,6 +94,25 @@ class ClusterReader:
             cluster.want_refresh(node)
             raise SourceError(f"redis cluster: {type(exc).__name__}") from None
         return reply
+
+    async def warm(self, connections: int = 1) -> None:
+        """Read the topology (if not yet read) and PING every master once, so the
+        first GETs find a slot map and a connection to each master. `connections`
+        is per master and only 1 is made: a node's connections are redis-py's.
+        Raises redis-py's errors; the caller bounds the time."""
+        cluster = self.client
+        if not cluster.ready:
+            await self._first_topology()
+        for node in cluster.get_primaries():
+            await node.execute_command("PING")
+
+    async def _first_topology(self) -> None:
+        """The first topology read: nothing can be routed without it. Shielded: a
+        caller cancelled here stops waiting; the read goes on for the next one."""
+        task = self._refresh
+        if task is None or (task.done() and (task.cancelled() or task.exception())):
+            task = self._refresh = asyncio.ensure_future(self.client.initialize())
+        await asyncio.shield(task)
 
     async def close(self) -> None:
         if self._refresh is not None and not self._refresh.done():

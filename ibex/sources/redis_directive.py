@@ -148,6 +148,8 @@ class _Reader(Protocol):
 
     async def get(self, key: str) -> object: ...
 
+    async def warm(self, connections: int) -> None: ...
+
     async def close(self) -> None: ...
 
 
@@ -265,6 +267,27 @@ class RedisDirectiveSource:
         raw = await trio_asyncio.aio_as_trio(self._get)(key)
         return decode_directive(raw, self._max_value_bytes)
 
+    async def warm(self, connections: int = 1) -> None:
+        """Make the connections a read needs now, not on a call's path. Trio-async.
+
+        One endpoint and Sentinel: lease `connections` pooled connections at once
+        (opening those the pool lacks; Sentinel asks the sentinels for the
+        master), PING each and release them. Cluster: read the topology and PING
+        every master once. Raises SourceError (no secret in it) when Redis cannot
+        be reached; the caller bounds the time. Also the liveness probe: a PING on
+        the connection the next GET takes resets its health-check clock, so an
+        idle pool never pays redis-py's health-check PING inside a 5 ms branch.
+        """
+        if self._closed:
+            raise SourceError("redis directive source is closed")
+        await trio_asyncio.aio_as_trio(self._warm)(connections)
+
+    async def _warm(self, connections: int) -> None:
+        try:
+            await self._reader.warm(connections)
+        except (RedisError, RedisClusterException, OSError) as exc:
+            raise _source_error(exc) from None
+
     async def aclose(self) -> None:
         """Disconnect every pooled connection. Trio-async, inside the same loop."""
         if self._closed:
@@ -299,6 +322,23 @@ class RedisDirectiveSource:
         return reply
 
 
+def _source_error(exc: BaseException) -> SourceError:
+    """A redis-py error as a SourceError whose text holds no secret (no URL, no reply text)."""
+    if isinstance(exc, RedisTimeoutError):
+        return SourceError("redis: timed out")
+    if isinstance(exc, MaxConnectionsError):
+        return SourceError("redis: connection pool exhausted")
+    if isinstance(exc, MasterNotFoundError):
+        return SourceError("redis: no master found by the sentinels")
+    if isinstance(exc, RedisConnectionError):
+        return SourceError("redis: connection failed")
+    if isinstance(exc, ResponseError):
+        return SourceError(f"redis: error reply {str(exc).split(' ', 1)[0][:32]}")
+    if isinstance(exc, RedisClusterException):
+        return SourceError(f"redis cluster: {type(exc).__name__}")
+    return SourceError(f"redis: {type(exc).__name__}")
+
+
 class _PoolReader:
     """GETs on leased connections of one pool (one endpoint, or Sentinel's master)."""
 
@@ -321,6 +361,25 @@ class _PoolReader:
                 # One broken pooled socket usually means the server restarted: its
                 # idle siblings are stale too, so drop them rather than burn requests.
                 await _drop_idle(self.pool)
+
+    async def warm(self, connections: int) -> None:
+        """Lease `connections` connections at once, PING each, release them (LIFO: the
+        last released is the next GET's). A failed one is closed before release."""
+        pool = self.pool
+        leased: list[Any] = []
+        try:
+            for _ in range(max(1, connections)):
+                leased.append(await pool.get_connection())
+            for conn in leased:
+                await conn.send_command("PING")
+                await conn.read_response()
+        except BaseException:
+            for conn in leased:
+                await conn.disconnect(nowait=True)
+            raise
+        finally:
+            for conn in reversed(leased):
+                await pool.release(conn)
 
     async def close(self) -> None:
         try:

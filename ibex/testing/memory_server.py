@@ -127,6 +127,10 @@ class FakeMemoryServer:
         self.hot = Endpoint()
         self.cold = Endpoint()
         self.feedback = Endpoint()
+        # Milliseconds a new connection waits before it is served (before its TLS
+        # handshake): a slow accept or a distant TLS terminator. Only a connection's
+        # first exchange pays it, so it shows what a client pays to connect.
+        self.connect_latency_ms = 0.0
         # Feedback state: key -> (request body, answer); (org, id) -> usefulness;
         # memory id -> times feedback was applied to it.
         self._feedback_keys: dict[str, tuple[bytes, bytes]] = {}
@@ -408,6 +412,9 @@ class _Handler(BaseHTTPRequestHandler):
     server: _Server
 
     def setup(self) -> None:
+        delay = self.server.owner.connect_latency_ms
+        if delay > 0:
+            self.server.owner._stopping.wait(delay / 1000)
         if isinstance(self.request, ssl.SSLSocket):
             self.request.settimeout(5.0)
             self.request.do_handshake()

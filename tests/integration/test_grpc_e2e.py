@@ -408,6 +408,7 @@ async def test_cli_config_redacts_secrets() -> None:
     out = await in_thread(
         run_cli,
         "config",
+        "--json",
         env={
             "IBEX_CONTEXT_MEMORY_BASE_URL": "http://127.0.0.1:9",
             "IBEX_CONTEXT_MEMORY_API_TOKEN": token,
@@ -416,14 +417,18 @@ async def test_cli_config_redacts_secrets() -> None:
     )
     assert out.returncode == 0, out.stderr
     shown = json.loads(out.stdout)
-    assert shown["memory_api_token"] == "<redacted>"
-    assert shown["auth_tokens_sha256"] == ["<redacted>"]
-    assert shown["memory_base_url"] == "http://127.0.0.1:9"
+    assert shown["IBEX_CONTEXT_MEMORY_API_TOKEN"] == "<redacted>"
+    assert shown["IBEX_CONTEXT_AUTH_TOKENS_SHA256"] == ["<redacted>"]
+    assert shown["IBEX_CONTEXT_MEMORY_BASE_URL"] == "http://127.0.0.1:9"
     assert token not in out.stdout + out.stderr and "ab" * 32 not in out.stdout
 
 
 async def test_cli_check(tmp_path: Path) -> None:
-    good = await in_thread(run_cli, "check")
+    from ibex.testing.grpc_harness import free_port
+
+    # `ibex check` tries the bind: a free port, not the default another daemon may hold.
+    free = {"IBEX_CONTEXT_GRPC_ADDR": f"127.0.0.1:{free_port()}"}
+    good = await in_thread(run_cli, "check", env=free)
     assert good.returncode == 0, good.stdout + good.stderr
     assert "catalog: ok" in good.stdout
 
@@ -442,8 +447,8 @@ async def test_cli_serve_refuses_bad_settings(tmp_path: Path) -> None:
     bad = tmp_path / "catalog.json"
     bad.write_text("{not json")
     out = await in_thread(run_cli, "serve", env={"IBEX_CONTEXT_CATALOG_PATH": str(bad)})
-    assert out.returncode == 2, out.stderr
-    assert out.stderr.startswith("ibex: configuration error: IBEX_CONTEXT_CATALOG_PATH")
+    assert out.returncode == 4, out.stderr  # a file a setting names (docs/operations.md)
+    assert out.stderr.startswith("ibex: cannot load a file: IBEX_CONTEXT_CATALOG_PATH")
 
 
 # -- malformed and oversize requests ------------------------------------------------------------

@@ -340,7 +340,25 @@ def test_unknown_model_without_available_tokens_is_refused(available: int) -> No
     assert info.value.field == "model"
     # The echoed name is cut at 64 characters.
     name = ("mystery-1" + "x" * 100)[:64]
-    assert str(info.value) == f"model: unknown model {name!r} and available_tokens not set"
+    # It says what would be accepted: the known ids, the catalog setting, a window.
+    assert str(info.value) == (
+        f"model: unknown model {name!r} and available_tokens not set; known models: "
+        "known-model (a dated id resolves to the known id it starts with); "
+        "add models with IBEX_CONTEXT_CATALOG_PATH, or send available_tokens"
+    )
+
+
+def test_unknown_model_error_lists_a_bounded_number_of_known_models() -> None:
+    """An operator catalog may add hundreds of models: the error names the first 20 in
+    sorted order and counts the rest."""
+    models = {f"m{i:03d}": ModelCapability("p", 50_000, 2_000, "fam-x") for i in range(45)}
+    catalog = Catalog(
+        {"unknown": FamilyPolicy(0.05), "fam-x": FamilyPolicy(0.01, "o200k_base")}, models
+    )
+    with pytest.raises(InputError) as info:
+        resolve_model(catalog, "mystery", 0)
+    listed = ", ".join(f"m{i:03d}" for i in range(20))
+    assert f"known models: {listed} and 25 more (" in str(info.value)
 
 
 def test_known_model_ignores_available_tokens_when_resolving() -> None:

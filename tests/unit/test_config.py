@@ -5,8 +5,11 @@ from __future__ import annotations
 import pytest
 
 from ibex.config import (
+    DURATIONS,
     PREFIX,
+    TABLE,
     ConfigError,
+    format_duration,
     known_variables,
     load_settings,
     parse_duration,
@@ -16,29 +19,104 @@ from ibex.config import (
 
 
 @pytest.mark.parametrize(
-    "raw,seconds", [("45", 0.045), ("45ms", 0.045), ("0.2s", 0.2), (" 5 ms ", 0.005)]
+    "raw,seconds",
+    [
+        ("45", 0.045),
+        ("45ms", 0.045),
+        ("0.2s", 0.2),
+        (" 5 ms ", 0.005),
+        ("2m", 120.0),
+        ("1.5m", 90.0),
+        ("1h", 3600.0),
+    ],
 )
 def test_durations(raw: str, seconds: float) -> None:
+    """docs/configuration.md: a unit of ms, s, m or h; a bare number is milliseconds."""
     assert parse_duration("X", raw) == pytest.approx(seconds)
 
 
-@pytest.mark.parametrize("raw", ["0", "-5", "abc", "nan", "inf", "1e999s", "5 minutes", ""])
+@pytest.mark.parametrize("raw", ["0", "-5", "abc", "nan", "inf", "1e999s", "5 minutes", "", "5d"])
 def test_bad_durations_name_the_variable(raw: str) -> None:
     with pytest.raises(ConfigError, match="IBEX_CONTEXT_TIMEOUT"):
         load_settings({"IBEX_CONTEXT_TIMEOUT": raw or "  x"})
+
+
+#: The duration settings documented in seconds: a bare number is refused, not read as ms.
+SECONDS_SETTINGS = [
+    "MAX_QUEUE_WAIT",
+    "REQUEST_READ_TIMEOUT",
+    "DIRECTIVE_CACHE_TTL",
+    "DIRECTIVE_CACHE_MAX_AGE",
+    "DRAIN_GRACE",
+    "CONNECTION_AUTH_TIMEOUT",
+    "TLS_HANDSHAKE_TIMEOUT",
+    "CONNECTION_IDLE_TIMEOUT",
+    "MAX_CONNECTION_AGE",
+    "MAX_CONNECTION_AGE_GRACE",
+]
+
+
+@pytest.mark.parametrize("suffix", SECONDS_SETTINGS)
+def test_a_bare_number_is_refused_where_it_would_change_the_meaning(suffix: str) -> None:
+    """`MAX_QUEUE_WAIT=45` must not be 45 s beside `TIMEOUT=45` being 45 ms: it asks for
+    a unit, naming the variable; with one it is read as given."""
+    name = PREFIX + suffix
+    with pytest.raises(ConfigError) as caught:
+        load_settings({name: "45"})
+    assert str(caught.value).startswith(
+        f"{name}: give a unit, e.g. 45ms or 5s (a bare number would be milliseconds)"
+    )
+    field = next(f for f, row in TABLE.items() if row.suffix == suffix)
+    assert getattr(load_settings({name: "45s"}), field) == 45.0
+    assert getattr(load_settings({name: "450ms"}), field) == pytest.approx(0.45)
+    assert getattr(load_settings({name: "2m"}), field) == 120.0
+
+
+def test_every_duration_setting_is_read_one_way() -> None:
+    """Each duration takes every unit; a bare number is milliseconds or refused, never
+    seconds."""
+    assert {TABLE[f].suffix for f in DURATIONS} >= set(SECONDS_SETTINGS) | {"TIMEOUT"}
+    for field in DURATIONS:
+        name = PREFIX + TABLE[field].suffix
+        assert getattr(load_settings({name: "1.5s"}), field) == 1.5
+        try:
+            bare = getattr(load_settings({name: "45"}), field)
+        except ConfigError as exc:
+            assert str(exc).startswith(f"{name}: give a unit")
+        else:
+            assert bare == pytest.approx(0.045), name
+
+
+@pytest.mark.parametrize(
+    "seconds,shown",
+    [(0.045, "45ms"), (0.04, "40ms"), (0.0005, "0.5ms"), (1.0, "1s"), (1.5, "1.5s"), (300, "300s")],
+)
+def test_a_duration_is_shown_with_a_unit_that_reads_back(seconds: float, shown: str) -> None:
+    assert format_duration(seconds) == shown
+    assert parse_duration("X", shown, bare=False) == pytest.approx(seconds)
 
 
 def test_defaults_match_the_contract() -> None:
     from ibex.service.root import effective_settings
 
     s = effective_settings(load_settings({}))
-    assert (s["timeout"], s["deadline"]) == (0.045, 0.040)
-    assert (s["directive_timeout"], s["hot_timeout"], s["cold_timeout"]) == (0.005, 0.015, 0.045)
-    assert s["grpc_addr"] == "127.0.0.1:9092"
-    assert (s["packer_dp_cell_ceiling"], s["packer_max_consecutive_skips"]) == (437570, 5)
-    assert s["formatter_nonce_bytes"] == 16
-    assert s["token_cache_bytes"] == 32 * 1024 * 1024
-    assert (s["max_in_flight"], s["max_in_flight_bytes"]) == (256, 64 * 1024 * 1024)
+    assert (s[PREFIX + "TIMEOUT"], s[PREFIX + "DEADLINE_MS"]) == ("45ms", "40ms")
+    assert (
+        s[PREFIX + "DIRECTIVE_TIMEOUT_MS"],
+        s[PREFIX + "HOT_TIMEOUT_MS"],
+        s[PREFIX + "COLD_TIMEOUT_MS"],
+    ) == ("5ms", "15ms", "45ms")
+    assert s[PREFIX + "GRPC_ADDR"] == "127.0.0.1:9092"
+    assert (s[PREFIX + "PACKER_DP_CELL_CEILING"], s[PREFIX + "PACKER_MAX_CONSECUTIVE_SKIPS"]) == (
+        437570,
+        5,
+    )
+    assert s[PREFIX + "FORMATTER_NONCE_BYTES"] == 16
+    assert s[PREFIX + "TOKEN_CACHE_BYTES"] == 32 * 1024 * 1024
+    assert (s[PREFIX + "MAX_IN_FLIGHT"], s[PREFIX + "MAX_IN_FLIGHT_BYTES"]) == (
+        256,
+        64 * 1024 * 1024,
+    )
     assert load_settings({"IBEX_CONTEXT_MAX_IN_FLIGHT_BYTES": "2048"}).max_in_flight_bytes == 2048
     assert load_settings({"IBEX_CONTEXT_FORMATTER_NONCE_BYTES": "8"}).formatter_nonce_bytes == 8
 
@@ -227,7 +305,7 @@ def test_unknown_variables_name_the_closest_known_one() -> None:
         "IBEX_CONTEXT_ZZZZZZZZZZZZ": "1",
         "IBEX_CONTEXT_CLIENT_TOKEN": "used by the CLI client",
         "IBEX_CONTEXT_TIMEOUT": "45ms",
-        "IBEX_CONTEXT_MAX_CONNECTION_AGE": "1800",
+        "IBEX_CONTEXT_MAX_CONNECTION_AGE": "1800s",
         "OTHER_VARIABLE": "ignored",
     }
     assert unknown_variables(env) == [
@@ -254,15 +332,15 @@ def test_connection_settings() -> None:
     s = load_settings(
         {
             "IBEX_CONTEXT_MAX_CONNECTIONS": "100",
-            "IBEX_CONTEXT_CONNECTION_IDLE_TIMEOUT": "90",
-            "IBEX_CONTEXT_MAX_CONNECTION_AGE": "600",
+            "IBEX_CONTEXT_CONNECTION_IDLE_TIMEOUT": "90s",
+            "IBEX_CONTEXT_MAX_CONNECTION_AGE": "10m",
             "IBEX_CONTEXT_MAX_CONNECTION_AGE_GRACE": "500ms",
         }
     )
     assert (s.max_connections, s.connection_idle_timeout) == (100, 90.0)
     assert (s.max_connection_age, s.max_connection_age_grace) == (600.0, 0.5)
     with pytest.raises(ConfigError, match="IBEX_CONTEXT_MAX_CONNECTION_AGE"):
-        load_settings({"IBEX_CONTEXT_MAX_CONNECTION_AGE": "0"})
+        load_settings({"IBEX_CONTEXT_MAX_CONNECTION_AGE": "0s"})
     with pytest.raises(ConfigError, match="IBEX_CONTEXT_MAX_CONNECTIONS"):
         load_settings({"IBEX_CONTEXT_MAX_CONNECTIONS": "0"})
 
@@ -282,7 +360,7 @@ def test_fair_connection_settings() -> None:
     s = load_settings(
         {
             "IBEX_CONTEXT_MAX_CONNECTIONS_PER_PEER": "7",
-            "IBEX_CONTEXT_CONNECTION_AUTH_TIMEOUT": "3",
+            "IBEX_CONTEXT_CONNECTION_AUTH_TIMEOUT": "3s",
             "IBEX_CONTEXT_TLS_HANDSHAKE_TIMEOUT": "1500ms",
         }
     )
@@ -300,6 +378,26 @@ def test_directive_cache_max_age() -> None:
     assert layer_config(DirectiveCacheConfig, load_settings({})).max_age == 2.0
     got = load_settings({"IBEX_CONTEXT_DIRECTIVE_CACHE_MAX_AGE": "500ms"})
     assert got.directive_cache_max_age == 0.5
-    assert load_settings({"IBEX_CONTEXT_DIRECTIVE_CACHE_MAX_AGE": "3"}).directive_cache_max_age == 3
+    got = load_settings({"IBEX_CONTEXT_DIRECTIVE_CACHE_MAX_AGE": "3s"})
+    assert got.directive_cache_max_age == 3
     with pytest.raises(ConfigError, match="IBEX_CONTEXT_DIRECTIVE_CACHE_MAX_AGE"):
-        load_settings({"IBEX_CONTEXT_DIRECTIVE_CACHE_MAX_AGE": "0"})
+        load_settings({"IBEX_CONTEXT_DIRECTIVE_CACHE_MAX_AGE": "0s"})
+
+
+def test_a_listening_port_is_named_by_its_variable() -> None:
+    """The one line of a failed bind names the setting: worker i's own port is
+    WORKER_PORT_BASE + i, also in a worker process, whose settings say one worker."""
+    from ibex.service.root import listen_variable
+
+    worker = load_settings(
+        {
+            "IBEX_CONTEXT_GRPC_ADDR": "127.0.0.1:9092",
+            "IBEX_CONTEXT_WORKER_PORT_BASE": "9100",
+            "IBEX_CONTEXT_METRICS_ADDR": "9464",
+        }
+    )
+    assert worker.workers == 1
+    assert listen_variable(worker, 9092) == "IBEX_CONTEXT_GRPC_ADDR"
+    assert listen_variable(worker, 9103) == "IBEX_CONTEXT_WORKER_PORT_BASE"
+    assert listen_variable(worker, 9464) == "IBEX_CONTEXT_METRICS_ADDR"
+    assert listen_variable(load_settings({}), 9092) == "IBEX_CONTEXT_GRPC_ADDR"

@@ -14,7 +14,16 @@ from typing import Any
 import msgspec
 import pytest
 
-from ibex.config import PREFIX, TABLE, UNSET, ConfigError, Settings, load_settings
+from ibex.config import (
+    DURATIONS,
+    PREFIX,
+    TABLE,
+    UNSET,
+    ConfigError,
+    Settings,
+    format_duration,
+    load_settings,
+)
 from ibex.service.admission import AdmissionConfig
 from ibex.service.connections import ConnectionsConfig
 from ibex.service.root import (
@@ -97,12 +106,20 @@ def test_derived_values_follow_the_built_struct() -> None:
     assert connections_config(Settings(max_connection_age_grace=1.5)).age_grace == 1.5
 
 
+def shown_as(setting: str, value: Any) -> Any:
+    """A value as `ibex config` shows it: a duration with its unit, a list for a tuple."""
+    if setting in DURATIONS and value is not None:
+        return format_duration(value)
+    return list(value) if isinstance(value, tuple) else value
+
+
 def test_ibex_config_prints_the_layer_default_of_an_unset_setting() -> None:
-    """The real CLI entry point, in a clean environment but for one set variable."""
+    """The real CLI entry point, in a clean environment but for one set variable: every
+    variable by its name, an unset one at its layer default, durations with a unit."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(PREFIX)}
     env[PREFIX + "HOT_LIMIT"] = "7"
     proc = subprocess.run(
-        [sys.executable, "-m", "ibex", "config"],
+        [sys.executable, "-m", "ibex", "config", "--json"],
         env=env,
         capture_output=True,
         text=True,
@@ -111,11 +128,13 @@ def test_ibex_config_prints_the_layer_default_of_an_unset_setting() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     shown = json.loads(proc.stdout)
-    assert set(shown) == set(TABLE)
-    assert shown["hot_limit"] == 7
+    assert list(shown) == [PREFIX + row.suffix for row in TABLE.values()]
+    assert shown[PREFIX + "HOT_LIMIT"] == 7
     for setting, target in TARGETS:
         if setting != "hot_limit":
-            assert shown[setting] == layer_default(target), setting
+            variable = PREFIX + TABLE[setting].suffix
+            assert shown[variable] == shown_as(setting, layer_default(target)), variable
+    assert shown[PREFIX + "TIMEOUT"] == "45ms" and shown[PREFIX + "DRAIN_GRACE"] == "10s"
 
 
 def test_secret_rows_are_the_credentials_and_are_redacted() -> None:

@@ -365,6 +365,17 @@ def test_network_policy_ports() -> None:
     }
 
 
+def test_unit_does_not_restart_what_a_restart_cannot_fix() -> None:
+    """A bad setting or file stops every start the same way (docs/operations.md, exit
+    statuses); an address in use may clear, so it is not in the list."""
+    from ibex.errors import ConfigError, ConfigFileError, ListenError
+
+    service = parse_unit(UNIT.read_text())["Service"]
+    statuses = {int(x) for x in service["RestartPreventExitStatus"][0].split()}
+    assert statuses == {ConfigError.exit_status, ConfigFileError.exit_status} == {2, 4}
+    assert ListenError.exit_status not in statuses
+
+
 def test_unit_sets_up_per_worker_ports() -> None:
     service = parse_unit(UNIT.read_text())["Service"]
     env = dict(e.split("=", 1) for e in service["Environment"])
@@ -378,8 +389,8 @@ def test_unit_sets_up_per_worker_ports() -> None:
 
 def test_config_map_sets_connection_age_for_rebalancing() -> None:
     data = manifests()["ConfigMap"]["data"]
-    age = parse_duration("AGE", data["IBEX_CONTEXT_MAX_CONNECTION_AGE"], bare_unit="s")
-    grace = parse_duration("GRACE", data["IBEX_CONTEXT_MAX_CONNECTION_AGE_GRACE"], bare_unit="s")
+    age = parse_duration("AGE", data["IBEX_CONTEXT_MAX_CONNECTION_AGE"], bare=False)
+    grace = parse_duration("GRACE", data["IBEX_CONTEXT_MAX_CONNECTION_AGE_GRACE"], bare=False)
     # Long enough to amortise reconnects, short enough that scale-ups get traffic soon;
     # the grace covers far more than the 45 ms a call may take.
     assert 60 <= age <= 1800

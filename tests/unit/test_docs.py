@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from ibex.config import EXTRA_KNOWN, PREFIX, TABLE, known_variables
+from ibex.config import EXTRA_KNOWN, PREFIX, TABLE, WITH_UNIT, known_variables
 from ibex.service.root import layer_defaults
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,6 +56,16 @@ def test_the_documented_default_is_the_layer_default(setting: str) -> None:
     default = layer_defaults()[setting]
     shown = documented_value(setting, documented_defaults()[PREFIX + TABLE[setting].suffix])
     assert shown == (default if default is None else pytest.approx(default)), setting
+
+
+def test_the_durations_rule_names_the_settings_that_refuse_a_bare_number() -> None:
+    """configuration.md's rule for durations lists exactly the settings whose parser
+    refuses a bare number (each also shows its default with a unit: the test above)."""
+    text = CONFIGURATION.read_text(encoding="utf-8")
+    rule = text[text.index("**Durations**") :].split("\n\n", 1)[0]
+    named = set(re.findall(r"`([A-Z][A-Z0-9_]+)`", rule))
+    refusing = {row.suffix for row in TABLE.values() if row.parse is WITH_UNIT}
+    assert named == refusing
 
 
 def test_every_setting_the_parser_reads_is_documented_and_nothing_else() -> None:
