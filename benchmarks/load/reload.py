@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import json
 import os
@@ -88,6 +89,7 @@ class Run:
     events: Counter[str] = field(default_factory=Counter)
     wall_start: float = 0.0  # time.time() at the first measured call's schedule origin
     timeline: list[tuple[float, str, object]] = field(default_factory=list)
+    niced: set[int] = field(default_factory=set)
 
 
 def degraded(resp: pb.AssembleContextResponse) -> bool:
@@ -202,6 +204,11 @@ async def checkpoint(run: Run, daemon: Daemon, elapsed: float, args: argparse.Na
         if run.control_s is None:
             os.kill(daemon.root_pid, signal.SIGHUP)
         return False
+    if args.nice_new and run.sighup_at and run.done_at is None:
+        for pid in set(daemon.worker_pids()) - set(run.pids_before) - run.niced:
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, pid, args.nice_new)
+                run.niced.add(pid)
     if run.sighup_at and run.done_at is None and run.control_s is not None:
         if elapsed >= run.sighup_at + run.control_s:
             run.done_at = elapsed
@@ -325,6 +332,14 @@ def main(argv: list[str] | None = None) -> None:
         metavar="SECONDS",
         help="before each run, a control run without SIGHUP whose 'since' window is this long "
         "(tells the machine's own failures from the reload's on a busy host)",
+    )
+    p.add_argument(
+        "--nice-new",
+        type=int,
+        default=0,
+        metavar="N",
+        help="experiment: renice each new worker to N as soon as it is seen (within 0.2 s), "
+        "to tell its start-up's CPU from the handover",
     )
     args = p.parse_args(argv)
     rows = asyncio.run(main_async(args))
