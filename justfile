@@ -11,7 +11,7 @@ setup:
     test -x {{py}} || python3 -m venv .venv
     {{py}} -m pip install --quiet --require-hashes -r requirements.lock
     {{py}} -m pip install --quiet --no-deps -e .
-    touch .venv/.ibex-installed
+    echo dev > .venv/.ibex-installed
 
 # Install redis-server from Debian packages when it is missing (tests start their own).
 redis:

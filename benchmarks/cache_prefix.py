@@ -291,6 +291,9 @@ async def replay_conversation(
     return out, texts
 
 
+WALL_CLOCK = 1_800_000_000.0  # a Unix time
+
+
 def workers(
     catalog: Catalog, tokenizers: Tokenizers, source: StandIn, key: str | None
 ) -> list[Assembler]:
@@ -304,6 +307,9 @@ def workers(
             memory_source=source,
             retrieval=RETRIEVAL,
             nonce_key=nonce_key,
+            # One instant for every turn: a conversation inside one nonce lifetime window
+            # (a rotation costs one cold prefix per IBEX_CONTEXT_NONCE_MAX_AGE, not measured).
+            wall_clock=lambda: WALL_CLOCK,
             backend=f"bench-worker-{i}",
         )
         for i in range(2)

@@ -61,6 +61,10 @@ __all__ = [
 PREFIX = "IBEX_CONTEXT_"
 #: IBEX_CONTEXT_NONCE_KEY's least length (= ibex.assembly.nonce.MIN_KEY_CHARS).
 NONCE_KEY_MIN_CHARS = 32
+#: IBEX_CONTEXT_NONCE_MAX_AGE's default and bounds, seconds (= ibex.assembly.nonce's).
+NONCE_MAX_AGE_DEFAULT = 1800.0
+NONCE_MAX_AGE_MIN = 60.0
+NONCE_MAX_AGE_MAX = 30 * 86400.0
 # Variables read outside `load_settings` (the CLI client's token).
 EXTRA_KNOWN = frozenset({"CLIENT_TOKEN"})
 # Query parameters of a URL that carry a secret (redis-py reads `password`).
@@ -410,6 +414,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         int | UnsetType, var("FORMATTER_NONCE_BYTES", ints(8, 64), "PipelineConfig.nonce_bytes")
     ] = UNSET
     nonce_key: Annotated[str | None, var("NONCE_KEY", _nonce_key, secret=True)] = None
+    # A session nonce's lifetime; its bounds are checked in `load_settings`.
+    nonce_max_age: Annotated[float, var("NONCE_MAX_AGE", WITH_UNIT)] = NONCE_MAX_AGE_DEFAULT
     catalog_path: Annotated[str | None, var("CATALOG_PATH", _file)] = None
     tiktoken_dir: Annotated[str | None, var("TIKTOKEN_DIR", _file)] = None
     token_cache_entries: Annotated[int, var("TOKEN_CACHE_ENTRIES", ints(0, 10_000_000))] = 65536
@@ -585,6 +591,12 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     if kw.get("memory_base_url") and not kw.get("memory_api_token"):
         raise ConfigError(f"{PREFIX}MEMORY_API_TOKEN: required when {PREFIX}MEMORY_BASE_URL is set")
     _check_redis(kw)
+    max_age = kw.get("nonce_max_age", NONCE_MAX_AGE_DEFAULT)
+    if not NONCE_MAX_AGE_MIN <= max_age <= NONCE_MAX_AGE_MAX:
+        raise ConfigError(
+            f"{PREFIX}NONCE_MAX_AGE: must be between 1m and {NONCE_MAX_AGE_MAX / 3600:g}h, "
+            f"got {format_duration(max_age)}"
+        )
     settings = Settings(**kw)
     settings.check_worker_ports()
     return settings

@@ -68,14 +68,25 @@ _CATEGORY_RANK = {name: i for i, name in enumerate(CATEGORY_ORDER)}
 # reserved code points around them), so a code point assigned there later
 # cannot pass hidden; every other format character (Cf: Arabic and Syriac
 # marks, interlinear annotation, Egyptian hieroglyph controls); line and
-# paragraph separators; private use (Co); and the angle-bracket look-alikes
-# (what Unicode's confusables map to `<` or `>`, modifier arrowheads, single
-# guillemets, precedes/succeeds, less/greater-than with dot, double nested
-# less/greater-than, technical, mathematical, ornamental, CJK, vertical,
-# small-form and full-width angle brackets). Listed rather than looked up, so
-# the output does not depend on the Python build's Unicode version; the tests
-# check the list against the `regex` module's newer Unicode data. None of them
-# has a place in a prompt that a human reviewer must read as the model does.
+# paragraph separators; private use (Co); and the angle-bracket look-alikes:
+# every character whose prototype in Unicode's confusables (UTS #39
+# confusables.txt) holds `<` or `>` (modifier arrowheads, single guillemets,
+# much/very much less/greater-than, with dot, Z notation piping, Canadian
+# syllabics PA/PO and their dotted forms, Coptic old ain, runic kauna, Miao
+# zza, Greek instrumental notation); every character whose compatibility
+# decomposition (NFKD) holds `<` or `>` (small-form and full-width signs, not
+# less/greater-than); the double guillemets, normal-subgroup signs, pointing
+# triangles and Canadian syllabics A/O that read as a bracket without being
+# confusable with one, with their confusables and decompositions (not normal
+# subgroup of), and the filled and small pointing triangles of the same
+# block; precedes/succeeds, double nested less/greater-than and the
+# technical, mathematical, ornamental, CJK and vertical angle brackets.
+# tests/unit/test_formatter_unicode.py derives the first two groups from the
+# data and checks them against this list. Listed rather than looked up, so the
+# output does not depend on the Python build's Unicode version. None of them
+# has a place in a prompt that a human reviewer must read as the model does;
+# the cost is that text in a script using some of them (Canadian syllabics,
+# Coptic) carries those letters as references.
 #
 # Split at U+FFFF for speed: `re` tests the BMP part of a class with one bitmap
 # lookup but each range above it one by one, which made the scan of every
@@ -89,9 +100,11 @@ _BODY_UNSAFE_BMP_CLASS = (
     "\u0600-\u0605\u06dd\u070f\u0890\u0891\u08e2\ufff9-\ufffb"
     "\u2028\u2029"
     "\ue000-\uf8ff"
-    "\u02c2\u02c3\u02f1\u02f2\u1433\u1438\u16b2\u2039\u203a\u227a\u227b\u22d6\u22d7"
-    "\u2329\u232a\u276c-\u2771\u27e8-\u27eb\u2991-\u2996\u29fc\u29fd\u2aa1\u2aa2"
-    "\u3008-\u300b\ufe3d-\ufe40\ufe64\ufe65\uff1c\uff1e"
+    "\u00ab\u00bb\u02c2\u02c3\u02f1\u02f2\u1405\u140a\u1433\u1437\u1438\u1440\u1441"
+    "\u1444\u1445\u150c\u16b2\u2039\u203a\u226a\u226b\u226e\u226f\u227a\u227b"
+    "\u22b2\u22b3\u22d6-\u22d9\u22ea\u22eb\u2329\u232a\u25b6-\u25bb\u25c0-\u25c5"
+    "\u276c-\u2771\u27e8-\u27eb\u2991-\u2996\u29fc\u29fd\u2a20\u2aa1\u2aa2\u2aa5"
+    "\u2cb4\u2cb5\u3008-\u300b\ufe3d-\ufe40\ufe64\ufe65\uff1c\uff1e"
 )
 _BODY_UNSAFE_ASTRAL_CLASS = (
     "\U0001bca0-\U0001bca3\U0001d173-\U0001d17a\U000e0000-\U000e0fff"

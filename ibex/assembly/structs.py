@@ -69,6 +69,7 @@ class SearchRequest(msgspec.Struct, frozen=True):
     min_similarity: float = 0.0
     categories: tuple[str, ...] = ()
     tags: tuple[str, ...] = ()
+    session_id: str = ""  # correlation only; bounded like every id
 
 
 class Directive(msgspec.Struct, frozen=True):

@@ -20,6 +20,11 @@ from ibex.errors import InputError, OverLimitError
 MAX_ID_LENGTH = 256
 MAX_ROLE_LENGTH = 64
 SEARCH_DEFAULT_LIMIT = 10  # SearchMemories' limit when the caller sends 0
+#: SearchMemories' filters: entries each, and characters an entry. A memory has one
+#: category and a handful of tags, so a filter of more names nothing more.
+MAX_SEARCH_CATEGORIES = 64
+MAX_SEARCH_TAGS = 64
+MAX_LABEL_LENGTH = MAX_ID_LENGTH
 
 
 class RequestLimits(msgspec.Struct, frozen=True):
@@ -113,6 +118,17 @@ def validate_search(request: SearchRequest, limits: RequestLimits) -> SearchFilt
     if not request.query.strip():
         raise InputError("query", "is required")
     _text("query", request.query, limits.max_text_bytes)
+    if len(request.session_id) > MAX_ID_LENGTH:
+        raise InputError("session_id", f"longer than {MAX_ID_LENGTH} characters")
+    for name, values, most in (
+        ("categories", request.categories, MAX_SEARCH_CATEGORIES),
+        ("tags", request.tags, MAX_SEARCH_TAGS),
+    ):
+        if len(values) > most:
+            raise OverLimitError(name, f"more than {most} entries")
+        for i, value in enumerate(values):
+            if len(value) > MAX_LABEL_LENGTH:
+                raise InputError(f"{name}[{i}]", f"longer than {MAX_LABEL_LENGTH} characters")
     similarity = request.min_similarity
     if request.limit < 0 or not math.isfinite(similarity) or not (0.0 <= similarity <= 1.0):
         raise InputError("limit", "must be >= 0 and min_similarity in [0, 1]")

@@ -17,6 +17,11 @@ Rules this module enforces so call sites cannot get them wrong:
   ending in one of `_DENY_SUFFIXES`), at any nesting depth, are replaced by
   ``"<redacted>"``. Structs are walked as dicts, so logging a whole `Settings`
   does not leak its token.
+- A URL anywhere in a line (a field, the event, an error message or
+  traceback, including third-party libraries' lines) loses its userinfo and
+  the values of query parameters named like secrets (`redact_urls`), so an
+  endpoint configured as ``http://user:secret@host`` is logged as
+  ``http://<redacted>@host``, whoever logs it.
 - Exceptions appear as ``error_type`` plus a short ``error`` message; the
   traceback is added only when the process logs at debug level.
 - Request fields are bound with `bind_request` in a `ContextVar`; Trio copies
@@ -33,6 +38,7 @@ absorb it, which is the usual trade for a logger that must work anywhere.
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import traceback
 from collections.abc import Iterator, Mapping
@@ -91,6 +97,31 @@ _bound: ContextVar[Mapping[str, Any] | None] = ContextVar("ibex_log_fields", def
 _encoder = msgspec.json.Encoder(enc_hook=lambda obj: f"<{type(obj).__name__}>")
 
 
+# A URL: its scheme, then everything up to whitespace. Greedy, so the userinfo ends at the
+# run's last `@` (an unencoded password may hold `/`, `?`, `#` or `@`; over-redacting a
+# host or path is harmless, echoing a password is not).
+_URL: Final = re.compile(r"\b[A-Za-z][A-Za-z0-9+.\-]*://\S*")
+_QUERY_SECRET: Final = re.compile(
+    r"([?&;][^=&;#\s]*(?:pass|secret|token|key|auth|sig)[^=&;#\s]*=)[^&;#\s]*", re.IGNORECASE
+)
+
+
+def _redact_url(match: re.Match[str]) -> str:
+    scheme, _, rest = match.group(0).partition("://")
+    if "@" in rest:
+        rest = REDACTED + "@" + rest.rpartition("@")[2]
+    if "=" in rest:
+        rest = _QUERY_SECRET.sub(r"\1" + REDACTED, rest)
+    return f"{scheme}://{rest}"
+
+
+def redact_urls(text: str) -> str:
+    """`text` with every URL's userinfo and secret-named query values replaced by `<redacted>`."""
+    if "://" not in text:
+        return text
+    return _URL.sub(_redact_url, text)
+
+
 def is_denied(name: str) -> bool:
     """True when a field of this name must be redacted."""
     key = name.lower()
@@ -124,7 +155,9 @@ def bound_fields() -> Mapping[str, Any]:
 
 def _clean(value: Any, depth: int = 0) -> Any:
     """Redact denied keys inside containers; opaque objects become their type name."""
-    if value is None or isinstance(value, str | int | float | bool):
+    if isinstance(value, str):
+        return redact_urls(value)
+    if value is None or isinstance(value, int | float | bool):
         return value
     if depth >= _MAX_DEPTH:
         return f"<{type(value).__name__}>"
@@ -156,7 +189,7 @@ class JsonFormatter(logging.Formatter):
             ]
             + "Z",
             "level": record.levelname.lower(),
-            "event": record.getMessage(),
+            "event": redact_urls(record.getMessage()),
             "logger": record.name,
         }
         fields: dict[str, Any] = dict(_bound.get() or {})
@@ -170,9 +203,9 @@ class JsonFormatter(logging.Formatter):
         if record.exc_info and record.exc_info[1] is not None:
             exc = record.exc_info[1]
             out["error_type"] = type(exc).__name__
-            out["error"] = str(exc)[:ERROR_MESSAGE_MAX]
+            out["error"] = redact_urls(str(exc))[:ERROR_MESSAGE_MAX]
             if self.tracebacks:
-                out["traceback"] = "".join(traceback.format_exception(exc))
+                out["traceback"] = redact_urls("".join(traceback.format_exception(exc)))
         return _encoder.encode(out).decode()
 
 

@@ -29,6 +29,12 @@ ibex_worker_reloads_total              C      result          SIGHUP reloads by 
 ibex_feedback_total                    C      outcome         RecordMemoryFeedback calls by outcome
 ibex_feedback_retries_total            C                      second feedback attempts (same key)
 ibex_dependency_up                     G      dependency      1 reachable, 0 down (redis, memory)
+process_cpu_seconds_total              C      process, pid    user + system CPU of one process
+process_resident_memory_bytes          G      process, pid    its resident memory
+process_virtual_memory_bytes           G      process, pid    its virtual memory
+process_start_time_seconds             G      process, pid    its start, seconds since the epoch
+process_open_fds                       G      process, pid    its open file descriptors
+process_max_fds                        G      process, pid    its limit on them
 =====================================  =====  ==============  ====================================
 
 C counter, G gauge, H histogram. ``code`` is the gRPC status name (``OK``,
@@ -41,7 +47,10 @@ C counter, G gauge, H histogram. ``code`` is the gRPC status name (``OK``,
 ``ibex_dependency_up`` has a
 series per configured dependency once its first probe (before serving) has
 ended; with several workers the exposed value is the lowest of the live
-workers' (0 when any worker cannot reach it).
+workers' (0 when any worker cannot reach it). The ``process_*`` series are
+the supervisor's reading of ``/proc`` at scrape time (`ProcessMetrics`), one
+per live process: ``process`` is ``supervisor`` or ``worker-<i>``, ``pid``
+its process id (during a worker's replacement a slot has two).
 
 Token-cache hit rate: ``rate(ibex_token_cache_hits_total[5m]) /
 (rate(ibex_token_cache_hits_total[5m]) + rate(ibex_token_cache_misses_total[5m]))``.
@@ -92,6 +101,7 @@ from prometheus_client import (
     values,
 )
 from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
 from ibex.assembly.structs import (
@@ -243,6 +253,42 @@ class WorkerReloads(Collector):
         for result, count in self.counts.items():
             family.add_metric([result], count)
         yield family
+
+
+ProcessSource = Callable[[], Iterable[tuple[str, int]]]
+
+
+class ProcessMetrics(Collector):
+    """The standard ``process_*`` series of the supervisor and of every worker.
+
+    In multiprocess mode the scraped process is the supervisor, whose own CPU
+    says nothing about the workers that serve; and prometheus_client's
+    process collector reads one process only. This one reads ``/proc/<pid>``
+    of each process `processes` names (``(name, pid)`` pairs, read at every
+    scrape) through that collector, and labels each sample with ``process``
+    and ``pid``. A process that is gone by the time it is read is left out.
+    """
+
+    def __init__(self, processes: ProcessSource, proc: str = "/proc") -> None:
+        self.processes = processes
+        self._pid = 0
+        self._reader = ProcessCollector(pid=lambda: self._pid, proc=proc, registry=None)
+
+    def describe(self) -> Iterable[Metric]:
+        return ()
+
+    def collect(self) -> Iterable[Metric]:
+        families: dict[str, Metric] = {}
+        for name, pid in self.processes():
+            self._pid = pid
+            for family in self._reader.collect():
+                merged = families.get(family.name)
+                if merged is None:
+                    merged = Metric(family.name, family.documentation, family.type)
+                    families[family.name] = merged
+                for sample in family.samples:
+                    merged.add_sample(sample.name, {"process": name, "pid": str(pid)}, sample.value)
+        return list(families.values())
 
 
 class _TokenCacheCollector(Collector):

@@ -25,6 +25,8 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Final
 
+from ibex.ops.logs import redact_urls
+
 if TYPE_CHECKING:
     from ibex.ops.spans import Tracing
 
@@ -84,6 +86,10 @@ def setup_tracing(env: Mapping[str, str] | None = None) -> Tracing | None:
     tracing = Tracing()
     log.info(
         "tracing_on",
-        extra={"endpoint": why, "sampler": _env(env, "OTEL_TRACES_SAMPLER") or "default"},
+        # The endpoint may carry credentials (`http://user:secret@host`): never logged.
+        extra={
+            "endpoint": redact_urls(why),
+            "sampler": _env(env, "OTEL_TRACES_SAMPLER") or "default",
+        },
     )
     return tracing

@@ -17,8 +17,9 @@ spreads connections across them. The supervisor:
 - on SIGHUP reloads: reads `--env-file` again, validates it, then replaces
   the workers one slot at a time, new before old (`Supervisor.reload`);
 - serves /metrics aggregated over all workers (prometheus multiprocess mode),
-  plus its own `ibex_worker_restarts_total{reason}` and
-  `ibex_worker_reloads_total{result}`;
+  plus its own `ibex_worker_restarts_total{reason}`,
+  `ibex_worker_reloads_total{result}` and the `process_*` series (CPU,
+  memory, descriptors) of itself and of each live worker;
 - tells worker i its slot with the hidden `--worker-index i` option: with
   IBEX_CONTEXT_WORKER_PORT_BASE=P the worker also listens on port P+i (its own
   port, SO_REUSEPORT so a reload's new worker can bind it while the old one
@@ -228,12 +229,13 @@ class Supervisor:
             shutil.rmtree(self._runtime, ignore_errors=True)
 
     async def _serve_metrics(self, nursery: trio.Nursery) -> None:
-        from ibex.ops.metrics import exposition_registry
+        from ibex.ops.metrics import ProcessMetrics, exposition_registry
         from ibex.ops.metrics_http import serve_metrics
 
         registry = exposition_registry()
         registry.register(self.restart_metric)
         registry.register(self.reload_metric)
+        registry.register(ProcessMetrics(self.processes))
         host, port = split_host_port(self.settings.metrics_addr or "")
         try:
             await nursery.start(
@@ -246,6 +248,14 @@ class Supervisor:
             raise ListenError(
                 f"{self.settings.metrics_addr}: {bind_problem(exc)}", host, port
             ) from None
+
+    def processes(self) -> list[tuple[str, int]]:
+        """(name, pid) of this process and of every running worker, for `ProcessMetrics`."""
+        live = [("supervisor", os.getpid())]
+        for run in sorted(self.live, key=lambda r: (r.slot, r.pid or 0)):
+            if run.pid is not None and run.returncode is None:
+                live.append((f"worker-{run.slot}", run.pid))  # two in a slot being replaced
+        return live
 
     async def stop(self) -> None:
         """Forward SIGTERM; each worker drains. SIGKILL whoever outlives the grace."""

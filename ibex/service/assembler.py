@@ -12,7 +12,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -157,6 +157,7 @@ class Assembler:
         offload_threads: int | None = None,
         feedback_sink: FeedbackSink | None = None,
         nonce_key: NonceKey | None = None,
+        wall_clock: Callable[[], float] = time.time,
         dependencies: Sequence[Dependency] = (),
     ) -> None:
         self.catalog = catalog
@@ -171,6 +172,8 @@ class Assembler:
         self.threads = WorkerThreads(offload_threads or default_threads())
         self.feedback_sink = feedback_sink  # where RecordMemoryFeedback goes; None: UNAVAILABLE
         self.nonce_key = nonce_key
+        # Unix time, which every replica shares: it picks a session nonce's lifetime window.
+        self.wall_clock = wall_clock
         # What the sources depend on (Redis, the memory service): warmed before serving.
         self.dependencies = tuple(dependencies)
 
@@ -182,7 +185,7 @@ class Assembler:
         nbytes = self.pipeline.nonce_bytes
         if self.nonce_key is not None and request.session_id:
             return self.nonce_key.nonce(
-                request.org_id, request.agent_id, request.session_id, nbytes
+                request.org_id, request.agent_id, request.session_id, nbytes, self.wall_clock()
             )
         return new_nonce(nbytes)
 

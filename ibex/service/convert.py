@@ -95,6 +95,7 @@ def search_from_proto(msg: Any) -> SearchRequest:
         min_similarity=msg.min_similarity,
         categories=tuple(msg.categories),
         tags=tuple(msg.tags),
+        session_id=msg.session_id,
     )
 
 

@@ -26,8 +26,9 @@ from grpclib.exceptions import GRPCError
 from h2.exceptions import StreamClosedError
 
 from ibex.assembly.candidates import SearchFilter, SearchResult
-from ibex.assembly.feedback import Feedback, validate_feedback
+from ibex.assembly.feedback import MAX_FEEDBACK_IDS, Feedback, validate_feedback
 from ibex.assembly.structs import AssemblyRequest, AssemblyResult
+from ibex.assembly.validation import MAX_SEARCH_CATEGORIES, MAX_SEARCH_TAGS
 from ibex.errors import (
     DeadlineError,
     IbexError,
@@ -51,6 +52,7 @@ from ibex.service.stream_reads import (
     recv_bounded,
     request_complete,
 )
+from ibex.service.wire_counts import Rules, check_counts, request_rules
 from ibex.sources.feedback import FeedbackRejected, Sent, send_feedback
 
 if TYPE_CHECKING:
@@ -109,6 +111,25 @@ class ContextService:
         self.config = config or EdgeConfig()
         self.tracing = tracing
         self.branch_errors = branch_errors  # failed branches, logged as a summary
+        # Each request's repeated fields counted on the wire before it is decoded.
+        limits = assembler.limits
+        self._assemble_rules = request_rules(
+            pb.AssembleContextRequest,
+            {
+                "recent_messages": (limits.max_history_messages, "messages"),
+                "tool_schemas": (limits.max_tool_schemas, "entries"),
+            },
+        )
+        self._search_rules = request_rules(
+            pb.SearchMemoriesRequest,
+            {
+                "categories": (MAX_SEARCH_CATEGORIES, "entries"),
+                "tags": (MAX_SEARCH_TAGS, "entries"),
+            },
+        )
+        self._feedback_rules = request_rules(
+            pb.RecordMemoryFeedbackRequest, {"memory_ids": (MAX_FEEDBACK_IDS, "ids")}
+        )
 
     def __mapping__(self) -> dict[str, grpclib.const.Handler]:
         unary = grpclib.const.Cardinality.UNARY_UNARY
@@ -145,13 +166,15 @@ class ContextService:
             t0 = time.perf_counter()
             code = "OK"
             call = None
-            if self.tracing is not None:
-                call = self.tracing.call(SERVICE, method, stream.metadata, t0)
             try:
                 self.admission.check_open()
                 peer_cert = stream.peer.cert() if self.auth.mtls else None
                 self.auth.authenticate(stream.metadata or {}, peer_cert)
                 caller_authenticated(stream)
+                if self.tracing is not None:
+                    # Traced only once authenticated: a stranger's call exports no span,
+                    # and its `traceparent` cannot put our spans into a trace it chose.
+                    call = self.tracing.call(SERVICE, method, stream.metadata, t0)
                 await handler(stream, call)
                 if _cancel_swallowed():
                     raise asyncio.CancelledError
@@ -198,9 +221,12 @@ class ContextService:
 
     # --- AssembleContext -----------------------------------------------------
 
-    async def _receive(self, stream: grpclib.server.Stream[Any, Any]) -> tuple[Any, int]:
+    async def _receive(
+        self, stream: grpclib.server.Stream[Any, Any], rules: Rules
+    ) -> tuple[Any, int]:
         """The request message and its bytes, read within `read_timeout`: a stalled stream
-        holds nothing.
+        holds nothing. Its repeated fields are counted against `rules` before it is
+        decoded, so an over-count request is refused before it becomes objects.
 
         Its bytes count toward the in-flight bytes from its length prefix on, so a slow
         body is counted while it arrives. Usually the request arrived whole with its
@@ -212,11 +238,15 @@ class ContextService:
             self.admission.reserve_bytes(size)
             _RESERVED[stream] = size  # released when the call ends (`_wrap`)
 
+        def check(data: bytes) -> None:
+            check_counts(data, rules)
+
+        limit = self.config.max_message_bytes
         if request_complete(stream):
-            return await recv_bounded(stream, self.config.max_message_bytes, reserve)
+            return await recv_bounded(stream, limit, reserve, check)
         try:
             async with asyncio.timeout(self.admission.config.read_timeout):
-                return await recv_bounded(stream, self.config.max_message_bytes, reserve)
+                return await recv_bounded(stream, limit, reserve, check)
         except TimeoutError:
             raise DeadlineError(
                 f"request: not received within {self.admission.config.read_timeout:g}s"
@@ -225,7 +255,7 @@ class ContextService:
     async def assemble_context(
         self, stream: grpclib.server.Stream[Any, Any], call: CallTrace | None = None
     ) -> None:
-        msg, _ = await self._receive(stream)  # its bytes are counted by `_receive`
+        msg, _ = await self._receive(stream, self._assemble_rules)  # bytes counted there
         # The trace the log lines carry: the RPC span's when traced, else the request's field.
         trace_id = "" if call is None else call.open(msg.trace_id, msg.span_id)
         with self.admission.admitted(*_timing(stream)) as ticket:
@@ -278,7 +308,7 @@ class ContextService:
     async def search_memories(
         self, stream: grpclib.server.Stream[Any, Any], call: CallTrace | None = None
     ) -> None:
-        msg, _ = await self._receive(stream)  # its bytes are counted by `_receive`
+        msg, _ = await self._receive(stream, self._search_rules)  # bytes counted there
         with self.admission.admitted(*_timing(stream)) as ticket:
             flt = self.assembler.check_search(convert.search_from_proto(msg))
             t0 = time.perf_counter()
@@ -304,7 +334,7 @@ class ContextService:
         """
         outcome = "error"
         try:
-            msg, _ = await self._receive(stream)  # its bytes are counted by `_receive`
+            msg, _ = await self._receive(stream, self._feedback_rules)  # bytes counted there
             with self.admission.admitted(*_timing(stream)) as ticket:
                 fb = validate_feedback(
                     org_id=msg.org_id,

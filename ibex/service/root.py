@@ -455,7 +455,9 @@ async def open_assembler(
             pipeline=layer_config(PipelineConfig, settings),
             backend="+".join(backend),
             feedback_sink=feedback_sink,
-            nonce_key=NonceKey(settings.nonce_key) if settings.nonce_key else None,
+            nonce_key=(
+                NonceKey(settings.nonce_key, settings.nonce_max_age) if settings.nonce_key else None
+            ),
             dependencies=dependencies,
         )
     finally:

@@ -21,10 +21,15 @@ from ibex.errors import InputError, TooLargeError, Unimplemented
 
 Reserve = Callable[[int], None]
 """Told a request message's declared length before its bytes are read (may raise to refuse)."""
+Check = Callable[[bytes], None]
+"""Shown a request message's bytes before they are decoded (may raise to refuse)."""
 
 
 async def recv_bounded(
-    stream: grpclib.server.Stream[Any, Any], limit: int, reserve: Reserve | None = None
+    stream: grpclib.server.Stream[Any, Any],
+    limit: int,
+    reserve: Reserve | None = None,
+    check: Check | None = None,
 ) -> tuple[Any, int]:
     """The unary request message and its size in bytes, refused before it is buffered
     when over `limit` bytes.
@@ -34,16 +39,21 @@ async def recv_bounded(
     first; HTTP/2 flow control keeps the unread body bounded by the window.
     `reserve` hears the declared length before the body is read, so the bytes
     are counted (toward the in-flight bytes) before they are buffered.
-    It then does what `Stream.recv_message` does (decode, dispatch event).
+    `check` sees the bytes before they are decoded (ibex.service.wire_counts counts
+    repeated fields there). It then does what `Stream.recv_message` does (decode,
+    dispatch event).
     """
-    message = await recv_next(stream, limit, reserve)
+    message = await recv_next(stream, limit, reserve, check)
     if message is None:
         raise InputError("request", "no message")
     return message
 
 
 async def recv_next(
-    stream: grpclib.server.Stream[Any, Any], limit: int, reserve: Reserve | None = None
+    stream: grpclib.server.Stream[Any, Any],
+    limit: int,
+    reserve: Reserve | None = None,
+    check: Check | None = None,
 ) -> tuple[Any, int] | None:
     """`recv_bounded` for a stream of request messages: None at the end of the stream."""
     inner = stream._stream
@@ -62,6 +72,8 @@ async def recv_next(
     data = await inner.recv_data(length)
     if len(data) != length:
         raise InputError("request", "truncated message")
+    if check is not None:
+        check(data)
     try:
         message = stream._codec.decode(data, stream._recv_type)
     except Exception:

@@ -5,8 +5,9 @@ ranges with every extra, each file pinned by sha256. pip installs from two
 exports of it, so neither the bootstrap nor the image build needs uv:
 
 - `requirements.lock`: runtime and every extra (dev included), for
-  `deploy/bootstrap.sh` (`pip install --require-hashes -r requirements.lock`).
-- `requirements-image.lock`: runtime and every extra but `dev`, for the image.
+  `deploy/bootstrap.sh <recipe>` (`pip install --require-hashes -r requirements.lock`).
+- `requirements-image.lock`: runtime and every extra but `dev`, for the image and
+  for `deploy/bootstrap.sh run`.
 
 `--check` (in `just test`, so in CI) fails when pyproject.toml's ranges and
 `uv.lock` disagree (`uv lock --check`, offline: a current lock needs no index)

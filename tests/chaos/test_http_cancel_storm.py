@@ -41,6 +41,7 @@ from collections import Counter
 import trio
 
 from ibex.sources.base import SourceError
+from ibex.sources.memory_http import MemoryHttpSource
 from ibex.testing.memory_server import (
     DEMO_AGENT,
     DEMO_ORG,
@@ -60,6 +61,29 @@ LONG_DEADLINE_S = 0.015
 
 def _deadline(rng: random.Random) -> float:
     return rng.uniform(0.0, SHORT_DEADLINE_S if rng.random() < 0.5 else LONG_DEADLINE_S)
+
+
+async def _settle_to_pool(
+    server: MemoryServerProcess, source: MemoryHttpSource, patience: float = 10.0
+) -> tuple[int, int]:
+    """(server's open connections, pool's idle + draining), polled until they agree.
+
+    Both counts are read afresh on every poll: a drain that ends may close its
+    connection, so the pool's count falls after any snapshot of it, and the
+    server counts a close only once it reads the FIN. A pool count read once
+    and compared with a later server count fails whenever a drain ends in
+    between, which a busy machine makes likely.
+    """
+    server_open, pool_open = -1, -2
+    with trio.move_on_after(patience):
+        while True:
+            now = source.pool_stats()
+            pool_open = now.idle + now.draining
+            server_open = int((await server.astats())["open_connections"])
+            if server_open == pool_open:
+                break
+            await trio.sleep(0.01)
+    return server_open, pool_open
 
 
 async def test_cancel_storm_leaves_a_clean_working_pool() -> None:
@@ -124,8 +148,8 @@ async def _storm(server: MemoryServerProcess) -> None:
         assert stats["max_leases"] <= POOL_SIZE
         # every connection a cancelled call touched was closed or is being drained:
         # the server holds exactly the pool's idle and draining ones...
-        open_now = after.idle + after.draining
-        assert await server.settle_open_connections(open_now) == open_now
+        server_open, pool_open = await _settle_to_pool(server, source)
+        assert server_open == pool_open
         # ...and once the drains end (answer read, or closed at a cap), only the idle ones
         with trio.fail_after(10):
             while source.pool_stats().draining:  # noqa: ASYNC110 (a drain is no event)
@@ -133,7 +157,8 @@ async def _storm(server: MemoryServerProcess) -> None:
         after = source.pool_stats()
         assert (after.in_use, after.leases, after.waiters) == (0, 0, 0)
         assert after.connections == after.idle <= 2 * POOL_SIZE
-        assert await server.settle_open_connections(after.idle) == after.idle
+        server_open, pool_open = await _settle_to_pool(server, source)
+        assert server_open == pool_open == after.idle
 
         # and the pool still works at full width
         results: list[int] = []
@@ -153,6 +178,7 @@ async def _storm(server: MemoryServerProcess) -> None:
         cold = source.pool_stats("cold")
         assert cold.connections == cold.idle == POOL_SIZE
         # the server agrees: exactly the pools' live connections remain open
-        assert await server.settle_open_connections(final.idle) == final.idle
+        server_open, pool_open = await _settle_to_pool(server, source)
+        assert server_open == pool_open == final.idle
 
     assert await server.settle_open_connections(0) == 0

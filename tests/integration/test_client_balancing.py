@@ -36,8 +36,10 @@ async def test_client_balances_calls_over_addresses_and_skips_a_dead_one() -> No
             ]
         finally:
             client.close()
-    # Fail-open never had to happen: every call found a live daemon.
-    assert {(r.status, r.degraded) for r in results} == {("OK", False)}
+    # Fail-open never had to happen: every call found a live daemon and was answered OK.
+    # (An answer may be degraded: both daemons and this client share one process, and
+    # a machine busy with other work can stall it past a branch's timeout.)
+    assert {r.status for r in results} == {"OK"}
     # The two live addresses share the calls (the dead one's turns go to the next address).
     assert answered(a) + answered(b) == CALLS
     assert min(answered(a), answered(b)) >= CALLS / 3

@@ -213,7 +213,12 @@ async def test_pool_exhaustion_is_a_source_error_not_a_wait(
     redis_server: RedisServer, trio_asyncio_loop: trio_asyncio.TrioEventLoop
 ) -> None:
     redis_server.set(KEY, envelope())
-    src = RedisDirectiveSource(redis_server.url, RedisOptions(max_connections=1))
+    # The first GET must still be waiting on the sleeping server when the second one
+    # asks for a connection, however long a busy machine takes to get there: a long
+    # sleep, timeouts longer still, and the second GET only once the first holds it.
+    patient = RedisOptions(max_connections=1, connect_timeout=10.0, socket_timeout=10.0)
+    src = RedisDirectiveSource(redis_server.url, patient)
+    pool = src._reader.pool  # type: ignore[attr-defined]
     errors: list[str] = []
 
     async def one() -> None:
@@ -224,9 +229,11 @@ async def test_pool_exhaustion_is_a_source_error_not_a_wait(
 
     try:
         async with trio.open_nursery() as nursery:
-            await nursery.start(redis_server.debug_sleep, 0.05)
+            await nursery.start(redis_server.debug_sleep, 1.0)
             nursery.start_soon(one)
-            await trio.sleep(0.01)  # the first GET now holds the only connection
+            with trio.fail_after(5):
+                while not pool._in_use_connections:  # noqa: ASYNC110 (redis-py has no event)
+                    await trio.sleep(0.001)
             await one()
         assert errors == ["redis: connection pool exhausted"]
         assert await src.get_directive(ORG, AGENT) is not None

@@ -2,7 +2,7 @@
 
 Two worker processes, one grpcio channel balancing calls over both: every turn
 of one session carries the same nonce whichever worker served it (the one
-HMAC-SHA256 of the key, org, agent and session gives), so each turn's context
+HMAC-SHA256 of the key, lifetime window, org, agent and session gives), so each turn's context
 starts with the previous turn's directive, safety sentence and history. Other
 sessions and calls without a session get other nonces, and the key never
 reaches the log.
@@ -16,6 +16,7 @@ import re
 import signal
 import socket
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,6 +29,8 @@ from ibex.testing.grpcio_stubs import context_pb2, context_pb2_grpc
 from tests.integration.test_workers import ROUND_ROBIN, _supervisor, free_port_run, wait_ready
 
 KEY = "integration-nonce-key-0123456789abcdef"
+# The longest lifetime: the test's turns fall into one window but for a few seconds in 30 days.
+MAX_AGE = 30 * 86400.0
 
 
 @pytest.fixture
@@ -38,6 +41,7 @@ def keyed_workers(
     env = {
         "IBEX_CONTEXT_WORKER_PORT_BASE": str(base),
         "IBEX_CONTEXT_NONCE_KEY": KEY,
+        "IBEX_CONTEXT_NONCE_MAX_AGE": "720h",
         # The prefix compares whole contexts: a branch timed out on a loaded machine would
         # leave out the directive or memories, so give every branch time to answer.
         "IBEX_CONTEXT_TIMEOUT": "5s",
@@ -62,7 +66,7 @@ def test_a_sessions_turns_share_nonce_and_prefix_across_workers(
     wait_ready(notify)
     target = f"ipv4:127.0.0.1:{base},127.0.0.1:{base + 1}"
     options = [("grpc.service_config", ROUND_ROBIN), ("grpc.enable_retries", 0)]
-    expected = NonceKey(KEY).nonce(SAMPLE_ORG, SAMPLE_AGENT, "session-1", 16)
+    expected = NonceKey(KEY, MAX_AGE).nonce(SAMPLE_ORG, SAMPLE_AGENT, "session-1", 16, time.time())
     served: collections.Counter[str] = collections.Counter()
     texts: list[str] = []
     with grpc.insecure_channel(target, options=options) as channel:

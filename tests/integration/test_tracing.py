@@ -10,6 +10,7 @@ is at the receiver when the block ends (no polling).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import http.server
 import io
 import itertools
@@ -17,6 +18,7 @@ import json
 import logging
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -33,6 +35,7 @@ from ibex.testing.grpc_harness import (
     ORG,
     SERVICE,
     RunningDaemon,
+    daemon_process,
     in_thread,
     running_daemon,
 )
@@ -315,3 +318,63 @@ async def test_tracing_off(
     # Logs keep the request's own trace_id field (here: none).
     lines = [json.loads(line) for line in logs.getvalue().splitlines()]
     assert all("trace_id" not in line for line in lines if line["event"] != "tracing_off")
+
+
+async def test_an_unauthenticated_call_exports_no_span_under_its_traceparent(
+    otel_env: pytest.MonkeyPatch, receiver: Receiver
+) -> None:
+    token = "tracing-token-Hq3z-never-logged"
+    hashes = frozenset({hashlib.sha256(token.encode()).hexdigest()})
+    async with running_daemon(auth_tokens_sha256=hashes) as d:
+        for metadata in (
+            [("traceparent", f"00-{TRACE}-{PARENT}-01")],
+            [("traceparent", f"00-{TRACE}-{PARENT}-01"), ("authorization", "Bearer guess")],
+        ):
+            with pytest.raises(grpc.RpcError) as err:
+                await in_thread(assemble, d, metadata, trace_id=TRACE, span_id=PARENT)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        # The same caller with the token is traced: the exporter works and was flushed.
+        await in_thread(
+            assemble,
+            d,
+            [
+                ("traceparent", f"00-{FIELD_TRACE}-{PARENT}-01"),
+                ("authorization", f"Bearer {token}"),
+            ],
+        )
+    received = receiver.received()
+    assert by_trace(received, TRACE) == []
+    assert len(by_trace(received, FIELD_TRACE)) == len(received) == 1 + 3 + len(STAGES)
+
+
+async def test_a_start_with_credentials_in_the_endpoint_logs_none(
+    receiver: Receiver, tmp_path: Path
+) -> None:
+    """`ibex serve` with the endpoint's credentials in its URL: every line of the start,
+    the traced call and the stop, at debug level, shows the URL without them."""
+    port = receiver.server.server_address[1]
+    env = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://ibex:hunter2-secret@127.0.0.1:{port}",
+        "OTEL_BSP_SCHEDULE_DELAY": "20",
+        "IBEX_CONTEXT_LOG_LEVEL": "debug",
+    }
+    with daemon_process(env, tmp_path / "serve.log") as proc:
+
+        def call() -> Any:
+            request = context_pb2.AssembleContextRequest(
+                agent_id=AGENT, org_id=ORG, query="deploy billing", model="gpt-4o"
+            )
+            with grpc.insecure_channel(proc.target) as channel:
+                stub = context_pb2_grpc.ContextAssemblyServiceStub(channel)
+                traceparent = ("traceparent", f"00-{TRACE}-{PARENT}-01")
+                return stub.AssembleContext(request, metadata=[traceparent], timeout=10)
+
+        assert (await in_thread(call)).assembled_context
+        proc.terminate()
+        assert await in_thread(proc.wait) == 0
+        stderr = proc.stderr
+    assert by_trace(receiver.received(), TRACE)  # the endpoint was used
+    lines = [json.loads(line) for line in stderr.splitlines()]
+    assert "hunter2" not in stderr
+    (on,) = [line for line in lines if line["event"] == "tracing_on"]
+    assert on["endpoint"] == f"http://<redacted>@127.0.0.1:{port}"

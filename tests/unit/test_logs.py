@@ -14,7 +14,14 @@ import trio
 import trio.lowlevel
 
 from ibex.config import Settings
-from ibex.ops.logs import ERROR_MESSAGE_MAX, REDACTED, bind_request, bound_fields, configure_logging
+from ibex.ops.logs import (
+    ERROR_MESSAGE_MAX,
+    REDACTED,
+    bind_request,
+    bound_fields,
+    configure_logging,
+    redact_urls,
+)
 
 Capture = Callable[[str], Callable[[], list[dict[str, Any]]]]
 
@@ -196,6 +203,50 @@ def test_traceback_only_at_debug(capture: Capture) -> None:
     (line,) = lines()
     assert line["error_type"] == "KeyError"
     assert "Traceback" in line["traceback"]
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("http://user:secret@otel.internal:4318", "http://<redacted>@otel.internal:4318"),
+        ("https://:secret@h/v1/traces", "https://<redacted>@h/v1/traces"),
+        # An unencoded password holding `/`, `?`, `#` or `@`: up to the last `@`.
+        ("redis://u:p/a?s#s@w@h:6379/0", "redis://<redacted>@h:6379/0"),
+        (
+            "to http://u:secret@a/ and https://v:secret@b/.",
+            "to http://<redacted>@a/ and https://<redacted>@b/.",
+        ),
+        ("rediss://h:6380/0?password=secret&db=1", "rediss://h:6380/0?password=<redacted>&db=1"),
+        ("https://h/x?api_key=secret;sig=secret", "https://h/x?api_key=<redacted>;sig=<redacted>"),
+        ("http://127.0.0.1:4318/v1/traces", "http://127.0.0.1:4318/v1/traces"),
+        ("user@example.com wrote", "user@example.com wrote"),
+        ("no url here", "no url here"),
+    ],
+)
+def test_redact_urls(text: str, expected: str) -> None:
+    assert redact_urls(text) == expected
+
+
+def test_url_credentials_are_redacted_wherever_a_line_carries_them(capture: Capture) -> None:
+    """Fields at any depth, bound fields, a third-party event's arguments, errors, tracebacks."""
+    lines = capture("debug")
+    url = "http://user:secret@otel.internal:4318/v1/traces"
+    with bind_request("r", "t", upstream=url):
+        logging.getLogger("ibex.x").info("e", extra={"endpoint": url, "nested": {"urls": [url]}})
+        logging.getLogger("urllib3.connectionpool").warning("Retrying %s", url)
+        try:
+            raise ConnectionError(f"cannot reach {url}")
+        except ConnectionError:
+            logging.getLogger("ibex.x").warning("export_failed", exc_info=True)
+    raw = "\n".join(json.dumps(line) for line in lines())
+    assert "secret" not in raw
+    first, third_party, failed = lines()
+    redacted = "http://<redacted>@otel.internal:4318/v1/traces"
+    assert first["endpoint"] == first["upstream"] == redacted
+    assert first["nested"] == {"urls": [redacted]}
+    assert third_party["event"] == f"Retrying {redacted}"
+    assert failed["error"] == f"cannot reach {redacted}"
+    assert redacted in failed["traceback"]
 
 
 def test_level_filtering(capture: Capture) -> None:

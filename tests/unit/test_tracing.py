@@ -71,6 +71,20 @@ def test_without_the_extra_tracing_stays_off(
     assert [r.getMessage() for r in caplog.records] == ["tracing_unavailable"]
 
 
+def test_tracing_on_logs_the_endpoint_without_its_credentials(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    pytest.importorskip("opentelemetry.sdk.trace")
+    with caplog.at_level(logging.INFO, "ibex"):
+        tracing = setup_tracing(
+            {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://user:secret@127.0.0.1:4318"}
+        )
+    assert tracing is not None
+    tracing.shutdown()
+    (record,) = [r for r in caplog.records if r.getMessage() == "tracing_on"]
+    assert record.__dict__["endpoint"] == "http://<redacted>@127.0.0.1:4318"
+
+
 def test_tracing_on_builds_a_provider() -> None:
     pytest.importorskip("opentelemetry.sdk.trace")
     tracing = setup_tracing({"OTEL_EXPORTER_OTLP_ENDPOINT": ENDPOINT})

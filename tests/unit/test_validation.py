@@ -369,6 +369,8 @@ def test_search_ids_are_canonical_and_the_limit_defaults_and_caps() -> None:
     assert search(min_similarity=0.0).min_similarity == 0.0
     assert search(min_similarity=1.0).min_similarity == 1.0
     assert search(query="x" * 12).query == "x" * 12  # at the byte limit
+    at_bounds = search(categories=tuple(f"c{i}" for i in range(64)), tags=("x" * 256,) * 64)
+    assert len(at_bounds.categories) == 64 and at_bounds.tags == frozenset({"x" * 256})
 
 
 @pytest.mark.parametrize(
@@ -385,6 +387,11 @@ def test_search_ids_are_canonical_and_the_limit_defaults_and_caps() -> None:
         ({"min_similarity": 1.01}, "limit", InputError),
         ({"min_similarity": math.nan}, "limit", InputError),
         ({"min_similarity": math.inf}, "limit", InputError),
+        ({"categories": ("c",) * 65}, "categories", OverLimitError),
+        ({"tags": ("t",) * 65}, "tags", OverLimitError),
+        ({"tags": ("t", "x" * 257)}, "tags[1]", InputError),
+        ({"categories": ("x" * 257,)}, "categories[0]", InputError),
+        ({"session_id": "s" * 257}, "session_id", InputError),
     ],
 )
 def test_search_refusals_name_the_field(fields: dict[str, Any], field: str, error: type) -> None:
@@ -400,6 +407,9 @@ def test_search_refusals_name_the_field(fields: dict[str, Any], field: str, erro
         ({"query": "  "}, "query: is required"),
         ({"limit": -1}, "limit: must be >= 0 and min_similarity in [0, 1]"),
         ({"min_similarity": 1.5}, "limit: must be >= 0 and min_similarity in [0, 1]"),
+        ({"categories": ("c",) * 65}, "categories: more than 64 entries"),
+        ({"tags": ("t",) * 65}, "tags: more than 64 entries"),
+        ({"tags": ("x" * 257,)}, "tags[0]: longer than 256 characters"),
     ],
 )
 def test_search_refusals_name_the_field_and_the_rule(change: dict[str, Any], message: str) -> None:
