@@ -348,6 +348,7 @@ class ContextClient:
         org_id: str,
         session_id: str = "",
         trace_id: str = "",
+        principal_context: Any = None,
         timeout: float | None = None,  # noqa: ASYNC109  (gRPC deadline)
     ) -> Any:
         """RecordMemoryFeedback; the RecordMemoryFeedbackResponse (success, updates).
@@ -355,6 +356,8 @@ class ContextClient:
         Not fail-open: errors raise GRPCError. UNAVAILABLE (memory service down)
         may be retried with the same arguments: the daemon derives the
         idempotency key from them, so the feedback is still counted once.
+        `principal_context` (a `PrincipalContext`) binds the call to its org, as on
+        AssembleContext; a daemon with IBEX_CONTEXT_REQUIRE_PRINCIPAL needs it.
         `timeout` defaults to DEFAULT_FEEDBACK_DEADLINE.
         """
         request = RecordMemoryFeedbackRequest(
@@ -363,6 +366,7 @@ class ContextClient:
             org_id=org_id,
             session_id=session_id,
             trace_id=trace_id,
+            principal_context=principal_context,
         )
         msg, _ = await self._unary(
             _PATH + "RecordMemoryFeedback",

@@ -30,6 +30,7 @@ import os
 import re
 import typing
 import urllib.parse
+import uuid
 from collections.abc import Callable, Mapping
 from typing import Annotated, Any
 
@@ -232,6 +233,41 @@ def _sha256_list(name: str, raw: str) -> tuple[str, ...]:
     return hashes
 
 
+#: IBEX_CONTEXT_AUTH_TOKEN_ORGS: (token SHA-256, the orgs that token may act for), per entry.
+TokenOrgs = tuple[tuple[str, tuple[str, ...]], ...]
+
+
+def _token_orgs(name: str, raw: str) -> TokenOrgs:
+    """`sha256=org-uuid[+org-uuid...]`, comma-separated; digests lower-cased, org ids in the
+    canonical form requests' org ids are compared in (lower-case, hyphenated).
+
+    An entry never echoes its digest back (the digests are as secret as
+    AUTH_TOKENS_SHA256's): an error names the entry by its position.
+    """
+    out: list[tuple[str, tuple[str, ...]]] = []
+    seen: set[str] = set()
+    for i, entry in enumerate(_list(raw), 1):
+        digest, sep, orgs = entry.partition("=")
+        digest = digest.strip().lower()
+        if not sep or not re.fullmatch(r"[0-9a-f]{64}", digest):
+            raise ConfigError(f"{name}: entry {i} must be sha256=org-uuid[+org-uuid...]")
+        if digest in seen:
+            raise ConfigError(f"{name}: entry {i} names a token hash already bound")
+        seen.add(digest)
+        ids: list[str] = []
+        for text in orgs.split("+"):
+            try:
+                org = str(uuid.UUID(text.strip())) if len(text) <= 64 else ""
+            except ValueError:
+                org = ""
+            if not org:
+                raise ConfigError(f"{name}: entry {i}: {text.strip()[:64]!r} is not an org UUID")
+            if org not in ids:
+                ids.append(org)
+        out.append((digest, tuple(ids)))
+    return tuple(out)
+
+
 def _nonce_key(name: str, raw: str) -> str:
     if len(raw.strip()) < NONCE_KEY_MIN_CHARS:
         raise ConfigError(
@@ -242,6 +278,18 @@ def _nonce_key(name: str, raw: str) -> str:
 
 
 _LEVELS = ("debug", "info", "warning", "error")
+#: IBEX_CONTEXT_SECTION_ORDER's values (= ibex.assembly.format.SECTION_ORDERS).
+SECTION_ORDERS = ("seed", "cache")
+
+
+def _section_order(name: str, raw: str) -> str:
+    order = raw.strip().lower()
+    if order not in SECTION_ORDERS:
+        raise ConfigError(
+            f"{name}: expected one of {', '.join(SECTION_ORDERS)} (seed: the fixed order; "
+            f"cache: what changes least first, for a provider's prompt cache), got {raw.strip()!r}"
+        )
+    return order
 
 
 def _level(name: str, raw: str) -> str:
@@ -413,6 +461,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     formatter_nonce_bytes: Annotated[
         int | UnsetType, var("FORMATTER_NONCE_BYTES", ints(8, 64), "PipelineConfig.nonce_bytes")
     ] = UNSET
+    section_order: Annotated[
+        str | UnsetType, var("SECTION_ORDER", _section_order, "PipelineConfig.section_order")
+    ] = UNSET
     nonce_key: Annotated[str | None, var("NONCE_KEY", _nonce_key, secret=True)] = None
     # A session nonce's lifetime; its bounds are checked in `load_settings`.
     nonce_max_age: Annotated[float, var("NONCE_MAX_AGE", WITH_UNIT)] = NONCE_MAX_AGE_DEFAULT
@@ -440,6 +491,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     auth_tokens_sha256: Annotated[
         tuple[str, ...], var("AUTH_TOKENS_SHA256", _sha256_list, secret=True)
     ] = ()
+    # Tokens bound to orgs; a token not listed acts for any org (checked in `load_settings`).
+    auth_token_orgs: Annotated[TokenOrgs, var("AUTH_TOKEN_ORGS", _token_orgs, secret=True)] = ()
+    require_principal: Annotated[bool, var("REQUIRE_PRINCIPAL", _bool)] = False
     tls_cert: Annotated[str | None, var("TLS_CERT", _file)] = None
     tls_key: Annotated[str | None, var("TLS_KEY", _file)] = None
     tls_client_ca: Annotated[str | None, var("TLS_CLIENT_CA", _file)] = None
@@ -591,6 +645,13 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     if kw.get("memory_base_url") and not kw.get("memory_api_token"):
         raise ConfigError(f"{PREFIX}MEMORY_API_TOKEN: required when {PREFIX}MEMORY_BASE_URL is set")
     _check_redis(kw)
+    known = set(kw.get("auth_tokens_sha256", ()))
+    for i, (digest, _) in enumerate(kw.get("auth_token_orgs", ()), 1):
+        if digest not in known:
+            raise ConfigError(
+                f"{PREFIX}AUTH_TOKEN_ORGS: entry {i} binds a token hash that is not in "
+                f"{PREFIX}AUTH_TOKENS_SHA256"
+            )
     max_age = kw.get("nonce_max_age", NONCE_MAX_AGE_DEFAULT)
     if not NONCE_MAX_AGE_MIN <= max_age <= NONCE_MAX_AGE_MAX:
         raise ConfigError(

@@ -10,6 +10,13 @@ shape, each section only when it has something to hold::
                           memories_close
     tools_open(nonce)     { tool_open  body  tool_close } ...  tools_close
 
+That is the `seed` section order (`SectionOrder`). The `cache` order writes
+the same sections with what changes least first, so a model provider's prompt
+cache can serve the longest prefix turn after turn: directive, tools, safety
+piece, history, memories. In it the safety piece is written whenever any other
+section is (not only with memories), so whether this turn recalled memories
+cannot change the bytes in front of the history (`safety_emitted`).
+
 The pipeline (ibex.assembly.pipeline) and the history fit (ibex.assembly.history)
 price exactly those pieces, counting each once (counts are cached by text), and
 render with `render_pieces`; nothing else about the layout is known outside the
@@ -41,9 +48,16 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
+from typing import Literal, get_args
 
 from ibex.assembly.lru import ByteLRU, LRUInfo
 from ibex.assembly.structs import Directive, Message, ScoredMemory
+
+#: The order sections are written in: `seed` is the design's fixed order (directive,
+#: safety, history, memories, tools); `cache` puts what changes least first
+#: (directive, tools, safety, history, memories).
+SectionOrder = Literal["seed", "cache"]
+SECTION_ORDERS: tuple[SectionOrder, ...] = get_args(SectionOrder)
 
 BODY_CACHE_MAX_CHARS = 4096
 #: What one format's escaped-body cache may keep alive (keys and values, see ibex.assembly.lru).
@@ -73,7 +87,7 @@ class Format(ABC):
 
     @abstractmethod
     def safety_piece(self, nonce: str) -> str:
-        """What the nonce means; emitted whenever memories are."""
+        """What the nonce means; emitted whenever memories are (see `safety_emitted`)."""
 
     @abstractmethod
     def history_open(self, nonce: str) -> str:
@@ -196,15 +210,27 @@ class Format(ABC):
         memories: Sequence[ScoredMemory],
         tool_schemas: Sequence[str],
         nonce: str,
+        order: SectionOrder = "seed",
     ) -> list[str]:
-        """The block's pieces in order; `render` joins them."""
+        """The block's pieces in `order`; `render` joins them."""
         ordered = self.memory_order(memories)
+        if order == "seed":
+            pieces = self.directive_section(directive, nonce)
+            if ordered:
+                pieces.append(self.safety_piece(nonce))
+            pieces += self.history_section(messages, nonce)
+            pieces += self.memories_section(nonce, ordered)
+            pieces += self.tools_section(tool_schemas, nonce)
+            return pieces
+        if order != "cache":
+            raise ValueError(f"unknown section order {order!r}")
         pieces = self.directive_section(directive, nonce)
-        if ordered:
-            pieces.append(self.safety_piece(nonce))
-        pieces += self.history_section(messages, nonce)
-        pieces += self.memories_section(nonce, ordered)
         pieces += self.tools_section(tool_schemas, nonce)
+        history = self.history_section(messages, nonce)
+        if safety_emitted(order, memories=bool(ordered), others=bool(pieces or history)):
+            pieces.append(self.safety_piece(nonce))
+        pieces += history
+        pieces += self.memories_section(nonce, ordered)
         return pieces
 
     def render(
@@ -215,11 +241,13 @@ class Format(ABC):
         memories: Sequence[ScoredMemory],
         tool_schemas: Sequence[str],
         nonce: str,
+        order: SectionOrder = "seed",
     ) -> str:
         """The whole context block.
 
-        Byte-identical for identical inputs and nonce. The safety piece appears
-        whenever memories do, so the model is always told what the nonce means.
+        Byte-identical for identical inputs, nonce and order. The safety piece
+        appears whenever memories do, so the model is always told what the
+        nonce means (`safety_emitted`).
         """
         return "".join(
             self.render_pieces(
@@ -228,5 +256,17 @@ class Format(ABC):
                 memories=memories,
                 tool_schemas=tool_schemas,
                 nonce=nonce,
+                order=order,
             )
         )
+
+
+def safety_emitted(order: SectionOrder, *, memories: bool, others: bool) -> bool:
+    """Whether the block carries the safety piece.
+
+    With memories always. In the `cache` order also whenever any other section
+    (directive, tools, history) is written: the piece sits in front of the
+    history, and a piece that came and went with the memories would change
+    the prefix a provider caches on the turns without them.
+    """
+    return memories or (order == "cache" and others)

@@ -40,7 +40,7 @@ from ibex.assembly.catalog import (
     ModelCapability,
     resolve_model,
 )
-from ibex.assembly.format import Format
+from ibex.assembly.format import Format, SectionOrder, safety_emitted
 from ibex.assembly.formatter import XML_TAGS
 from ibex.assembly.history import Counter, Staged, dropped_tokens, fit_history, without_empty
 from ibex.assembly.packer import DEFAULT_DP_CELL_CEILING, DEFAULT_MAX_CONSECUTIVE_SKIPS, pack
@@ -102,6 +102,9 @@ class PipelineConfig(msgspec.Struct, frozen=True):
     nonce_bytes: int = DEFAULT_NONCE_BYTES
     #: How the block is written and priced: both come from this one object.
     format: Format = XML_TAGS
+    #: The order sections are written in (ibex.assembly.format.SectionOrder): `seed`, the
+    #: design's fixed order, or `cache`, what changes least first for a provider's cache.
+    section_order: SectionOrder = "seed"
 
 
 DEFAULT_CONFIG = PipelineConfig()
@@ -173,12 +176,15 @@ class FixedSections(msgspec.Struct, frozen=True, gc=False):
     """What every answer carries whatever memories fit, counted once, and the budget."""
 
     directive_tokens: int  # the directive section alone
-    safety_tokens: int  # the safety sentence, emitted only with memories
+    safety_tokens: int  # the safety sentence, emitted with memories (or `safety_fixed`)
     history_tokens: int
     tool_tokens: int
     overhead_tokens: int  # the memories section's open and close, emitted only with memories
     budget: TokenBudget
     messages: tuple[Message, ...]  # the history that fits: the newest messages
+    # The safety sentence is written with or without memories (the `cache` order with
+    # a directive, tools or history; see ibex.assembly.format.safety_emitted).
+    safety_fixed: bool = False
 
 
 class Rendered(msgspec.Struct, frozen=True, gc=False):
@@ -198,13 +204,16 @@ def count_fixed_sections(
     family: FamilyPolicy,
     counter: Counter,
     fmt: Format,
+    order: SectionOrder = "seed",
 ) -> FixedSections:
     """Stage 1: count directive, tools, the history that fits and markup; the budget left.
 
     The oldest history messages are left out until the rest fits (counted
     newest first, never past the ceiling; see ibex.assembly.history). New
     counts and escaped bodies are cached only once the request is known to
-    fit, so a refused request leaves every cache as it was.
+    fit, so a refused request leaves every cache as it was. In the `cache`
+    order a kept history brings the safety sentence with it, so the history
+    fits in what is left after it too.
     """
     staged = Staged(counter, fmt)
     # Pieces carrying the nonce: a decimal nonce costs what zeros of its width
@@ -229,9 +238,25 @@ def count_fixed_sections(
             tool_tokens += per_tool + (staged.count(body) if body else 0)
     overhead = staged.with_nonce(fmt.memories_open, nonce) + staged.count(fmt.memories_close)
     ceiling = context_ceiling(cap, family, request.available_tokens)
-    room = ceiling - directive_tokens - tool_tokens
+    # What the history fits beside: the directive and tools, and in the `cache` order
+    # the safety sentence, which any kept history brings (`safety_emitted`).
+    beside = directive_tokens + tool_tokens
+    after = f"directive ({directive_tokens}) and tools ({tool_tokens})"
+    if order == "cache":
+        beside += safety_tokens
+        after = (
+            f"directive ({directive_tokens}), tools ({tool_tokens}) "
+            f"and safety sentence ({safety_tokens})"
+        )
+    room = ceiling - beside
     messages = without_empty(request.recent_messages)
     fit = fit_history(counter, messages, nonce, room, staged)
+    safety_fixed = safety_emitted(
+        order, memories=False, others=bool(directive_tokens or tool_tokens or fit.kept)
+    )
+    fixed_tokens = directive_tokens + tool_tokens + fit.tokens
+    if safety_fixed:
+        fixed_tokens += safety_tokens
     model = cap.model_id or request.model
     dropped = len(messages) - len(fit.kept)
     if dropped and not fit.kept:
@@ -239,21 +264,21 @@ def count_fixed_sections(
             "recent_messages",
             f"the newest message alone needs at least {fit.overflow} tokens; the model "
             f"{model!r} leaves {max(0, room)} of its {ceiling}-token context ceiling after the "
-            f"directive ({directive_tokens}) and tools ({tool_tokens})",
+            f"{after}",
         )
     if dropped and request.options.reject_history_overflow:
         raise TooLargeError(
             "recent_messages",
             f"the history needs at least {fit.tokens + fit.overflow} tokens; the model "
             f"{model!r} leaves {max(0, room)} of its {ceiling}-token context ceiling after the "
-            f"directive ({directive_tokens}) and tools ({tool_tokens}), and "
-            "reject_history_overflow is set",
+            f"{after}, and reject_history_overflow is set",
         )
-    if directive_tokens + tool_tokens + fit.tokens > ceiling:
+    if fixed_tokens > ceiling:
         raise TooLargeError(
             "recent_messages",
-            f"directive, history and tools take {directive_tokens + tool_tokens + fit.tokens} "
-            f"tokens, more than the {ceiling} the model {model!r} leaves for context",
+            f"directive, history and tools{' with the safety sentence' if safety_fixed else ''} "
+            f"take {fixed_tokens} tokens, more than the {ceiling} the model {model!r} leaves "
+            "for context",
         )
     staged.commit()
     budget = compute_budget(
@@ -278,6 +303,7 @@ def count_fixed_sections(
         overhead_tokens=overhead,
         budget=budget,
         messages=fit.kept,
+        safety_fixed=safety_fixed,
     )
 
 
@@ -324,13 +350,18 @@ def render_within_ceiling(
     counter: Counter,
     model: str,
     fmt: Format,
+    order: SectionOrder = "seed",
 ) -> Rendered:
     """Stage 5: format, verify the count, and drop the lowest-value memory while over."""
     ceiling = fixed.budget.ceiling
     kept = list(packed)
     dropped: list[ScoredMemory] = []
     base = fixed.directive_tokens + fixed.history_tokens + fixed.tool_tokens
-    with_memories = fixed.safety_tokens + fixed.overhead_tokens
+    with_memories = fixed.overhead_tokens
+    if fixed.safety_fixed:
+        base += fixed.safety_tokens
+    else:
+        with_memories += fixed.safety_tokens
     while True:
         ordered = fmt.memory_order(kept)
         pieces = fmt.render_pieces(
@@ -339,6 +370,7 @@ def render_within_ceiling(
             memories=ordered,
             tool_schemas=request.tool_schemas,
             nonce=nonce,
+            order=order,
         )
         text = "".join(pieces)
         if fmt.counts_add_up(pieces):
@@ -391,7 +423,8 @@ def build_result(
         tokens_used=rendered.tokens_used,
         memories_used=tuple(used(m, "included") for m in ordered),
         excluded=tuple(excluded),
-        directive_tokens=fixed.directive_tokens + (fixed.safety_tokens if ordered else 0),
+        directive_tokens=fixed.directive_tokens
+        + (fixed.safety_tokens if ordered or fixed.safety_fixed else 0),
         history_tokens=fixed.history_tokens,
         memory_tokens=sum(m.token_estimate for m in ordered),
         tool_tokens=fixed.tool_tokens,
@@ -435,11 +468,14 @@ def assemble_pure(
     counter = tokenizers.counter(family.name, family.encoding)
     fmt = config.format
     early = prepared
-    if early is not None and not early.fits(request, nonce, counter, fmt):
+    order = config.section_order
+    if early is not None and not early.fits(request, nonce, counter, fmt, order):
         early = None
     fixed = early.fixed_for(inputs.directive) if early is not None else None
     if fixed is None:
-        fixed = count_fixed_sections(request, inputs.directive, nonce, cap, family, counter, fmt)
+        fixed = count_fixed_sections(
+            request, inputs.directive, nonce, cap, family, counter, fmt, order
+        )
     timer.lap("count")
     if early is None:
         selection = select(request, inputs.hot, inputs.cold, inputs.now)
@@ -474,6 +510,7 @@ def assemble_pure(
         counter,
         cap.model_id or request.model,
         fmt,
+        order,
     )
     timer.lap("render")
     return build_result(inputs, fixed, packed, rendered, selection, timer)

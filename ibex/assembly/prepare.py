@@ -31,7 +31,7 @@ from typing import Literal
 
 from ibex.assembly.candidates import Stream, stream_candidates
 from ibex.assembly.catalog import Catalog, resolve_model
-from ibex.assembly.format import Format
+from ibex.assembly.format import Format, SectionOrder
 from ibex.assembly.history import Counter, Staged
 from ibex.assembly.pipeline import (
     DEFAULT_CONFIG,
@@ -64,6 +64,7 @@ class Prepared:
         "fmt",
         "nonce",
         "now",
+        "order",
         "request",
         "staged",
         "streams",
@@ -86,6 +87,7 @@ class Prepared:
         self.family = catalog.family(self.cap.tokenizer_family)
         self.counter: Counter = tokenizers.counter(self.family.name, self.family.encoding)
         self.fmt = config.format
+        self.order = config.section_order
         self._fixed: tuple[Directive | None, FixedSections | TooLargeError] | None = None
         self.streams: dict[MemoryBranch, Stream] = {}
         self.staged = Staged(self.counter, self.fmt)
@@ -96,7 +98,14 @@ class Prepared:
         """The directive branch has ended (None: no directive): count the fixed sections."""
         try:
             fixed: FixedSections | TooLargeError = count_fixed_sections(
-                self.request, directive, self.nonce, self.cap, self.family, self.counter, self.fmt
+                self.request,
+                directive,
+                self.nonce,
+                self.cap,
+                self.family,
+                self.counter,
+                self.fmt,
+                self.order,
             )
         except TooLargeError as exc:
             fixed = exc  # raised where the pipeline counts, as it would have been
@@ -127,13 +136,15 @@ class Prepared:
         nonce: str,
         counter: Counter,
         fmt: Format,
+        order: SectionOrder = "seed",
     ) -> bool:
-        """Whether this was made for the same request, nonce, counter and format."""
+        """Whether this was made for the same request, nonce, counter, format and order."""
         return (
             request is self.request
             and nonce == self.nonce
             and counter is self.counter
             and fmt is self.fmt
+            and order == self.order
         )
 
     def fixed_for(self, directive: Directive | None) -> FixedSections | None:

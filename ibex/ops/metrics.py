@@ -124,7 +124,7 @@ SHED_REASONS: Final = ("in_flight", "queue", "cpu", "org", "threads")
 RESTART_REASONS: Final = ("exited", "unresponsive")
 RELOAD_RESULTS: Final = ("done", "failed", "rejected")
 FEEDBACK_OUTCOMES: Final = (
-    "recorded", "invalid", "rejected", "unavailable", "deadline", "shed", "error",
+    "recorded", "invalid", "denied", "rejected", "unavailable", "deadline", "shed", "error",
 )  # fmt: skip
 
 # Stage work is sub-millisecond to tens of ms; branch latency is bounded by the

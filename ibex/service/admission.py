@@ -394,11 +394,13 @@ class Admission:
         slots stay with calls that can run. The thread idles during the call's
         retrieval: that is the price of not holding a slot idle for much longer.
 
-        `org` is the call's org: it runs at most `max_org_concurrent` assemblies at
-        once. The slot sojourn (from arrival, or from getting its thread, to the
-        slot; crossing included) feeds the queue detector, except for calls without
-        a deadline and calls held back by their own org's limit: their waits say
-        nothing about the queue a call with a deadline would face.
+        `org` is the call's fairness key (`Caller.fairness_key`): its org, or the whole
+        org scope of a caller whose token is bound to orgs, so a bound caller naming
+        other org ids shares one limit. A key runs at most `max_org_concurrent`
+        assemblies at once. The slot sojourn (from arrival, or from getting its
+        thread, to the slot; crossing included) feeds the queue detector, except for
+        calls without a deadline and calls held back by their own key's limit: their
+        waits say nothing about the queue a call with a deadline would face.
         """
         if ticket.started:
             raise RuntimeError("a ticket takes one slot")

@@ -42,7 +42,7 @@ from ibex.assembly.validation import RequestLimits, validate_request, validate_s
 from ibex.errors import SourceError
 from ibex.service.dependencies import Dependency
 from ibex.service.queues import WorkerThreads, default_threads
-from ibex.sources.base import DirectiveSource, MemorySource
+from ibex.sources.base import DirectiveSource, MemorySource, prefetch_directive
 from ibex.sources.feedback import FeedbackSink
 from ibex.sources.retrieval import RetrievalConfig, Retrieved, retrieve, search
 
@@ -194,6 +194,19 @@ class Assembler:
         request = validate_request(request, self.limits)
         resolve_model(self.catalog, request.model, request.available_tokens)
         return request
+
+    def prefetch(self, request: AssemblyRequest) -> None:
+        """Start the directive read `request` will need, when its source can (the cache
+        can); no I/O here. Called as soon as the call is checked, so the read overlaps
+        the call's own work (the crossing, its slot, the other branches' set-up) and
+        that of the calls that arrived with it, instead of starting behind them."""
+        if self.directive_source is not None:
+            prefetch_directive(
+                self.directive_source,
+                request.org_id,
+                request.agent_id,
+                request.directive_version_id,
+            )
 
     def needs_thread(self, request: AssemblyRequest) -> bool:
         """True when the request's own text already sends its pipeline to a worker thread,

@@ -7,6 +7,12 @@ of subject alternative names narrows which client certificates are accepted.
 A SAN matches an entry only when both type and value match (`DNS:` names
 case-insensitively): an email or URI SAN spelled like an allowed DNS name is
 someone else. When both are configured, both are required.
+
+Tenant scope is enforced here too, not only by the proxy: a token may be bound
+to orgs (`token_orgs`), and a caller presenting it may act only for those
+(PERMISSION_DENIED otherwise, on every RPC); a token not bound acts for any org,
+as the proxy's own token does. With `require_principal`, a call must also carry
+a `principal_context` that matches it.
 """
 
 from __future__ import annotations
@@ -15,8 +21,8 @@ import hashlib
 import hmac
 import ipaddress
 import time
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
 
 from ibex.assembly.validation import canonical_uuid
 from ibex.errors import AuthError, PermissionDenied
@@ -33,6 +39,32 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+#: Said for an org outside the caller's scope: the same words whatever the org, so a
+#: refusal tells nothing about which orgs or memories exist.
+OUT_OF_SCOPE = "the authenticated caller may not act for this org_id"
+
+
+class Caller(NamedTuple):
+    """An authenticated caller: its identity (token hash prefix or certificate SAN) and,
+    for a token bound to orgs, those orgs (None: any org)."""
+
+    identity: str
+    orgs: frozenset[str] | None = None
+    #: The per-org concurrency key of a bound caller: its whole scope, so naming
+    #: another of its orgs (or an org it may not act for) never buys another share.
+    scope: str = ""
+
+    def may_act_for(self, org_id: str) -> bool:
+        return self.orgs is None or org_id in self.orgs
+
+    def fairness_key(self, org_id: str) -> str:
+        """Whose share of the assembly slots a call draws on: the bound scope, else the org."""
+        return org_id if self.orgs is None else self.scope
+
+
+ANONYMOUS = Caller("anonymous")
+
+
 class Authenticator:
     """Bearer-token and client-certificate checks; built by the composition root."""
 
@@ -42,10 +74,24 @@ class Authenticator:
         token_hashes: tuple[str, ...] = (),
         allowed_sans: tuple[str, ...] = (),
         mtls: bool = False,
+        token_orgs: Mapping[str, Sequence[str]] | None = None,
+        require_principal: bool = False,
     ) -> None:
+        """`token_orgs` maps a token's SHA-256 (hex, one of `token_hashes`) to the canonical
+        org UUIDs it may act for."""
+        bound = {h.lower(): frozenset(orgs) for h, orgs in (token_orgs or {}).items()}
+        if unknown := set(bound) - {h.lower() for h in token_hashes}:
+            raise ValueError(f"{len(unknown)} bound token hash(es) are not accepted tokens")
         self._hashes = tuple(bytes.fromhex(h) for h in token_hashes)
+        self._callers = tuple(
+            Caller(f"token:{h.hex()[:12]}", orgs, "+".join(sorted(orgs)))
+            if (orgs := bound.get(h.hex())) is not None
+            else Caller(f"token:{h.hex()[:12]}")
+            for h in self._hashes
+        )
         self._sans = frozenset(parse_allowed_san(s) for s in allowed_sans)
         self.mtls = mtls
+        self.require_principal = require_principal
 
     @property
     def enabled(self) -> bool:
@@ -53,7 +99,11 @@ class Authenticator:
 
     def authenticate(self, metadata: Mapping[str, Any], peer_cert: dict[str, Any] | None) -> str:
         """The caller's identity (token hash prefix or certificate SAN), or AuthError."""
-        identity = "anonymous"
+        return self.caller(metadata, peer_cert).identity
+
+    def caller(self, metadata: Mapping[str, Any], peer_cert: dict[str, Any] | None) -> Caller:
+        """The authenticated caller with its org scope, or AuthError."""
+        caller = ANONYMOUS
         if self.mtls:
             if not peer_cert:
                 raise AuthError("a client certificate is required")
@@ -66,9 +116,9 @@ class Authenticator:
                 ]
                 if not allowed:
                     raise AuthError("client certificate identity is not allowed")
-                identity = f"san:{allowed[0]}"
+                caller = Caller(f"san:{allowed[0]}")
             elif sans:
-                identity = f"san:{sans[0]}"
+                caller = Caller(f"san:{sans[0]}")
         if self._hashes:
             raw = metadata.get("authorization")
             if not isinstance(raw, str) or not raw[:7].lower() == "bearer ":
@@ -78,8 +128,24 @@ class Authenticator:
             matched = [hmac.compare_digest(digest, h) for h in self._hashes]
             if not any(matched):
                 raise AuthError("invalid bearer token")
-            identity = f"token:{self._hashes[matched.index(True)].hex()[:12]}"
-        return identity
+            caller = self._callers[matched.index(True)]
+        return caller
+
+    def authorize(self, caller: Caller, org_id: str, agent_id: str | None, principal: Any) -> None:
+        """PERMISSION_DENIED unless `caller` may act for `org_id` (canonical) and the
+        request's `principal` (None when absent) binds it; `agent_id` is None for a
+        request that names no agent (RecordMemoryFeedback).
+
+        The scope is checked first and before any I/O, so an org outside it is refused
+        alike whatever the rest of the request names.
+        """
+        if not caller.may_act_for(org_id):
+            raise PermissionDenied(OUT_OF_SCOPE)
+        if principal is None:
+            if self.require_principal:
+                raise PermissionDenied("principal_context is required")
+            return
+        check_principal(principal, org_id, agent_id)
 
 
 def _san_allowed(san_type: str, value: str, allowed: frozenset[tuple[str, str]]) -> bool:
@@ -89,8 +155,13 @@ def _san_allowed(san_type: str, value: str, allowed: frozenset[tuple[str, str]])
         return False  # a malformed IP SAN matches nothing
 
 
-def check_principal(principal: Any, org_id: str, agent_id: str, now: float | None = None) -> None:
-    """The proxy's verified principal must be for this org and agent, and not expired."""
+def check_principal(
+    principal: Any, org_id: str, agent_id: str | None, now: float | None = None
+) -> None:
+    """The proxy's verified principal must be for this org and agent, and not expired.
+
+    `agent_id` None: the request names no agent, so only the principal's org binds it
+    (its agent, when set, must still be a UUID)."""
     if principal is None:
         return
     now = time.time() if now is None else now
@@ -103,7 +174,7 @@ def check_principal(principal: Any, org_id: str, agent_id: str, now: float | Non
         )
     except ValueError:
         raise PermissionDenied("principal_context does not match the request") from None
-    if p_org != org_id or (p_agent and p_agent != agent_id):
+    if p_org != org_id or (p_agent and agent_id is not None and p_agent != agent_id):
         raise PermissionDenied("principal_context does not match the request's org_id/agent_id")
     ts = _epoch(getattr(principal, "expires_at", None))
     if ts and ts <= now:

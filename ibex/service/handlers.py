@@ -34,6 +34,7 @@ from ibex.errors import (
     IbexError,
     InputError,
     Overloaded,
+    PermissionDenied,
     Unavailable,
 )
 from ibex.ops.branch_errors import BranchErrors
@@ -42,7 +43,7 @@ from ibex.ops.metrics import Metrics
 from ibex.service import convert, pb
 from ibex.service.admission import Admission, Ticket
 from ibex.service.assembler import Assembler
-from ibex.service.auth import Authenticator, check_principal
+from ibex.service.auth import Authenticator, Caller
 from ibex.service.crossing import in_trio
 from ibex.service.status import grpc_error
 from ibex.service.stream_reads import (
@@ -70,6 +71,11 @@ Handler = Callable[[grpclib.server.Stream[Any, Any]], Awaitable[None]]
 _RESERVED: weakref.WeakKeyDictionary[grpclib.server.Stream[Any, Any], int] = (
     weakref.WeakKeyDictionary()
 )
+# Each call's authenticated caller (with its org scope), set by `_wrap` before the handler.
+_CALLERS: weakref.WeakKeyDictionary[grpclib.server.Stream[Any, Any], Caller] = (
+    weakref.WeakKeyDictionary()
+)
+_NOBODY = Caller("unauthenticated", frozenset())
 # A method's handler: the stream and, when tracing is on, the call's trace.
 Method = Callable[[grpclib.server.Stream[Any, Any], "CallTrace | None"], Awaitable[None]]
 METHODS = frozenset({"AssembleContext", "SearchMemories", "RecordMemoryFeedback"})
@@ -169,7 +175,7 @@ class ContextService:
             try:
                 self.admission.check_open()
                 peer_cert = stream.peer.cert() if self.auth.mtls else None
-                self.auth.authenticate(stream.metadata or {}, peer_cert)
+                _CALLERS[stream] = self.auth.caller(stream.metadata or {}, peer_cert)
                 caller_authenticated(stream)
                 if self.tracing is not None:
                     # Traced only once authenticated: a stranger's call exports no span,
@@ -213,6 +219,7 @@ class ContextService:
                 raise GRPCError(Status.INTERNAL, "internal error") from None
             finally:
                 self.admission.release_bytes(_RESERVED.pop(stream, 0))
+                _CALLERS.pop(stream, None)
                 self.metrics.observe_request(method, code, time.perf_counter() - t0)
                 if call is not None:
                     _finish_trace(call, code)
@@ -258,12 +265,14 @@ class ContextService:
         msg, _ = await self._receive(stream, self._assemble_rules)  # bytes counted there
         # The trace the log lines carry: the RPC span's when traced, else the request's field.
         trace_id = "" if call is None else call.open(msg.trace_id, msg.span_id)
+        caller = _caller(stream)
         with self.admission.admitted(*_timing(stream)) as ticket:
             request = self.assembler.check_request(convert.request_from_proto(msg))
-            principal = msg.principal_context if msg.HasField("principal_context") else None
-            check_principal(principal, request.org_id, request.agent_id)
+            self.auth.authorize(caller, request.org_id, request.agent_id, _principal(msg))
+            key = caller.fairness_key(request.org_id)
+            self.assembler.prefetch(request)
             traced = () if call is None else (trace_id, call)
-            result = await in_trio(self._assemble_in_trio, request, ticket, *traced)
+            result = await in_trio(self._assemble_in_trio, request, ticket, key, *traced)
             await self._send_assembly(stream, result)
 
     async def _send_assembly(
@@ -284,11 +293,13 @@ class ContextService:
         self,
         request: AssemblyRequest,
         ticket: Ticket,
+        key: str,
         trace_id: str = "",
         call: CallTrace | None = None,
     ) -> AssemblyResult:
+        """`key` is the call's share of the slots (`Caller.fairness_key`)."""
         threads = self.assembler.threads if self.assembler.needs_thread(request) else None
-        async with self.admission.slot(ticket, request.org_id, threads) as thread_held:
+        async with self.admission.slot(ticket, key, threads) as thread_held:
             now, trio_now = time.monotonic(), trio.current_time()
             remaining = ticket.remaining(now)
             deadline = None if remaining is None else trio_now + remaining
@@ -309,15 +320,19 @@ class ContextService:
         self, stream: grpclib.server.Stream[Any, Any], call: CallTrace | None = None
     ) -> None:
         msg, _ = await self._receive(stream, self._search_rules)  # bytes counted there
+        caller = _caller(stream)
         with self.admission.admitted(*_timing(stream)) as ticket:
             flt = self.assembler.check_search(convert.search_from_proto(msg))
+            self.auth.authorize(caller, flt.org_id, flt.agent_id, _principal(msg))
             t0 = time.perf_counter()
-            found = await in_trio(self._search_in_trio, flt, ticket)
+            found = await in_trio(
+                self._search_in_trio, flt, ticket, caller.fairness_key(flt.org_id)
+            )
             elapsed_ms = int((time.perf_counter() - t0) * 1000)
             await stream.send_message(convert.search_to_proto(found, elapsed_ms))
 
-    async def _search_in_trio(self, flt: SearchFilter, ticket: Ticket) -> SearchResult:
-        async with self.admission.slot(ticket, flt.org_id):
+    async def _search_in_trio(self, flt: SearchFilter, ticket: Ticket, key: str) -> SearchResult:
+        async with self.admission.slot(ticket, key):
             return await self.assembler.search(flt, deadline=_trio_deadline(ticket))
 
     # --- RecordMemoryFeedback ------------------------------------------------
@@ -328,9 +343,10 @@ class ContextService:
         """Validate, then forward to the memory service (one retry, same idempotency key).
 
         `success` is true only when the memory service confirmed; `updates` are
-        what it returned. The request has no agent and no principal: the
-        caller's authentication (bearer token / mTLS, in `_wrap`) is the
-        authorisation, as for SearchMemories.
+        what it returned. The caller's scope and the optional principal are
+        checked before anything is sent: an org outside the scope is refused
+        the same way whatever ids the request names, and within it the memory
+        service leaves out unknown ids and other orgs' ids alike.
         """
         outcome = "error"
         try:
@@ -343,6 +359,7 @@ class ContextService:
                     session_id=msg.session_id,
                     trace_id=msg.trace_id,
                 )
+                self.auth.authorize(_caller(stream), fb.org_id, None, _principal(msg))
                 sent = await in_trio(self._feedback_in_trio, fb, ticket)
                 response = pb.RecordMemoryFeedbackResponse(success=True)
                 for u in sent.updates:
@@ -358,6 +375,9 @@ class ContextService:
             raise
         except InputError:
             outcome = "invalid"
+            raise
+        except PermissionDenied:
+            outcome = "denied"
             raise
         except Unavailable:
             outcome = "unavailable"
@@ -384,6 +404,17 @@ class ContextService:
                 headroom=FEEDBACK_HEADROOM,
                 on_retry=self.metrics.feedback_retries.inc,
             )
+
+
+def _caller(stream: grpclib.server.Stream[Any, Any]) -> Caller:
+    """The call's authenticated caller, set by `_wrap`; without one, a caller that may act
+    for no org (fail closed)."""
+    return _CALLERS.get(stream, _NOBODY)
+
+
+def _principal(msg: Any) -> Any:
+    """The request's `principal_context`, or None when the caller sent none."""
+    return msg.principal_context if msg.HasField("principal_context") else None
 
 
 def _call_fields(method: str, call: CallTrace | None) -> dict[str, str]:

@@ -11,7 +11,8 @@ is applied at import. The patches:
 - `lighten_h2` (grpclib, h2, hpack, hyperframe): response headers from
   `ibex.service.hpack_block`, and two per-frame debugging aids switched off;
 - `batch_ready_callbacks` (trio-asyncio): one Trio step per batch of ready
-  asyncio callbacks, and cancelled timers dropped before the loop waits
+  asyncio callbacks, Trio tasks started without waiting for their first step,
+  and cancelled timers dropped before the loop waits
   (`ibex.service.aio_loop.drop_cancelled_timers`);
 - `honour_cancellation_in_redis_writes` (redis-py, in `ibex.sources.redis_patches`,
   since the sources layer may not import this one);
@@ -25,17 +26,24 @@ epoll call) and a cancel scope for each; an answer cost about 9 of those steps
 is ready when an iteration starts, then polls; `batch_ready_callbacks` makes
 trio-asyncio do the same. After the callback it waited for, the loop runs as
 many more as were queued at that moment (so callbacks that keep scheduling
-callbacks still let Trio run between rounds), each through the original's own
-no-wait form (due timers first, as before; a Trio task start, e.g. a crossing
-into Trio, still waits for the task to begin). It checks trio-asyncio's
-internals at install and leaves the loop as it is (logging why) when they have
-changed.
+callbacks still let Trio run between rounds), due timers first. A Trio task
+start (a crossing into Trio: every call's `in_trio`) is handed to the nursery
+and the loop goes on. trio-asyncio's own loop waits for each such task's first
+step, a whole pass of the Trio scheduler with every other runnable task's step
+in it, which holds every callback queued behind a burst of calls' crossings (a
+Redis reply, another call's request) for one pass per call. A task
+cancelled before its first step still resolves its future as cancelled
+(trio-asyncio's `AsyncHandle` checks that when it starts). It checks
+trio-asyncio's internals at install and leaves the loop as it is (logging why)
+when they have changed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import heapq
 import logging
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -49,6 +57,8 @@ import trio_asyncio._base as _base
 from grpclib.metadata import Deadline
 from h2.exceptions import StreamClosedError
 from hyperframe.frame import Frame
+from sniffio import thread_local as sniffio_library
+from trio_asyncio._handles import AsyncHandle as _AsyncHandle
 
 from ibex.service.aio_loop import REBUILD_MIN, drop_cancelled_timers
 from ibex.service.hpack_block import send_headers_fast
@@ -165,9 +175,9 @@ def lighten_h2() -> None:
 
 _Loop = _base.BaseTrioEventLoop
 _original = _Loop._main_loop_one
-# What the replacement relies on: the queue it sizes a batch by, the original's no-wait
-# form, which takes one object from that queue with receive_nowait, and the timer heap.
-_NEEDS = frozenset({"_q_recv", "receive_nowait", "_timers"})
+# What the replacement relies on: the queue it takes callbacks from (and sizes a batch
+# by), the nursery it starts Trio tasks in, the timer heap, and the handle classes.
+_NEEDS = frozenset({"_q_recv", "receive_nowait", "_timers", "_nursery", "_started"})
 
 
 def _rebuild_at(loop: Any) -> list[int]:
@@ -177,22 +187,61 @@ def _rebuild_at(loop: Any) -> list[int]:
     return state
 
 
+def _due_timer(loop: Any) -> Any:
+    """The timer heap's head when its time has come (popped), else None."""
+    timers = loop._timers
+    if timers and timers[0]._when <= loop.time():
+        return heapq.heappop(timers)
+    return None
+
+
+def _dispatch(loop: Any, obj: Any, due: bool) -> None:
+    """Run one object as trio-asyncio's main loop does (`due`: a timer off the heap, not a
+    new one from the queue), without waiting for a Trio task it starts to take its first
+    step (see `batch_ready_callbacks`)."""
+    if not due and isinstance(obj, asyncio.TimerHandle):
+        heapq.heappush(loop._timers, obj)
+    elif isinstance(obj, _AsyncHandle):
+        obj._context.run(loop._nursery.start_soon, obj._run, name=obj._callback)
+    elif not obj._cancelled:
+        previous, sniffio_library.name = sniffio_library.name, "asyncio"
+        try:
+            obj._run()
+        finally:
+            sniffio_library.name = previous
+
+
 async def _main_loop_one(self: Any, no_wait: bool = False) -> None:
     timers = self._timers
     if timers:
         drop_cancelled_timers(timers, _rebuild_at(self))
-    await _original(self, no_wait)
+    obj = _due_timer(self)
+    due = obj is not None
+    if due:
+        pass
+    elif no_wait:
+        obj = self._q_recv.receive_nowait()
+    else:
+        timeout = timers[0]._when - self.time() if timers else math.inf
+        with trio.move_on_after(timeout):
+            obj = await self._q_recv.receive()
+        if obj is None:
+            return  # a timer is due: the next call runs it
+    _dispatch(self, obj, due)
     if no_wait:
         return
-    # The original's own no-wait form takes one queued object (or a due timer)
-    # without yielding; only a Trio task start waits, for the task to begin.
+    # As many more as were queued at this moment, each without a yield.
     for _ in range(self._q_recv.statistics().current_buffer_used):
         if self._stopped.is_set():
             return
-        try:
-            await _original(self, True)
-        except trio.WouldBlock:
-            return
+        obj = _due_timer(self)
+        due = obj is not None
+        if not due:
+            try:
+                obj = self._q_recv.receive_nowait()
+            except trio.WouldBlock:
+                return
+        _dispatch(self, obj, due)
 
 
 _main_loop_one.batched = True  # type: ignore[attr-defined]

@@ -334,6 +334,8 @@ def authenticator(settings: Settings) -> Authenticator:
         token_hashes=settings.auth_tokens_sha256,
         allowed_sans=settings.tls_allowed_sans,
         mtls=settings.tls_client_ca is not None,
+        token_orgs=dict(settings.auth_token_orgs),
+        require_principal=settings.require_principal,
     )
 
 

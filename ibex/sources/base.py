@@ -8,7 +8,7 @@ a short detail that holds no secret and no memory text.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Generic, Protocol, TypeVar
 
 import msgspec
@@ -18,11 +18,15 @@ from ibex.errors import SourceError
 
 __all__ = [
     "Answer",
+    "BatchRead",
     "DirectiveAnswer",
+    "DirectiveOrError",
     "DirectiveSource",
     "MemorySource",
     "SourceError",
+    "batch_reader",
     "cached_directive",
+    "prefetch_directive",
 ]
 
 T = TypeVar("T")
@@ -44,7 +48,10 @@ class DirectiveSource(Protocol):
 
     A source may also define `cached(org_id, agent_id, version) -> DirectiveAnswer | None`:
     an answer it holds in memory, given without I/O, or None. Retrieval asks it
-    first (see `cached_directive`), so an answer in hand costs no task.
+    first (see `cached_directive`), so an answer in hand costs no task. It may
+    define `prefetch(org_id, agent_id, version) -> None` (start the read a call
+    will need, see `prefetch_directive`) and `get_directives(wanted)` (several
+    agents' directives in one round trip, see `batch_reader`).
     """
 
     async def get_directive(
@@ -69,6 +76,38 @@ def cached_directive(
         source, "cached", None
     )
     return None if lookup is None else lookup(org_id, agent_id, version)
+
+
+def prefetch_directive(source: DirectiveSource, org_id: str, agent_id: str, version: str) -> None:
+    """Let the source start the read a call will need, when it offers `prefetch`; no I/O
+    here, and nothing happens for a source without one."""
+    start: Callable[[str, str, str], None] | None = getattr(source, "prefetch", None)
+    if start is not None:
+        start(org_id, agent_id, version)
+
+
+# One agent's answer among several: its directive (None: it has none) or its error.
+DirectiveOrError = Directive | SourceError | None
+# (org_id, agent_id, version): one agent's directive asked for, with the version expected.
+Wanted = tuple[str, str, str]
+# A source's `get_directives(wanted, on_answers=None)`: several agents' answers in one
+# round trip, in order; `on_answers`, when given, is called with them as soon as they are
+# known (it may run on the I/O side of the loop, before the call returns).
+Answers = Callable[[list[DirectiveOrError]], None]
+
+
+class BatchRead(Protocol):
+    def __call__(
+        self, wanted: Sequence[Wanted], *, on_answers: Answers | None = None
+    ) -> Awaitable[list[DirectiveOrError]]: ...
+
+
+def batch_reader(source: DirectiveSource) -> BatchRead | None:
+    """The source's `get_directives` when it reads several agents in one round trip, else
+    None. A source may offer the method and say `batch_reads = False` (a Redis Cluster: keys
+    live on any master, and one hung master would hold every key read with its own)."""
+    many: BatchRead | None = getattr(source, "get_directives", None)
+    return many if getattr(source, "batch_reads", True) else None
 
 
 class MemorySource(Protocol):

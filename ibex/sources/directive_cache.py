@@ -18,10 +18,11 @@ entry can only ever answer its own tenant.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from types import TracebackType
 
 import msgspec
@@ -29,7 +30,14 @@ import trio
 
 from ibex.assembly.structs import Directive
 from ibex.errors import SourceError
-from ibex.sources.base import Answer, DirectiveAnswer, DirectiveSource
+from ibex.sources.base import (
+    Answer,
+    BatchRead,
+    DirectiveAnswer,
+    DirectiveOrError,
+    DirectiveSource,
+    batch_reader,
+)
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +57,7 @@ class DirectiveCacheConfig(msgspec.Struct, frozen=True):
 
 
 class _Refresh:
-    """One read of a key in flight: every call that misses on that key waits for it."""
+    """One read of a key queued or in flight: every call that misses on that key waits for it."""
 
     __slots__ = ("directive", "done", "error")
 
@@ -79,7 +87,12 @@ class DirectiveCache:
 
     Entered with `async with`, misses are read once per key in a task the cache
     owns, under `refresh_timeout`, and every caller missing on that key waits for
-    that one read (each no longer than its own branch allows). A read is then never
+    that one read (each no longer than its own branch allows). Keys missed before
+    that task runs are read with it, in one `get_directives` call where the source
+    offers one (one MGET on Redis): a burst of calls for different agents costs one
+    round trip and one set of loop crossings, not one each, and its answers wake
+    their callers as soon as the source has them. `prefetch` queues a call's read
+    as soon as the call is known, before its own work. A read is then never
     cut by a caller's branch timeout: on a saturated loop a Redis GET rarely makes a
     5 ms branch, and a cut GET closes its connection, so without this an expired
     entry would stay expired, every call for that agent would reconnect, and the
@@ -103,7 +116,9 @@ class DirectiveCache:
         self.misses = 0
         self._nursery: trio.Nursery | None = None
         self._stack: contextlib.AsyncExitStack | None = None
+        # Keys queued or in flight, and the queued ones that no read task has taken yet.
         self._reading: dict[tuple[str, str], _Refresh] = {}
+        self._queued: dict[tuple[str, str], str] = {}  # key -> the version its caller named
 
     async def __aenter__(self) -> DirectiveCache:
         self._stack = contextlib.AsyncExitStack()
@@ -139,6 +154,25 @@ class DirectiveCache:
         self.hits += 1
         return Answer(entry.directive, "cache")
 
+    def prefetch(self, org_id: str, agent_id: str, version: str) -> None:
+        """Queue a read of the key unless its entry may serve or a read is already queued;
+        no I/O here.
+
+        Called as soon as a call is known (decoded, checked, admitted), before the
+        call's own work: its directive branch then finds the entry filled, or the
+        read under way, instead of starting the read after that work and after
+        that of every call that arrived with it. The read stores what it finds; a
+        branch that names another version than the one read reads again, as any
+        version mismatch does. Not entered, or with caching off, it does nothing.
+        """
+        key = (org_id, agent_id)
+        entry = self._entries.get(key)
+        if self._nursery is None or key in self._reading or self.config.max_entries <= 0:
+            return  # nothing to fill: the branch reads (or waits) as it always does
+        if entry is not None and self._fresh(entry, version, self._clock()):
+            return
+        self._queue(key, version)
+
     async def fetch(self, org_id: str, agent_id: str, version: str) -> DirectiveAnswer:
         """The directive (detail `cache` when no round trip was needed)."""
         hit = self.cached(org_id, agent_id, version)
@@ -150,36 +184,118 @@ class DirectiveCache:
             directive = await self.source.get_directive(org_id, agent_id, version)
             self._store(key, directive, self._clock())
             return Answer(directive, "")
-        read = self._reading.get(key)
-        if read is None:
-            read = self._reading[key] = _Refresh()
-            self._nursery.start_soon(self._read, key, version, read)
+        read = self._reading.get(key) or self._queue(key, version)
         await read.done.wait()
         if read.error:
             raise SourceError(read.error)
         return Answer(read.directive, "")
 
-    async def _read(self, key: tuple[str, str], version: str, read: _Refresh) -> None:
-        """Read `key` once for every waiter, under `refresh_timeout`; never raises."""
+    def _queue(self, key: tuple[str, str], version: str) -> _Refresh:
+        """Queue a read of `key`; the first key queued starts the task that reads them all."""
+        assert self._nursery is not None
+        read = self._reading[key] = _Refresh()
+        self._queued[key] = version
+        if len(self._queued) == 1:
+            self._nursery.start_soon(self._read_queued)
+        return read
+
+    async def _read_queued(self) -> None:
+        """Read every key queued before this task ran; never raises.
+
+        With a source that reads several keys in one round trip (`batch_reader`),
+        they are one read: keys missed together (a burst of calls for different
+        agents) then cost one round trip and one set of loop crossings, instead of
+        one each. Otherwise each key is its own read, in a task of its own, so a
+        key whose server hangs holds no other key's callers.
+        """
+        assert self._nursery is not None
+        queued, self._queued = self._queued, {}
+        many = batch_reader(self.source)
+        if many is not None:
+            await self._read_batch(many, queued)
+            return
+        *others, last = queued.items()
+        for key, version in others:
+            self._nursery.start_soon(self._read_one, key, version)
+        await self._read_one(*last)
+
+    async def _read_one(self, key: tuple[str, str], version: str) -> None:
+        """Read `key` for every waiter, under `refresh_timeout`; never raises."""
+        read = self._reading[key]
+        try:
+            await self._guarded([read], functools.partial(self._store_one, key, version, read))
+        finally:
+            self._finish(key, read)
+
+    async def _store_one(self, key: tuple[str, str], version: str, read: _Refresh) -> None:
+        read.directive = await self.source.get_directive(key[0], key[1], version)
+        self._store(key, read.directive, self._clock())
+
+    async def _read_batch(self, many: BatchRead, queued: dict[tuple[str, str], str]) -> None:
+        """Read the queued keys in one call for every waiter, under `refresh_timeout`."""
+        keys = list(queued)
+        reads = [self._reading[key] for key in keys]
+        try:
+            await self._guarded(reads, functools.partial(self._store_batch, many, queued, reads))
+        finally:
+            for key, read in zip(keys, reads, strict=True):
+                self._finish(key, read)
+
+    async def _store_batch(
+        self, many: BatchRead, queued: dict[tuple[str, str], str], reads: list[_Refresh]
+    ) -> None:
+        keys = list(queued)
+
+        def deliver(answers: list[DirectiveOrError]) -> None:
+            self._deliver(keys, reads, answers)
+
+        wanted = [(org, agent, version) for (org, agent), version in queued.items()]
+        self._deliver(keys, reads, await many(wanted, on_answers=deliver))
+
+    def _deliver(
+        self, keys: list[tuple[str, str]], reads: list[_Refresh], answers: list[DirectiveOrError]
+    ) -> None:
+        """Store the answers and wake their waiters, once (the source may tell them from
+        the I/O side before its call returns: the waiters need not wait for the return)."""
+        now = self._clock()
+        for key, read, answer in zip(keys, reads, answers, strict=True):
+            if read.done.is_set():
+                continue
+            if isinstance(answer, SourceError):
+                read.error = str(answer)
+            else:
+                read.directive = answer
+                self._store(key, answer, now)
+            self._finish(key, read)
+
+    def _finish(self, key: tuple[str, str], read: _Refresh) -> None:
+        if self._reading.get(key) is read:
+            del self._reading[key]
+        read.done.set()
+
+    async def _guarded(self, reads: list[_Refresh], work: Callable[[], Awaitable[None]]) -> None:
+        """`work()` under `refresh_timeout`; any failure becomes the reads' error."""
         timeout = self.config.refresh_timeout
         try:
             with trio.fail_after(timeout):
-                read.directive = await self.source.get_directive(key[0], key[1], version)
-            self._store(key, read.directive, self._clock())
+                await work()
         except trio.TooSlowError:
-            read.error = f"no answer within {timeout * 1000:.0f}ms"
+            self._fail(reads, f"no answer within {timeout * 1000:.0f}ms")
         except trio.Cancelled:
             # The cache is closing: a caller still waiting must not take "no directive".
-            read.error = "the directive cache closed before its read finished"
+            self._fail(reads, "the directive cache closed before its read finished")
             raise
         except SourceError as exc:
-            read.error = str(exc)
+            self._fail(reads, str(exc))
         except Exception as exc:  # contained as a branch contains it: an error, logged
-            read.error = f"unexpected {type(exc).__name__}"
+            self._fail(reads, f"unexpected {type(exc).__name__}")
             log.exception("directive_refresh_failed")
-        finally:
-            del self._reading[key]
-            read.done.set()
+
+    @staticmethod
+    def _fail(reads: list[_Refresh], error: str) -> None:
+        for read in reads:
+            if not read.done.is_set():  # an answer already delivered stands
+                read.directive, read.error = None, error
 
     async def get_directive(
         self, org_id: str, agent_id: str, version: str = ""

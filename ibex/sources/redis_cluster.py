@@ -114,6 +114,11 @@ class ClusterReader:
             task = self._refresh = asyncio.ensure_future(self.client.initialize())
         await asyncio.shield(task)
 
+    async def get_many(self, keys: list[str]) -> list[object]:
+        """Each key's GET (`get`), concurrently: keys live on any master, so a stopped
+        one fails only its own keys. A key's failure is its place's exception."""
+        return list(await asyncio.gather(*(self.get(key) for key in keys), return_exceptions=True))
+
     async def close(self) -> None:
         if self._refresh is not None and not self._refresh.done():
             self._refresh.cancel()

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
@@ -149,6 +149,9 @@ class _Reader(Protocol):
     async def get(self, key: str) -> object: ...
 
     async def warm(self, connections: int) -> None: ...
+    async def get_many(self, keys: list[str]) -> list[object]:
+        """The keys' values in order; a key's own failure (an exception) in its place."""
+        ...
 
     async def close(self) -> None: ...
 
@@ -175,6 +178,9 @@ class RedisDirectiveSource:
 
     def _over(self, reader: _Reader, options: RedisOptions) -> None:
         self._reader = reader
+        # One endpoint or Sentinel's master: `get_directives` is one MGET. A cluster's
+        # keys live on any master, one GET each: a cache reads them apart (`batch_reader`).
+        self.batch_reads = isinstance(reader, _PoolReader)
         self._max_value_bytes = options.max_value_bytes
         self._closed = False
 
@@ -297,33 +303,88 @@ class RedisDirectiveSource:
         with contextlib.suppress(RedisError, OSError):
             await trio_asyncio.aio_as_trio(self._reader.close)()
 
+    async def get_directives(
+        self,
+        wanted: Sequence[tuple[str, str, str]],
+        on_answers: Callable[[list[Directive | SourceError | None]], None] | None = None,
+    ) -> list[Directive | SourceError | None]:
+        """Several agents' directives in one round trip (one endpoint, Sentinel: GET for
+        one key, else MGET; a cluster: one GET per key, concurrently), in order. A value
+        that does not decode is that agent's SourceError; a failed round trip raises one.
+        Trio-async; cancel freely. Each (org_id, agent_id, version) is read whatever its
+        version.
+
+        `on_answers`, when given, is called with the answers (synchronously, on the
+        asyncio side) as soon as the reply is parsed: the two loop passes the answers
+        then take to come back to this Trio task are not waited for by whoever the
+        callback tells."""
+        if self._closed:
+            raise SourceError("redis directive source is closed")
+        keys = [directive_key(org_id, agent_id) for org_id, agent_id, _ in wanted]
+        return await trio_asyncio.aio_as_trio(self._get_many)(keys, on_answers)
+
+    def _decode(self, raw: bytes | SourceError | None) -> Directive | SourceError | None:
+        if isinstance(raw, SourceError):
+            return raw
+        try:
+            return decode_directive(raw, self._max_value_bytes)
+        except SourceError as exc:
+            return exc
+
     async def _get(self, key: str) -> bytes | None:
         """asyncio side: one GET through the reader, errors mapped to SourceError."""
         try:
             reply = await self._reader.get(key)
-        except RedisTimeoutError:
-            raise SourceError("redis: timed out") from None
-        except MaxConnectionsError:
-            raise SourceError("redis: connection pool exhausted") from None
-        except MasterNotFoundError:
-            raise SourceError("redis: no master found by the sentinels") from None
-        except RedisConnectionError:
-            raise SourceError("redis: connection failed") from None
-        except ResponseError as exc:
-            # The server's error prefix (e.g. WRONGTYPE) says enough; the rest may echo input.
-            prefix = str(exc).split(" ", 1)[0][:32]
-            raise SourceError(f"redis: error reply {prefix}") from None
-        except RedisClusterException as exc:
-            raise SourceError(f"redis cluster: {type(exc).__name__}") from None
         except (RedisError, OSError) as exc:
-            raise SourceError(f"redis: {type(exc).__name__}") from None
-        if reply is not None and not isinstance(reply, bytes):
-            raise SourceError(f"redis: unexpected reply type {type(reply).__name__}")
-        return reply
+            raise _source_error(exc) from None
+        return _value(reply)
+
+    async def _get_many(
+        self,
+        keys: list[str],
+        on_answers: Callable[[list[Directive | SourceError | None]], None] | None,
+    ) -> list[Directive | SourceError | None]:
+        """asyncio side: every key through the reader (`get` for one, `get_many`),
+        errors mapped to SourceError (a whole round trip's raised, a key's own in its
+        place), values decoded; `on_answers` told before they are returned."""
+        try:
+            if len(keys) == 1:
+                replies: list[object] = [await self._reader.get(keys[0])]
+            else:
+                replies = await self._reader.get_many(keys)
+        except (RedisError, OSError) as exc:
+            raise _source_error(exc) from None
+        if len(replies) != len(keys):
+            raise SourceError(f"redis: {len(replies)} values for {len(keys)} keys")
+        out: list[bytes | SourceError | None] = []
+        for reply in replies:
+            if isinstance(reply, SourceError):
+                out.append(reply)
+            elif isinstance(reply, (RedisError, OSError)):
+                out.append(_source_error(reply))
+            elif isinstance(reply, BaseException):
+                out.append(SourceError(f"redis: {type(reply).__name__}"))
+            else:
+                try:
+                    out.append(_value(reply))
+                except SourceError as exc:
+                    out.append(exc)
+        answers = [self._decode(raw) for raw in out]
+        if on_answers is not None:
+            on_answers(answers)
+        return answers
+
+
+def _value(reply: object) -> bytes | None:
+    if reply is not None and not isinstance(reply, bytes):
+        raise SourceError(f"redis: unexpected reply type {type(reply).__name__}")
+    return reply
 
 
 def _source_error(exc: BaseException) -> SourceError:
-    """A redis-py error as a SourceError whose text holds no secret (no URL, no reply text)."""
+    """A redis-py failure as the branch's short SourceError (no value, no secret)."""
+    if isinstance(exc, SourceError):
+        return exc
     if isinstance(exc, RedisTimeoutError):
         return SourceError("redis: timed out")
     if isinstance(exc, MaxConnectionsError):
@@ -333,7 +394,9 @@ def _source_error(exc: BaseException) -> SourceError:
     if isinstance(exc, RedisConnectionError):
         return SourceError("redis: connection failed")
     if isinstance(exc, ResponseError):
-        return SourceError(f"redis: error reply {str(exc).split(' ', 1)[0][:32]}")
+        # The server's error prefix (e.g. WRONGTYPE) says enough; the rest may echo input.
+        prefix = str(exc).split(" ", 1)[0][:32]
+        return SourceError(f"redis: error reply {prefix}")
     if isinstance(exc, RedisClusterException):
         return SourceError(f"redis cluster: {type(exc).__name__}")
     return SourceError(f"redis: {type(exc).__name__}")
@@ -350,10 +413,20 @@ class _PoolReader:
         self._sentinel = sentinel
 
     async def get(self, key: str) -> object:
+        return await self._command("GET", key)
+
+    async def get_many(self, keys: list[str]) -> list[object]:
+        """One MGET: the keys share one connection and one round trip."""
+        reply = await self._command("MGET", *keys)
+        if not isinstance(reply, list):
+            raise SourceError(f"redis: unexpected reply type {type(reply).__name__}")
+        return reply
+
+    async def _command(self, *command: str) -> object:
         retries = self._retries
         while True:
             try:
-                return await self._leased_get(key)
+                return await self._leased(*command)
             except _BrokenConnection:
                 if retries <= 0:
                     raise
@@ -388,11 +461,11 @@ class _PoolReader:
             if self._sentinel is not None:
                 await self._sentinel.aclose()
 
-    async def _leased_get(self, key: str) -> object:
+    async def _leased(self, *command: str) -> object:
         pool = self.pool
         conn = await pool.get_connection()
         try:
-            await conn.send_command("GET", key)
+            await conn.send_command(*command)
             return await conn.read_response(disable_decoding=True)
         except BaseException as exc:
             # Close before release, so a reply still on the wire (cancellation,

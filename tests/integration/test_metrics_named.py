@@ -2,7 +2,8 @@
 
 The names are read from the files themselves (README.md, docs/*.md, deploy/prometheus/*,
 deploy/grafana/*), so a metric documented anywhere must be exported by a real daemon:
-`ibex serve --workers 2` with IBEX_CONTEXT_METRICS_ADDR, one call answered, then scraped.
+`ibex serve --workers 2` with IBEX_CONTEXT_METRICS_ADDR, real Redis and the memory
+stand-in (so each dependency has its series), one call answered, then scraped.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, generate_latest
 
 from ibex.ops.metrics import ProcessMetrics
+from ibex.testing.memory_server import FakeMemoryServer
+from ibex.testing.redis_server import RedisServer
 from tests.integration.test_workers import assemble, children, free_port, scrape, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -88,50 +91,58 @@ def test_process_metrics_label_each_live_process_and_leave_out_a_gone_one() -> N
     assert f'pid="{gone.pid}"' not in text
 
 
-def test_every_named_metric_is_on_a_real_daemons_metrics(tmp_path: Path) -> None:
+def test_every_named_metric_is_on_a_real_daemons_metrics(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
     named = named_metrics()
-    grpc_port, metrics_port = free_port(), free_port()
-    env = {
-        k: v for k, v in os.environ.items() if not k.startswith(("IBEX_CONTEXT_", "PROMETHEUS_"))
-    }
-    env.update(
-        IBEX_CONTEXT_GRPC_ADDR=f"127.0.0.1:{grpc_port}",
-        IBEX_CONTEXT_METRICS_ADDR=f"127.0.0.1:{metrics_port}",
-        IBEX_CONTEXT_DRAIN_GRACE="5s",
-    )
-    log_path = tmp_path / "stderr.log"
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "ibex", "serve", "--workers", "2"],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=log,
-            start_new_session=True,  # its own process group: teardown reaches the workers
+    with FakeMemoryServer() as memory:
+        grpc_port, metrics_port = free_port(), free_port()
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("IBEX_CONTEXT_", "PROMETHEUS_"))
+        }
+        env.update(
+            IBEX_CONTEXT_GRPC_ADDR=f"127.0.0.1:{grpc_port}",
+            IBEX_CONTEXT_METRICS_ADDR=f"127.0.0.1:{metrics_port}",
+            IBEX_CONTEXT_DRAIN_GRACE="5s",
+            IBEX_CONTEXT_REDIS_URL=redis_server.url,
+            IBEX_CONTEXT_MEMORY_BASE_URL=memory.url,
+            IBEX_CONTEXT_MEMORY_API_TOKEN=memory.token,
         )
-        try:
-            wait_for(lambda: '"event":"workers_ready"' in log_path.read_text(), 120, "workers")
-            done = assemble(grpc_port)  # labelled series appear with their first value
-            assert done.returncode == 0, done.stderr
-            text = scrape(metrics_port)
-            assert missing(named, exposed_names(text)) == {}
-            # one CPU series per live process, named and with its pid
-            workers = children(proc.pid)
-            cpu = {
-                line.split("{", 1)[1].split("}", 1)[0]
-                for line in text.splitlines()
-                if line.startswith("process_cpu_seconds_total{")
-            }
-            expected = {f'pid="{pid}"' for pid in (*workers, proc.pid)}
-            assert {label for labels in cpu for label in labels.split(",") if "pid" in label} == (
-                expected
+        log_path = tmp_path / "stderr.log"
+        with log_path.open("w") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "ibex", "serve", "--workers", "2"],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=log,
+                start_new_session=True,  # its own process group: teardown reaches the workers
             )
-            assert len(workers) == 2
-            assert {
-                label for labels in cpu for label in labels.split(",") if "process" in label
-            } == {'process="supervisor"', 'process="worker-0"', 'process="worker-1"'}
-            proc.send_signal(signal.SIGTERM)
-            assert proc.wait(timeout=30) == 0
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
+            try:
+                wait_for(lambda: '"event":"workers_ready"' in log_path.read_text(), 120, "workers")
+                done = assemble(grpc_port)  # labelled series appear with their first value
+                assert done.returncode == 0, done.stderr
+                text = scrape(metrics_port)
+                assert missing(named, exposed_names(text)) == {}
+                # one CPU series per live process, named and with its pid
+                workers = children(proc.pid)
+                cpu = {
+                    line.split("{", 1)[1].split("}", 1)[0]
+                    for line in text.splitlines()
+                    if line.startswith("process_cpu_seconds_total{")
+                }
+                expected = {f'pid="{pid}"' for pid in (*workers, proc.pid)}
+                assert {
+                    label for labels in cpu for label in labels.split(",") if "pid" in label
+                } == (expected)
+                assert len(workers) == 2
+                assert {
+                    label for labels in cpu for label in labels.split(",") if "process" in label
+                } == {'process="supervisor"', 'process="worker-0"', 'process="worker-1"'}
+                proc.send_signal(signal.SIGTERM)
+                assert proc.wait(timeout=30) == 0
+            finally:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)

@@ -278,3 +278,63 @@ async def test_a_revoked_directive_stops_being_served_after_the_cache_max_age(
     assert served.detail == "cache" and served.value.content == SECRET_TEXT
     await trio.sleep(0.35)
     assert await cache.fetch(ORG, AGENT, VERSION) == Answer(None, "")
+
+
+def read_commands(redis_server: RedisServer) -> dict[str, int]:
+    """The GET and MGET calls redis-server has counted (INFO commandstats)."""
+    counts = {"get": 0, "mget": 0}
+    for line in redis_server.command("INFO", "commandstats").decode().splitlines():
+        name, _, stats = line.partition(":")
+        if name.removeprefix("cmdstat_") in counts:
+            counts[name.removeprefix("cmdstat_")] = int(stats.split("calls=")[1].split(",")[0])
+    return counts
+
+
+async def test_five_agents_missing_together_cost_one_round_trip(
+    redis_server: RedisServer, source: RedisDirectiveSource
+) -> None:
+    """Five calls for five agents that miss the cache together are read with one MGET,
+    and each gets its own agent's directive."""
+    agents = [str(uuid.uuid4()) for _ in range(5)]
+    for agent in agents:
+        redis_server.set(directive_key(ORG, agent), envelope(content=f"for {agent}"))
+    got: dict[str, Answer[Directive | None]] = {}
+
+    async def one(cache: DirectiveCache, agent: str) -> None:
+        got[agent] = await cache.fetch(ORG, agent, "")
+
+    redis_server.command("CONFIG", "RESETSTAT")
+    async with (
+        DirectiveCache(source, DirectiveCacheConfig()) as cache,
+        trio.open_nursery() as nursery,
+    ):
+        for agent in agents:
+            nursery.start_soon(one, cache, agent)
+    assert read_commands(redis_server) == {"get": 0, "mget": 1}
+    for agent in agents:
+        assert got[agent].value is not None and got[agent].value.content == f"for {agent}"
+
+
+async def test_several_agents_in_one_read_each_get_their_own_answer(
+    redis_server: RedisServer, source: RedisDirectiveSource
+) -> None:
+    """One MGET: a directive, a missing key (no directive), a value that breaks the
+    envelope (that agent's error alone, without its text), another directive."""
+    agents = [str(uuid.uuid4()) for _ in range(4)]
+    redis_server.set(directive_key(ORG, agents[0]), envelope(content="first"))
+    redis_server.set(directive_key(ORG, agents[2]), "plain text, " + SECRET_TEXT)
+    redis_server.set(directive_key(ORG, agents[3]), envelope(content="last"))
+    redis_server.command("CONFIG", "RESETSTAT")
+    got = await source.get_directives([(ORG, agent, "") for agent in agents])
+    assert read_commands(redis_server) == {"get": 0, "mget": 1}
+    assert [d.content if isinstance(d, Directive) else d for d in got[:2]] == ["first", None]
+    assert isinstance(got[2], SourceError) and SECRET_TEXT not in str(got[2])
+    assert isinstance(got[3], Directive) and got[3].content == "last"
+
+
+async def test_a_batch_read_against_a_stopped_server_is_one_error_for_all(
+    redis_server: RedisServer, source: RedisDirectiveSource
+) -> None:
+    redis_server.kill()
+    with pytest.raises(SourceError, match=r"^redis: "):
+        await source.get_directives([(ORG, AGENT, ""), (ORG, str(uuid.uuid4()), "")])

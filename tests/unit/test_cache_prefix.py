@@ -5,8 +5,11 @@ conversation through two workers in round robin. With a shared nonce key and
 a session id, every turn's context starts, byte for byte, with the previous
 turn's directive, safety sentence and history, and the provider-counted
 cached prefix (from 1,024 tokens, in 128-token steps) covers at least 90 % of
-those tokens. Without the key every assembly draws its own nonce and nothing
-is shared past the directive's opening tag.
+those tokens. In the `cache` section order (IBEX_CONTEXT_SECTION_ORDER) the
+tools come before the history and are part of that prefix too, so more of
+every turn is cached and the input costs less than in the `seed` order on the
+same conversation. Without the key every assembly draws its own nonce and
+nothing is shared past the directive's opening tag.
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ async def test_with_the_key_each_turn_starts_with_the_previous_turns_stable_part
         assert "<safety" in stable and "<directive" in stable
         assert cur.startswith(stable)
     for t in turns[1:]:
-        assert t.coverage >= 0.9, t
+        assert t.coverage_without_tools >= 0.9, t
         assert t.cached_tokens >= bench.CACHE_MIN_TOKENS
     # Later turns carry the earlier history: the stable part grows.
     assert turns[-1].stable_tokens > turns[1].stable_tokens
@@ -83,3 +86,32 @@ async def test_without_the_key_no_prefix_is_shared(static: tuple[Catalog, Tokeni
         assert not cur.startswith(_stable(prev))
     assert all(t.cached_tokens == 0 and t.coverage == 0.0 for t in turns)
     assert all(t.common_prefix_tokens < 10 for t in turns)
+
+
+async def test_the_cache_order_also_caches_the_tools_and_costs_less(
+    static: tuple[Catalog, Tokenizers],
+) -> None:
+    catalog, tokenizers = static
+    replays = {}
+    for order in ("seed", "cache"):
+        pool = bench.workers(catalog, tokenizers, bench.StandIn(seed=7), bench.BENCH_KEY, order)
+        replays[order] = await bench.replay_conversation(pool, tokenizers, seed=7, turns=TURNS)
+    (seed, seed_texts), (cache, texts) = replays["seed"], replays["cache"]
+    for prev, cur in itertools.pairwise(texts):
+        stable = _stable(prev)
+        assert stable.index("<directive") < stable.index("<tools") < stable.index("<safety")
+        assert cur.startswith(stable)
+    for text in seed_texts:
+        assert "<tools" not in _stable(text)  # the seed order's tools follow the memories
+    # The same sections, so the same size; the cache order's prefix reaches the tools.
+    assert [t.context_tokens for t in cache] == [t.context_tokens for t in seed]
+    for s, c in zip(seed[1:], cache[1:], strict=True):
+        assert c.cached_tokens > s.cached_tokens, (s, c)
+        assert c.prefix_coverage >= 0.99, c  # all of the stable part but the history's close
+        assert c.coverage_without_tools == 1.0, c
+        assert c.coverage >= 0.9, c  # the provider's 128-token step leaves 0-127 tokens out
+    price = {
+        order: bench.summarise([turns], bench.PRICE_INPUT, bench.PRICE_CACHED)
+        for order, (turns, _) in replays.items()
+    }
+    assert price["cache"]["cost_usd_with_cache"] < price["seed"]["cost_usd_with_cache"]  # type: ignore[operator]

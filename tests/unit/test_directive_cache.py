@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any
+
 import pytest
 import trio
 import trio.testing
@@ -418,3 +421,263 @@ async def test_after_the_cache_is_left_a_miss_reads_in_the_callers_task() -> Non
         pass
     assert await c.fetch(ORG, AGENT, V1) == Answer(directive(V1), "")
     assert store.calls == 1 and c.cached(ORG, AGENT, V1) is not None
+
+
+# ------------------------------------------------------------------ misses read together
+
+
+AGENTS = [f"7c9e6679-7425-40de-944b-e07fc1f90a{i:02x}" for i in range(5)]
+
+
+class BatchStore(SlowStore):
+    """A source that also reads several keys in one call (`get_directives`), as Redis does
+    with MGET; `fail` names agents whose value does not decode."""
+
+    def __init__(self, delay: float | None) -> None:
+        super().__init__(delay)
+        self.batches: list[list[tuple[str, str, str]]] = []
+        self.fail: set[str] = set()
+
+    async def get_directives(
+        self, wanted: list[tuple[str, str, str]], *, on_answers: Any = None
+    ) -> list[Directive | SourceError | None]:
+        self.batches.append(list(wanted))
+        if self.delay is None:
+            await trio.sleep_forever()
+        await trio.sleep(self.delay)
+        return [
+            SourceError("redis: malformed value")
+            if agent in self.fail
+            else self.values.get((org, agent))
+            for org, agent, _ in wanted
+        ]
+
+
+async def fetch_all(c: DirectiveCache, agents: list[str]) -> dict[str, object]:
+    """Every agent's `fetch` started together; each answer, or its error's text."""
+    got: dict[str, object] = {}
+
+    async def one(agent: str) -> None:
+        try:
+            got[agent] = await c.fetch(ORG, agent, "")
+        except SourceError as exc:
+            got[agent] = str(exc)
+
+    async with trio.open_nursery() as nursery:
+        for agent in agents:
+            nursery.start_soon(one, agent)
+    return got
+
+
+async def test_misses_on_several_keys_together_are_one_read_of_them_all(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Five calls for five agents missing together cost one `get_directives` (one round
+    trip), each caller gets its own agent's directive, and the entries are filled."""
+    store = BatchStore(0.002)
+    for i, agent in enumerate(AGENTS):
+        store.values[(ORG, agent)] = directive(V1, f"agent {i}")
+    async with owned(store) as c:
+        got = await fetch_all(c, AGENTS)
+        assert [sorted(b) for b in store.batches] == [[(ORG, agent, "") for agent in AGENTS]]
+        assert store.calls == 0  # no key read alone
+        assert got == {a: Answer(directive(V1, f"agent {i}"), "") for i, a in enumerate(AGENTS)}
+        for i, agent in enumerate(AGENTS):
+            assert c.cached(ORG, agent, V1) == Answer(directive(V1, f"agent {i}"), "cache")
+
+
+async def test_one_keys_error_in_a_batch_is_that_callers_alone(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    store = BatchStore(0.002)
+    store.values[(ORG, AGENTS[0])] = directive(V1)
+    store.fail = {AGENTS[1]}
+    async with owned(store) as c:
+        got = await fetch_all(c, AGENTS[:3])
+        assert got == {
+            AGENTS[0]: Answer(directive(V1), ""),
+            AGENTS[1]: "redis: malformed value",
+            AGENTS[2]: Answer(None, ""),  # no key: no directive, a success
+        }
+        assert c.cached(ORG, AGENTS[1], "") is None  # an error is not cached
+        assert c.cached(ORG, AGENTS[2], "") == Answer(None, "cache")
+
+
+async def test_a_batch_is_bounded_by_the_refresh_timeout_for_all_its_callers(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    store = BatchStore(None)
+    async with owned(store, refresh_timeout=0.5) as c:
+        got = await fetch_all(c, AGENTS[:2])
+    assert got == {a: "no answer within 500ms" for a in AGENTS[:2]}
+    assert len(store.batches) == 1
+
+
+async def test_a_key_missed_while_a_batch_is_in_flight_goes_in_the_next(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    store = BatchStore(0.010)
+    async with owned(store) as c, trio.open_nursery() as nursery:
+        nursery.start_soon(c.fetch, ORG, AGENTS[0], "")
+        nursery.start_soon(c.fetch, ORG, AGENTS[1], "")
+        await trio.sleep(0.005)  # the first batch is in flight
+        nursery.start_soon(c.fetch, ORG, AGENTS[2], V1)
+        nursery.start_soon(c.fetch, ORG, AGENTS[0], "")  # joins the read in flight
+    assert [sorted(b) for b in store.batches] == [
+        [(ORG, a, "") for a in AGENTS[:2]],
+        [(ORG, AGENTS[2], V1)],
+    ]
+
+
+async def test_a_source_without_batches_reads_each_key_concurrently(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    store = SlowStore(0.010)
+    for agent in AGENTS:
+        store.values[(ORG, agent)] = directive(V1)
+    async with owned(store) as c:
+        t0 = trio.current_time()
+        got = await fetch_all(c, AGENTS)
+        assert trio.current_time() - t0 == pytest.approx(0.010)  # not 5 x 10 ms one by one
+    assert store.calls == 5 and got == {a: Answer(directive(V1), "") for a in AGENTS}
+
+
+# ------------------------------------------------------------------ prefetch
+
+
+async def test_a_prefetch_fills_the_entry_before_the_call_asks(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    store = BatchStore(0.002)
+    store.values[(ORG, AGENT)] = directive(V1)
+    async with owned(store) as c:
+        c.prefetch(ORG, AGENT, V1)
+        c.prefetch(ORG, AGENT, V1)  # already queued: nothing more
+        await trio.sleep(0.010)
+        assert c.cached(ORG, AGENT, V1) == Answer(directive(V1), "cache")
+        c.prefetch(ORG, AGENT, V1)  # the entry serves: nothing to read
+        await trio.sleep(0.010)
+    assert store.batches == [[(ORG, AGENT, V1)]]
+
+
+async def test_a_call_whose_prefetch_is_in_flight_waits_for_that_read(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    store = BatchStore(0.010)
+    store.values[(ORG, AGENT)] = directive(V1)
+    async with owned(store) as c:
+        c.prefetch(ORG, AGENT, V1)
+        await trio.sleep(0.004)
+        t0 = trio.current_time()
+        assert await c.fetch(ORG, AGENT, V1) == Answer(directive(V1), "")
+        assert trio.current_time() - t0 == pytest.approx(0.006)  # the rest of that read
+    assert len(store.batches) == 1
+
+
+async def test_prefetches_of_calls_known_together_are_one_read(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    store = BatchStore(0.002)
+    async with owned(store) as c:
+        for agent in AGENTS:
+            c.prefetch(ORG, agent, "")
+        await trio.sleep(0.010)
+    assert store.batches == [[(ORG, agent, "") for agent in AGENTS]]  # in the calls' order
+
+
+async def test_a_prefetch_revalidates_an_entry_past_its_maximum_age(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Prefetching never stretches an entry's life: past `max_age` it is read again, and a
+    revoked directive (key deleted) is what the next call gets."""
+    store = BatchStore(0.001)
+    store.values[(ORG, AGENT)] = directive(V1)
+    async with owned(store, ttl=1.0, max_age=2.0) as c:
+        await c.fetch(ORG, AGENT, V1)
+        del store.values[(ORG, AGENT)]  # revoked
+        await trio.sleep(1.5)
+        c.prefetch(ORG, AGENT, V1)  # within max_age: nothing read
+        await trio.sleep(0.6)  # 2.1 s after the read
+        c.prefetch(ORG, AGENT, V1)
+        await trio.sleep(0.01)
+        assert c.cached(ORG, AGENT, V1) is None  # the revoked version no longer serves
+        assert await c.fetch(ORG, AGENT, V1) == Answer(None, "")
+    assert len(store.batches) == 3  # the first read, the prefetch past max_age, the call
+
+
+@pytest.mark.parametrize("entered", [True, False])
+async def test_a_prefetch_does_nothing_unentered_or_with_caching_off(entered: bool) -> None:
+    store = BatchStore(0.0)
+    c = owned(store, max_entries=0 if entered else 10)
+    assert store.calls == 0
+    if entered:
+        async with c:
+            c.prefetch(ORG, AGENT, V1)
+            await trio.sleep(0.01)
+    else:
+        c.prefetch(ORG, AGENT, V1)
+    assert store.batches == [] and store.calls == 0
+
+
+async def test_keys_of_a_source_that_does_not_batch_are_read_apart(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A Redis Cluster (`batch_reads = False`): one hung key fails alone at the refresh
+    timeout, and the keys missed with it answer as soon as they are read."""
+
+    class Cluster(BatchStore):
+        batch_reads = False
+
+        async def get_directive(
+            self, org_id: str, agent_id: str, version: str = ""
+        ) -> Directive | None:
+            if agent_id == AGENTS[0]:
+                await trio.sleep_forever()
+            return await super().get_directive(org_id, agent_id, version)
+
+    store = Cluster(0.002)
+    for agent in AGENTS:
+        store.values[(ORG, agent)] = directive(V1)
+    ended: dict[str, float] = {}
+    async with owned(store, refresh_timeout=0.25) as c:
+
+        async def one(agent: str) -> None:
+            with contextlib.suppress(SourceError):
+                await c.fetch(ORG, agent, "")
+            ended[agent] = trio.current_time()
+
+        t0 = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            for agent in AGENTS:
+                nursery.start_soon(one, agent)
+    assert store.batches == [] and store.finished == 4
+    assert ended.pop(AGENTS[0]) - t0 == pytest.approx(0.25)
+    assert all(t - t0 == pytest.approx(0.002) for t in ended.values())
+
+
+async def test_answers_told_before_the_read_returns_wake_their_callers_then(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A source that tells the answers (`on_answers`) before its call returns: the
+    callers resume at that moment and the entries are filled, not when the read task
+    gets the return; a timeout after that moment takes nothing back."""
+
+    class Early(BatchStore):
+        async def get_directives(
+            self, wanted: list[tuple[str, str, str]], *, on_answers: Any = None
+        ) -> list[Directive | SourceError | None]:
+            answers = await super().get_directives(wanted)
+            on_answers(answers)
+            await trio.sleep(1.0)  # the way back to the read task, taking long
+            return answers
+
+    store = Early(0.002)
+    store.values[(ORG, AGENTS[0])] = directive(V1)
+    async with owned(store, refresh_timeout=0.5) as c:
+        t0 = trio.current_time()
+        got = await fetch_all(c, AGENTS[:2])
+        assert trio.current_time() - t0 == pytest.approx(0.002)
+        assert got == {AGENTS[0]: Answer(directive(V1), ""), AGENTS[1]: Answer(None, "")}
+        await trio.sleep(1.0)  # the read task's timeout has fired meanwhile
+        assert c.cached(ORG, AGENTS[0], V1) == Answer(directive(V1), "cache")
+        assert c._reading == {}

@@ -62,13 +62,14 @@ CONTRACT: dict[str, str] = {
     "4 budget_reached bool; 5 total_score double; 6 tenant_filtered int32",
     "SearchMemoriesRequest": "1 agent_id string; 2 org_id string; 3 query string; "
     "4 limit int32; 5 min_similarity float; 6 categories repeated string; "
-    "7 tags repeated string; 8 session_id string",
+    "7 tags repeated string; 8 session_id string; 9 principal_context PrincipalContext",
     "SearchMemoriesResponse": "1 memories repeated Memory; 2 total_candidates int32; "
     "3 search_time_ms int32",
     "Memory": "1 id string; 2 content string; 3 category string; 4 confidence float; "
     "5 composite_score float; 6 retrieval_count int32; 7 created_at string",
     "RecordMemoryFeedbackRequest": "1 memory_ids repeated string; 2 session_id string; "
-    "3 trace_id string; 4 org_id string; 5 feedback string",
+    "3 trace_id string; 4 org_id string; 5 feedback string; "
+    "6 principal_context PrincipalContext",
     "RecordMemoryFeedbackResponse": "1 success bool; 2 updates repeated MemoryScoreUpdate",
     "MemoryScoreUpdate": "1 memory_id string; 2 previous_score float; 3 new_score float",
     "PrincipalContext": "1 org_id string; 2 principal_id string; 3 agent_id string; "

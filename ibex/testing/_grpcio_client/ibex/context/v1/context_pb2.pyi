@@ -212,7 +212,7 @@ class PackSummary(_message.Message):
     def __init__(self, path: _Optional[str] = ..., candidates_evaluated: _Optional[int] = ..., excluded_for_budget: _Optional[int] = ..., budget_reached: _Optional[bool] = ..., total_score: _Optional[float] = ..., tenant_filtered: _Optional[int] = ...) -> None: ...
 
 class SearchMemoriesRequest(_message.Message):
-    __slots__ = ("agent_id", "org_id", "query", "limit", "min_similarity", "categories", "tags", "session_id")
+    __slots__ = ("agent_id", "org_id", "query", "limit", "min_similarity", "categories", "tags", "session_id", "principal_context")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     ORG_ID_FIELD_NUMBER: _ClassVar[int]
     QUERY_FIELD_NUMBER: _ClassVar[int]
@@ -221,6 +221,7 @@ class SearchMemoriesRequest(_message.Message):
     CATEGORIES_FIELD_NUMBER: _ClassVar[int]
     TAGS_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PRINCIPAL_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     org_id: str
     query: str
@@ -229,7 +230,8 @@ class SearchMemoriesRequest(_message.Message):
     categories: _containers.RepeatedScalarFieldContainer[str]
     tags: _containers.RepeatedScalarFieldContainer[str]
     session_id: str
-    def __init__(self, agent_id: _Optional[str] = ..., org_id: _Optional[str] = ..., query: _Optional[str] = ..., limit: _Optional[int] = ..., min_similarity: _Optional[float] = ..., categories: _Optional[_Iterable[str]] = ..., tags: _Optional[_Iterable[str]] = ..., session_id: _Optional[str] = ...) -> None: ...
+    principal_context: _principal_context_pb2.PrincipalContext
+    def __init__(self, agent_id: _Optional[str] = ..., org_id: _Optional[str] = ..., query: _Optional[str] = ..., limit: _Optional[int] = ..., min_similarity: _Optional[float] = ..., categories: _Optional[_Iterable[str]] = ..., tags: _Optional[_Iterable[str]] = ..., session_id: _Optional[str] = ..., principal_context: _Optional[_Union[_principal_context_pb2.PrincipalContext, _Mapping]] = ...) -> None: ...
 
 class SearchMemoriesResponse(_message.Message):
     __slots__ = ("memories", "total_candidates", "search_time_ms")
@@ -260,18 +262,20 @@ class Memory(_message.Message):
     def __init__(self, id: _Optional[str] = ..., content: _Optional[str] = ..., category: _Optional[str] = ..., confidence: _Optional[float] = ..., composite_score: _Optional[float] = ..., retrieval_count: _Optional[int] = ..., created_at: _Optional[str] = ...) -> None: ...
 
 class RecordMemoryFeedbackRequest(_message.Message):
-    __slots__ = ("memory_ids", "session_id", "trace_id", "org_id", "feedback")
+    __slots__ = ("memory_ids", "session_id", "trace_id", "org_id", "feedback", "principal_context")
     MEMORY_IDS_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TRACE_ID_FIELD_NUMBER: _ClassVar[int]
     ORG_ID_FIELD_NUMBER: _ClassVar[int]
     FEEDBACK_FIELD_NUMBER: _ClassVar[int]
+    PRINCIPAL_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     memory_ids: _containers.RepeatedScalarFieldContainer[str]
     session_id: str
     trace_id: str
     org_id: str
     feedback: str
-    def __init__(self, memory_ids: _Optional[_Iterable[str]] = ..., session_id: _Optional[str] = ..., trace_id: _Optional[str] = ..., org_id: _Optional[str] = ..., feedback: _Optional[str] = ...) -> None: ...
+    principal_context: _principal_context_pb2.PrincipalContext
+    def __init__(self, memory_ids: _Optional[_Iterable[str]] = ..., session_id: _Optional[str] = ..., trace_id: _Optional[str] = ..., org_id: _Optional[str] = ..., feedback: _Optional[str] = ..., principal_context: _Optional[_Union[_principal_context_pb2.PrincipalContext, _Mapping]] = ...) -> None: ...
 
 class RecordMemoryFeedbackResponse(_message.Message):
     __slots__ = ("success", "updates")
