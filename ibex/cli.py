@@ -4,11 +4,13 @@ health, search, directive, --version)."""
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from ibex.cli_ops import (
@@ -26,9 +28,9 @@ from ibex.config import ConfigError, Settings, load_settings, unknown_variables
 log = logging.getLogger(__name__)
 
 
-def _settings() -> Settings:
+def _settings(env: Mapping[str, str] | None = None) -> Settings:
     try:
-        return load_settings()
+        return load_settings(env)
     except ConfigError as exc:
         raise SystemExit(_refuse(exc)) from None
 
@@ -42,11 +44,29 @@ def _refuse(exc: ConfigError, what: str | None = None) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serve until a signal; a start-up refused by a setting, a file or an address is one
     line on stderr and a distinct exit status (docs/operations.md), never a traceback."""
+    import signal
+
     import trio
 
     from ibex.ops.logs import configure_logging
 
-    settings = _settings()
+    # SIGHUP is the supervisor's reload signal; until its handler (or a worker's) is
+    # installed, its default action would end the process. Workers inherit the ignore.
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    if args.serve_nice is not None:  # started low by the supervisor: back up once warm
+        from ibex.ops import priority  # (the daemon), or in a few seconds at the latest
+
+        priority.restore_later(args.serve_nice)
+    file_env: dict[str, str] = {}
+    if args.env_file is not None:
+        from ibex.ops.envfile import read_env_file
+
+        try:
+            file_env = read_env_file(Path(args.env_file))
+        except ConfigError as exc:
+            return _refuse(exc)
+    env = {**os.environ, **file_env}
+    settings = _settings(env)
     if args.workers is not None:
         if args.workers < 1:
             print("ibex serve: --workers must be >= 1", file=sys.stderr)
@@ -67,23 +87,35 @@ def cmd_serve(args: argparse.Namespace) -> int:
             return 2
     configure_logging(settings.log_level)
     if not args.worker:  # the supervisor already said it for its workers
-        _warn_unknown_variables()
+        _warn_unknown_variables(env)
         _warn_config(settings)
+    # /metrics exposition is ~1.25 ms of pure Python per scrape: served by a supervisor
+    # process (multiprocess mode) whenever it is on, so a scrape never pauses calls.
+    # An env file means reloads (SIGHUP), which only the supervisor does.
+    supervised = settings.workers > 1 or settings.metrics_addr or args.env_file is not None
     try:
-        # /metrics exposition is ~1.25 ms of pure Python per scrape: served by a supervisor
-        # process (multiprocess mode) whenever it is on, so a scrape never pauses calls.
-        if (settings.workers > 1 or settings.metrics_addr) and not args.worker:
+        if supervised and not args.worker:
             from ibex.ops.workers import supervise
             from ibex.service.root import check_bind_policy, drain_grace
 
             check_bind_policy(settings)
-            return supervise(settings, drain_grace=drain_grace(settings))
+            return supervise(
+                settings,
+                drain_grace=drain_grace(settings),
+                env_file=None if args.env_file is None else Path(args.env_file),
+                file_env=file_env,
+                loader=functools.partial(_reload_settings, running=settings, fixed=args.workers),
+            )
         from ibex.ops.metrics import Metrics
         from ibex.service.root import make_daemon
 
         metrics = Metrics()
         daemon = make_daemon(
-            settings, metrics=metrics, reuse_port=args.worker, worker_index=args.worker_index
+            settings,
+            metrics=metrics,
+            reuse_port=args.worker,
+            worker_index=args.worker_index,
+            serve_nice=args.serve_nice,
         )
         if args.supervisor_fd is None:
             trio.run(daemon.serve)
@@ -110,9 +142,25 @@ async def _serve_while_supervised(daemon: Any, supervisor_fd: int) -> None:
         nursery.cancel_scope.cancel()
 
 
-def _warn_unknown_variables() -> None:
+def _reload_settings(
+    env: Mapping[str, str], *, running: Settings, fixed: int | None
+) -> tuple[Settings, float]:
+    """The supervisor's check of a reload's settings, as a start checks them: ConfigError
+    names the variable. The worker count stays the running one (a restart changes it)."""
+    from ibex.service.root import check_bind_policy, drain_grace
+
+    settings = load_settings(env)
+    kept = _replace(settings, workers=running.workers)
+    kept.check_worker_ports()
+    check_bind_policy(kept)
+    _warn_unknown_variables(env)
+    _warn_config(kept)
+    return (settings if fixed is None else kept), drain_grace(settings)
+
+
+def _warn_unknown_variables(env: Mapping[str, str] | None = None) -> None:
     """A typo in a setting's name would otherwise leave that setting at its default unseen."""
-    for name, closest in unknown_variables():
+    for name, closest in unknown_variables(env):
         log.warning("unknown_setting", extra={"variable": name, "closest": closest})
 
 
@@ -392,10 +440,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="worker processes (default: IBEX_CONTEXT_WORKERS, which defaults to 1)",
     )
+    s.add_argument(
+        "--env-file",
+        metavar="PATH",
+        default=None,
+        help="NAME=value lines over the environment, read at start and again at each "
+        "SIGHUP (a reload: workers replaced one at a time); runs under the supervisor",
+    )
     s.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     # Set by the supervisor (ibex/ops/workers.py): this worker's slot, for its own
     # port (IBEX_CONTEXT_WORKER_PORT_BASE + index) and the x-ibex-worker trailer.
     s.add_argument("--worker-index", type=int, default=None, help=argparse.SUPPRESS)
+    # Set by the supervisor when it started this worker at a lower priority: the nice
+    # value to serve at, restored on every thread once warm (ibex.ops.priority).
+    s.add_argument("--serve-nice", type=int, default=None, help=argparse.SUPPRESS)
     # Set by the supervisor: a pipe that turns readable when it is gone (leave_with_supervisor).
     s.add_argument("--supervisor-fd", type=int, default=None, help=argparse.SUPPRESS)
     s.set_defaults(func=cmd_serve)

@@ -25,6 +25,7 @@ ibex_history_messages_dropped_total    C                      oldest history mes
 ibex_token_cache_hits_total            C                      token-count cache hits
 ibex_token_cache_misses_total          C                      token-count cache misses
 ibex_worker_restarts_total             C      reason          workers restarted by the supervisor
+ibex_worker_reloads_total              C      result          SIGHUP reloads by the supervisor
 ibex_feedback_total                    C      outcome         RecordMemoryFeedback calls by outcome
 ibex_feedback_retries_total            C                      second feedback attempts (same key)
 ibex_dependency_up                     G      dependency      1 reachable, 0 down (redis, memory)
@@ -39,7 +40,11 @@ process_max_fds                        G      process, pid    its limit on them
 C counter, G gauge, H histogram. ``code`` is the gRPC status name (``OK``,
 ``INVALID_ARGUMENT``, ...); ``method`` the short RPC name (``AssembleContext``).
 ``ibex_worker_restarts_total`` comes from the supervisor of ``--workers N``
-(``reason``: ``exited`` or ``unresponsive``). ``ibex_dependency_up`` has a
+(``reason``: ``exited`` or ``unresponsive``), and so does
+``ibex_worker_reloads_total`` (``result``: ``done``, every worker replaced;
+``failed``, a new worker did not become ready and the old ones kept serving;
+``rejected``, the new settings did not load and no worker was touched).
+``ibex_dependency_up`` has a
 series per configured dependency once its first probe (before serving) has
 ended; with several workers the exposed value is the lowest of the live
 workers' (0 when any worker cannot reach it). The ``process_*`` series are
@@ -117,6 +122,7 @@ LEVELS: Final[tuple[str, ...]] = get_args(DegradationLevel)
 PACK_PATHS: Final[tuple[str, ...]] = get_args(PackPath)
 SHED_REASONS: Final = ("in_flight", "queue", "cpu", "org", "threads")
 RESTART_REASONS: Final = ("exited", "unresponsive")
+RELOAD_RESULTS: Final = ("done", "failed", "rejected")
 FEEDBACK_OUTCOMES: Final = (
     "recorded", "invalid", "denied", "rejected", "unavailable", "deadline", "shed", "error",
 )  # fmt: skip
@@ -224,6 +230,28 @@ class WorkerRestarts(Collector):
         )  # fmt: skip
         for reason, count in self.counts.items():
             family.add_metric([reason], count)
+        yield family
+
+
+class WorkerReloads(Collector):
+    """The supervisor's ``ibex_worker_reloads_total{result}``, a collector like `WorkerRestarts`."""
+
+    def __init__(self) -> None:
+        self.counts = dict.fromkeys(RELOAD_RESULTS, 0)
+
+    def inc(self, result: str) -> None:
+        self.counts[result] = self.counts.get(result, 0) + 1
+
+    def describe(self) -> Iterable[Metric]:
+        return ()
+
+    def collect(self) -> Iterable[Metric]:
+        family = CounterMetricFamily(
+            "ibex_worker_reloads", "Reloads (SIGHUP) by the supervisor, by result.",
+            labels=["result"],
+        )  # fmt: skip
+        for result, count in self.counts.items():
+            family.add_metric([result], count)
         yield family
 
 

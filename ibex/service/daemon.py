@@ -11,6 +11,7 @@ reads no settings itself.
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import signal
@@ -30,6 +31,7 @@ from grpclib.health.service import Health
 from ibex.assembly.tokens import Tokenizers
 from ibex.errors import ListenError
 from ibex.netaddr import bind_problem, join_host_port
+from ibex.ops import priority
 from ibex.ops.branch_errors import BranchErrors
 from ibex.ops.metrics import Metrics
 from ibex.ops.sdnotify import Notifier, run_watchdog
@@ -68,6 +70,9 @@ class DaemonConfig(msgspec.Struct, frozen=True):
     # in the `x-ibex-worker` trailer.
     own_ports: tuple[int, ...] = ()
     worker: int | None = None
+    # The nice value to serve at, set on every thread once warm, before the first accept:
+    # a worker a supervisor started at a lower priority (`ibex.ops.priority`).
+    serve_nice: int | None = None
     # Bounds of warming the dependencies before serving and of probing them after.
     dependencies: DependencyConfig = DependencyConfig()
     # Seconds between two `branch_errors` summary lines of one source.
@@ -160,7 +165,7 @@ class Daemon:
         """
         install_patches()
         with (
-            trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals,
+            trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals,
             precise_wakeups(),
         ):
             self.tracing = self._make_tracing()
@@ -189,6 +194,8 @@ class Daemon:
         async with trio_asyncio.open_loop() as loop, self._open_assembler() as assembler:
             loop.set_exception_handler(self.loop_errors)
             await self._warm(assembler)
+            if self.config.serve_nice is not None:
+                priority.restore(self.config.serve_nice)
             tokenizers = assembler.tokenizers
             # Counted from here: the warm-up's token counts are not the callers'.
             base_hits, base_misses = _cache_totals(tokenizers)
@@ -222,8 +229,9 @@ class Daemon:
                     )
             self.port = bound_port(server)
             for own in self.config.own_ports:
+                also = functools.partial(listen_also, reuse_port=self.config.reuse_port)
                 with _listening(host, own):
-                    await trio_asyncio.aio_as_trio(listen_also)(server, host, own)
+                    await trio_asyncio.aio_as_trio(also)(server, host, own)
             self.health_status.set(True)
             log.info(
                 "serving",
@@ -241,7 +249,7 @@ class Daemon:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(run_watchdog, notifier)
                 nursery.start_soon(self.connections.run)
-                nursery.start_soon(_wait_signal, signals, shutdown)
+                nursery.start_soon(_wait_signal, signals, shutdown, self.config.worker is None)
                 for dep in assembler.dependencies:
                     nursery.start_soon(keep, dep, self.dependencies, self.config.dependencies)
                 nursery.start_soon(self.branch_errors.run)
@@ -357,8 +365,21 @@ def _cache_since(tokenizers: Tokenizers, hits: int, misses: int) -> tuple[int, i
     return max(0, now_hits - hits), max(0, now_misses - misses)
 
 
-async def _wait_signal(signals: Any, shutdown: trio.Event) -> None:
+async def _wait_signal(signals: Any, shutdown: trio.Event, alone: bool) -> None:
+    """SIGTERM/SIGINT start the drain. SIGHUP (whose default would end the process) is
+    the supervisor's reload signal: a worker leaves it to the supervisor, a process
+    serving alone says that a reload needs one and serves on."""
     async for signum in signals:
+        if signum == signal.SIGHUP:
+            if alone:
+                log.warning(
+                    "reload_needs_supervisor",
+                    extra={
+                        "detail": "SIGHUP ignored: reloads are done by the supervisor "
+                        "(ibex serve --env-file PATH, --workers N or METRICS_ADDR)"
+                    },
+                )
+            continue
         log.info("signal_received", extra={"signal": int(signum)})
         shutdown.set()
         return

@@ -51,16 +51,25 @@ _EXTRA_LISTENERS: weakref.WeakKeyDictionary[grpclib.server.Server, list[asyncio.
 
 
 async def listen_also(
-    server: grpclib.server.Server, host: str, port: int, *, ssl: _ssl.SSLContext | None = None
+    server: grpclib.server.Server,
+    host: str,
+    port: int,
+    *,
+    ssl: _ssl.SSLContext | None = None,
+    reuse_port: bool = False,
 ) -> int:
     """Accept connections on another port too (asyncio side), served like the first.
 
     The listener uses the server's own protocol factory, so its connections are
     tracked by `server.close()`/`wait_closed()` like any other; `stop_accepting`
-    closes it with the main one. Returns the bound port.
+    closes it with the main one. With `reuse_port` (SO_REUSEPORT) another process
+    can bind the same port while this one listens: a reload's new worker takes
+    the port over before the old one stops accepting. Returns the bound port.
     """
     loop = asyncio.get_running_loop()
-    listener = await loop.create_server(server._protocol_factory, host, port, ssl=ssl)
+    listener = await loop.create_server(
+        server._protocol_factory, host, port, ssl=ssl, reuse_port=reuse_port or None
+    )
     _EXTRA_LISTENERS.setdefault(server, []).append(listener)
     return int(listener.sockets[0].getsockname()[1])
 

@@ -55,8 +55,7 @@ def parse_unit(text: str) -> dict[str, dict[str, list[str]]]:
 REQUIRED_SERVICE = {
     "Type": "notify",
     "NotifyAccess": "main",
-    "ExecStart": "/opt/ibex/.venv/bin/ibex serve",
-    "EnvironmentFile": "-/etc/ibex/context.env",
+    "ExecStart": "/opt/ibex/.venv/bin/ibex serve --env-file %t/ibex/context.env",
     "WatchdogSec": "10",
     "Restart": "on-failure",
     "RestartSec": "1",
@@ -98,6 +97,23 @@ def test_unit_has_the_required_settings() -> None:
     # Metrics of all workers meet in the runtime directory systemd creates.
     assert "PROMETHEUS_MULTIPROC_DIR=%t/ibex" in service["Environment"]
     assert unit["Install"]["WantedBy"] == ["multi-user.target"]
+
+
+def test_unit_reloads_with_the_env_file_as_it_is_then() -> None:
+    """systemctl reload: root copies the root-only env file for the dynamic user, as at
+    start, then SIGHUP to the supervisor, which reads that copy (--env-file) again."""
+    service = parse_unit(UNIT.read_text())["Service"]
+    copy = [
+        "+/usr/bin/install -m 0400 /etc/ibex/context.env %t/ibex/context.env",
+        "+/bin/chown --reference=%t/ibex %t/ibex/context.env",
+    ]
+    assert service["ExecStartPre"] == copy
+    assert service["ExecReload"] == [*copy, "/bin/kill -HUP $MAINPID"]
+    # The copy is what the daemon reads; systemd itself does not load the file, or a
+    # line removed from it would outlive the reload in the service's environment.
+    assert "EnvironmentFile" not in service
+    assert service["RuntimeDirectory"] == ["ibex"]
+    assert service["ExecStart"][0].endswith(" serve --env-file %t/ibex/context.env")
 
 
 def test_unit_drain_fits_in_the_stop_timeout() -> None:
@@ -269,6 +285,23 @@ def test_termination_grace_covers_pre_stop_and_drain() -> None:
     env = {**docs["ConfigMap"]["data"], **docs["Secret"]["stringData"]}
     drain = drain_grace(load_settings(env))
     assert pod["terminationGracePeriodSeconds"] > pre_stop + drain
+
+
+def test_rollout_keeps_capacity_and_waits_for_a_warm_pod() -> None:
+    """One new pod at a time, none taken away before its successor is ready; ready
+    means gRPC Health SERVING (the kubelet's native probe), which the daemon says once
+    its connections are warmed and stops saying when a drain starts."""
+    deployment = manifests()["Deployment"]
+    strategy = deployment["spec"]["strategy"]
+    assert strategy == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+    }
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    readiness = container["readinessProbe"]
+    assert readiness["grpc"] == {"port": 9092}  # service "": the overall status
+    assert readiness["failureThreshold"] * readiness["periodSeconds"] <= 10
+    assert container["lifecycle"]["preStop"]["sleep"]["seconds"] >= 1
 
 
 def test_config_and_secret_make_a_startable_configuration() -> None:
