@@ -53,10 +53,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # SIGHUP is the supervisor's reload signal; until its handler (or a worker's) is
     # installed, its default action would end the process. Workers inherit the ignore.
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    if args.serve_nice is not None:  # started low by the supervisor: back up once warm
-        from ibex.ops import priority  # (the daemon), or in a few seconds at the latest
-
-        priority.restore_later(args.serve_nice)
     file_env: dict[str, str] = {}
     if args.env_file is not None:
         from ibex.ops.envfile import read_env_file

@@ -25,10 +25,6 @@ import threading
 log = logging.getLogger(__name__)
 
 STARTING_NICE = 10  # above the supervisor's own value
-# At most this long at the lower priority: on a host busy with other work a start-up at
-# nice 10 could take minutes (past WORKER_START_TIMEOUT); after it, the worker starts on
-# at the supervisor's priority.
-STARTING_AT_MOST_S = 5.0
 
 
 def current() -> int:
@@ -67,20 +63,6 @@ def lower(pid: int, base: int) -> bool:
     except OSError:
         return False
     return True
-
-
-def restore_later(nice: int, after: float = STARTING_AT_MOST_S) -> threading.Timer:
-    """`restore(nice)` in `after` seconds unless cancelled: the bound on a slow start-up.
-
-    A thread, because start-up (imports, rank tables) runs before the Trio loop, or
-    blocks it, and no timer of the loop would fire meanwhile. It only sleeps, then
-    makes a few system calls.
-    """
-    timer = threading.Timer(after, restore, args=(nice,))
-    timer.daemon = True
-    timer.name = "ibex-priority-restore"
-    timer.start()
-    return timer
 
 
 def restore(nice: int) -> None:
