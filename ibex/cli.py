@@ -107,11 +107,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         metrics = Metrics()
         daemon = make_daemon(
-            settings,
-            metrics=metrics,
-            reuse_port=args.worker,
-            worker_index=args.worker_index,
-            serve_nice=args.serve_nice,
+            settings, metrics=metrics, reuse_port=args.worker, worker_index=args.worker_index
         )
         if args.supervisor_fd is None:
             trio.run(daemon.serve)
@@ -447,9 +443,6 @@ def build_parser() -> argparse.ArgumentParser:
     # Set by the supervisor (ibex/ops/workers.py): this worker's slot, for its own
     # port (IBEX_CONTEXT_WORKER_PORT_BASE + index) and the x-ibex-worker trailer.
     s.add_argument("--worker-index", type=int, default=None, help=argparse.SUPPRESS)
-    # Set by the supervisor when it started this worker at a lower priority: the nice
-    # value to serve at, restored on every thread once warm (ibex.ops.priority).
-    s.add_argument("--serve-nice", type=int, default=None, help=argparse.SUPPRESS)
     # Set by the supervisor: a pipe that turns readable when it is gone (leave_with_supervisor).
     s.add_argument("--supervisor-fd", type=int, default=None, help=argparse.SUPPRESS)
     s.set_defaults(func=cmd_serve)

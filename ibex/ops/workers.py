@@ -28,9 +28,8 @@ spreads connections across them. The supervisor:
   its slot in the `x-ibex-worker` trailer of every response. (An option, not
   an IBEX_CONTEXT_* variable: it is not a setting an operator may set.)
 
-A reload, slot by slot: start the new worker (the old one keeps serving;
-the new one starts at a lower CPU priority while others serve, see
-`ibex.ops.priority`); wait for its READY=1, which a worker sends only once its connections are made
+A reload, slot by slot: start the new worker (the old one keeps serving);
+wait for its READY=1, which a worker sends only once its connections are made
 and warmed; then SIGTERM the old one, which stops accepting (its ports are
 the new worker's alone from then on), sends GOAWAY, finishes its calls within
 the drain grace and exits (SIGKILL after the grace plus 5 s, as `stop` does);
@@ -63,7 +62,6 @@ import trio
 from ibex.config import ConfigError, Settings, load_settings
 from ibex.errors import START_FAILURE_STATUSES, ListenError
 from ibex.netaddr import bind_problem, split_host_port
-from ibex.ops import priority
 from ibex.ops.envfile import read_env_file
 from ibex.ops.sdnotify import Notifier, run_watchdog
 
@@ -98,7 +96,6 @@ class Run:
         self.settled = trio.Event()  # serving or exited, whichever came first
         self.last_ping = 0.0
         self.unresponsive = False
-        self.niced = False  # started at a lower priority, to restore once warm
 
     @property
     def pid(self) -> int | None:
@@ -172,10 +169,6 @@ class Supervisor:
 
         self.restart_metric = WorkerRestarts()
         self.reload_metric = WorkerReloads()
-        # A worker started while others serve starts at a lower priority, where the
-        # way back is open (see ibex.ops.priority).
-        self.nice = priority.current()
-        self.lower_starts = priority.can_restore()
 
     def _env(self, run: Run) -> dict[str, str]:
         env = dict(os.environ)
@@ -188,14 +181,12 @@ class Supervisor:
         return env
 
     def _argv(self, run: Run, supervisor_fd: int) -> list[str]:
-        niced = ["--serve-nice", str(self.nice)] if run.niced else []
         return [
             *self.argv,
             "--worker-index",
             str(run.slot),
             "--supervisor-fd",
             str(supervisor_fd),
-            *niced,
         ]
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -288,7 +279,6 @@ class Supervisor:
         self._generation += 1
         path = self._runtime / f"notify-{slot.index}-{self._generation}.sock"
         run = Run(slot.index, path, env, grace)
-        run.niced = self.lower_starts and any(r.serving.is_set() for r in self.live)
         await self._nursery.start(self._run, run)
         return run
 
@@ -353,11 +343,7 @@ class Supervisor:
             run.process = process
             run.last_ping = trio.current_time()
             self.live.add(run)
-            # Still its only thread: the threads it starts inherit the priority.
-            nice = self.nice
-            if run.niced and priority.lower(process.pid, self.nice):
-                nice += priority.STARTING_NICE
-            log.info("worker_started", extra={"worker": run.slot, "pid": process.pid, "nice": nice})
+            log.info("worker_started", extra={"worker": run.slot, "pid": process.pid})
             if self.stopping:  # spawned while `stop` was signalling the others
                 process.send_signal(signal.SIGTERM)
             task_status.started()

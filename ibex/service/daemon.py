@@ -31,7 +31,6 @@ from grpclib.health.service import Health
 from ibex.assembly.tokens import Tokenizers
 from ibex.errors import ListenError
 from ibex.netaddr import bind_problem, join_host_port
-from ibex.ops import priority
 from ibex.ops.branch_errors import BranchErrors
 from ibex.ops.metrics import Metrics
 from ibex.ops.sdnotify import Notifier, run_watchdog
@@ -70,9 +69,6 @@ class DaemonConfig(msgspec.Struct, frozen=True):
     # in the `x-ibex-worker` trailer.
     own_ports: tuple[int, ...] = ()
     worker: int | None = None
-    # The nice value to serve at, set on every thread once warm, before the first accept:
-    # a worker a supervisor started at a lower priority (`ibex.ops.priority`).
-    serve_nice: int | None = None
     # Bounds of warming the dependencies before serving and of probing them after.
     dependencies: DependencyConfig = DependencyConfig()
     # Seconds between two `branch_errors` summary lines of one source.
@@ -194,8 +190,6 @@ class Daemon:
         async with trio_asyncio.open_loop() as loop, self._open_assembler() as assembler:
             loop.set_exception_handler(self.loop_errors)
             await self._warm(assembler)
-            if self.config.serve_nice is not None:
-                priority.restore(self.config.serve_nice)
             tokenizers = assembler.tokenizers
             # Counted from here: the warm-up's token counts are not the callers'.
             base_hits, base_misses = _cache_totals(tokenizers)

@@ -540,7 +540,6 @@ def make_daemon(
     metrics: Metrics | None = None,
     reuse_port: bool = False,
     worker_index: int | None = None,
-    serve_nice: int | None = None,
 ) -> Daemon:
     """A serving process built from settings; `Daemon.serve` loads and opens everything.
 
@@ -558,7 +557,6 @@ def make_daemon(
         reuse_port=reuse_port,
         own_ports=() if own is None else (own,),
         worker=worker_index,
-        serve_nice=serve_nice,
         connections=connections_config(settings),
     )
     return Daemon(

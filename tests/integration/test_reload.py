@@ -27,7 +27,7 @@ import trio
 
 from ibex.cli import SAMPLE_AGENT, SAMPLE_ORG
 from ibex.config import Settings
-from ibex.ops import priority, workers
+from ibex.ops import workers
 from ibex.testing.grpcio_stubs import context_pb2, context_pb2_grpc
 from tests.integration.test_workers import (
     ROUND_ROBIN,
@@ -149,16 +149,6 @@ class Client:
         self.channel.close()
 
 
-def nice(pid: int) -> int:
-    """The nice value of every thread of `pid` (one value, or the assertion says which)."""
-    values = {
-        int(Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()[16])
-        for tid in os.listdir(f"/proc/{pid}/task")
-    }
-    assert len(values) == 1, values
-    return values.pop()
-
-
 def degraded_share(levels: list[str]) -> float:
     return sum(level != "L0" for level in levels) / max(1, len(levels))
 
@@ -211,13 +201,6 @@ def test_sighup_replaces_every_worker_while_calls_keep_being_answered(
     ]
     assert reloads(supervised.metrics_port) == {"done": 1.0, "failed": 0.0, "rejected": 0.0}
     assert "worker_exited" not in events  # a replaced worker is no crash
-    # Started next to serving workers, the new ones yielded the CPU while starting (where
-    # the way back is open) and serve at the supervisor's priority.
-    started = {e["pid"]: e["nice"] for e in supervised.events("worker_started")}
-    lowered = priority.STARTING_NICE if priority.can_restore() else 0
-    assert {started[pid] for pid in new} == {nice(supervised.proc.pid) + lowered}
-    assert {nice(pid) for pid in new} == {nice(supervised.proc.pid)}
-    assert {started[pid] for pid in old} == {nice(supervised.proc.pid)}  # nobody was serving
 
 
 def test_invalid_env_file_on_sighup_keeps_the_old_workers(supervised: Supervised) -> None:
