@@ -156,9 +156,7 @@ def render_history(data: Mapping[str, Any]) -> str:
         return "No replaced runs in the results file yet."
     lines = []
     for run in data["history"]:
-        shown = ", ".join(
-            f"{f['label']} {fmt(f['value'], f['unit'])}" for f in run["figures"][:12]
-        )
+        shown = ", ".join(f"{f['label']} {fmt(f['value'], f['unit'])}" for f in run["figures"][:12])
         more = len(run["figures"]) - 12
         lines.append(
             f"- {run['date']}, `{run['source']}`, commit {run['commit']}, speed reference "

@@ -330,9 +330,9 @@ def table(out: Mapping[str, Any]) -> str:
         for client, by_load in by_client.items():
             for label, cell in by_load.items():
                 i, f = cell["ibex"], cell["floor"]
+                icpu, fcpu = _f(i["cpu_ms_per_answer"], ".2f"), _f(f["cpu_ms_per_answer"], ".2f")
                 lines.append(
-                    f"{wkey[1:]:>7} {client:<7} {label:>7} | "
-                    f"{_f(i['cpu_ms_per_answer'], '.2f'):>18} {_f(f['cpu_ms_per_answer'], '.2f'):>6} "
+                    f"{wkey[1:]:>7} {client:<7} {label:>7} | {icpu:>18} {fcpu:>6} "
                     f"{_f(cell['ratio'], '.2f'):>5}x | "
                     f"{_f(i['answers_per_s'], '.0f'):>14} {_f(f['answers_per_s'], '.0f'):>6} | "
                     f"{_f(i['p50_ms'], '.1f'):>7}/{_f(i['p99_ms'], '.1f'):<8} "

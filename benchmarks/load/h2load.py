@@ -6,8 +6,9 @@ latency it reports. h2load costs a fraction of that per call, so capacity, the
 floor and the tail are also measured with it and printed beside the grpcio
 figures.
 
-What h2load sends: one body file per h2load process, one process per tenant (the 5-byte gRPC prefix, uncompressed, and a
-serialized `AssembleContextRequest`) POSTed to the method's path with
+What h2load sends: one body file per h2load process, one process per tenant
+(the 5-byte gRPC prefix, uncompressed, and a serialized
+`AssembleContextRequest`) POSTed to the method's path with
 `content-type: application/grpc`, `te: trailers`, a `grpc-timeout` and, when
 given, `authorization: Bearer ...`. Every call of a tenant carries the same
 body: the daemon's token-count cache hits on the history of all but the first,
