@@ -121,6 +121,8 @@ def fmt(value: float | None, unit: str) -> str:
         return f"{value:.2f}×"
     if unit == "ms":
         return f"{value:.2f} ms"
+    if unit == "µs":
+        return f"{value:,.0f} µs"
     return f"{value:g} {unit}".strip()
 
 
@@ -194,11 +196,12 @@ def without_history(text: str) -> str:
         while begin in text and end in text:
             head, _, rest = text.partition(begin)
             text = head + rest.partition(end)[2]
-    head, sep, rest = text.partition("\n" + HISTORY_HEADING)
-    if sep:  # the history runs to the next heading of the same level, or the end
-        nxt = re.search(r"^## ", rest.partition("\n")[2], flags=re.M)
-        text = head + ("" if nxt is None else rest.partition("\n")[2][nxt.start() :])
-    return text
+    start = re.search(rf"^{re.escape(HISTORY_HEADING)}\b.*$", text, flags=re.M)
+    if start is None:
+        return text
+    # The history runs to the next heading of its level, or to the end.
+    nxt = re.search(r"^## ", text[start.end() :], flags=re.M)
+    return text[: start.start()] + ("" if nxt is None else text[start.end() + nxt.start() :])
 
 
 def quoted_figures(text: str) -> list[str]:
