@@ -43,8 +43,12 @@ from typing import Any
 import msgspec
 
 from benchmarks import figures
+from benchmarks.load import h2load
+from benchmarks.load.capacity import Metered, metered
+from benchmarks.load.driver import directive_version
 from benchmarks.load.report import percentile
 from benchmarks.load.speed import reference_cpu_ms, spread
+from benchmarks.load.stack import Stack, free_port
 from benchmarks.pipeline import CATEGORIES, CJK, CODE, EMOJI, ENGLISH
 from ibex.assembly.catalog import Catalog, load_catalog
 from ibex.assembly.formatter import XML_TAGS, new_nonce
@@ -60,6 +64,7 @@ from ibex.assembly.pipeline import (
 )
 from ibex.assembly.structs import AssemblyRequest, BranchOutcome, Directive, MemoryHit, Message
 from ibex.assembly.tokens import Tokenizers
+from ibex.testing.grpcio_stubs import context_pb2 as pb
 from ibex.testing.samples import AGENT, ORG
 
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "load.curves.json"
@@ -102,6 +107,14 @@ EXPECTED: dict[str, dict[str, tuple[float, str]]] = {
     },
 }
 TOLERANCE = 0.3  # a fitted exponent this far above the expected one is "faster"
+# Through the daemon: retrieval caps candidates at HOT_LIMIT + COLD_LIMIT (100 each).
+DAEMON_AXES: dict[str, tuple[int, ...]] = {
+    "candidates": (10, 30, 100, 200),
+    "history": (1, 10, 100, 512),
+    "tools": (0, 10, 100),
+}
+DAEMON_TENANTS = 2
+DAEMON_RATE = 50  # calls/s from h2load, open loop: a light load, so p99 is the work's
 
 
 def _text(rng: random.Random, sources: tuple[str, ...], length: int) -> str:
@@ -284,7 +297,83 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         speed.append(reference_cpu_ms())
         scripts[script] = {**whole(inp, catalog, tok, n), "stages_us": stages(inp, catalog, tok, n)}
     out["scripts"] = scripts
+    if not args.no_daemon:
+        out["daemon"] = daemon_curves(2.0 if args.quick else 6.0, speed)
     out["machine_speed"] = spread(speed)
+    return out
+
+
+def daemon_request(tenant: int, history: int, tools: int, script: str, seed: int = 11) -> bytes:
+    """One serialized AssembleContextRequest of the given work for tenant `tenant`."""
+    from benchmarks.load.memory import tenants
+
+    org, agent = tenants(DAEMON_TENANTS)[tenant]
+    rng = random.Random(seed + tenant)
+    sources = SCRIPTS[script]
+    roles = ("user", "assistant")
+    return pb.AssembleContextRequest(
+        agent_id=agent,
+        org_id=org,
+        session_id=f"curves-{tenant}",
+        query=_text(rng, sources, 60),
+        model=MODEL,
+        available_tokens=WINDOW,
+        recent_messages=[
+            pb.Message(role=roles[i % 2], content=_text(rng, sources, rng.randint(80, 400)))
+            for i in range(history)
+        ],
+        tool_schemas=[tool_schema(i) for i in range(tools)],
+        directive_version_id=directive_version(tenant),
+    ).SerializeToString()
+
+
+def daemon_row(target: Metered, messages: list[bytes], seconds: float) -> dict[str, Any]:
+    """Warm for a second, then `seconds` at DAEMON_RATE: CPU per answer, p50/p99, statuses."""
+    load = h2load.Load(DAEMON_RATE, clients=DAEMON_TENANTS)
+    h2load.run(target.addr, messages, load, 1.0)
+    codes0, cpu0 = target.codes(), target.cpu()
+    run = h2load.run(target.addr, messages, load, seconds)
+    cpu = target.cpu() - cpu0
+    row = run.summary(cpu, h2load.code_deltas(codes0, target.codes()))
+    return {k: row[k] for k in ("answers", "cpu_ms_per_answer", "p50_ms", "p99_ms", "statuses")}
+
+
+def daemon_curves(seconds: float, speed: list[float]) -> dict[str, Any]:
+    """The same axes through the daemon on the standard stack, from h2load."""
+    out: dict[str, Any] = {}
+    rows: list[dict[str, Any]] = []
+    for n in DAEMON_AXES["candidates"]:
+        hot, cold = n // 2, n - n // 2
+        with Stack(DAEMON_TENANTS, hits=(hot, cold)) as stack:
+            extra = {"IBEX_CONTEXT_HOT_LIMIT": str(hot), "IBEX_CONTEXT_COLD_LIMIT": str(cold)}
+            port = free_port()
+            extra["IBEX_CONTEXT_METRICS_ADDR"] = f"127.0.0.1:{port}"
+            with metered(stack.daemon(1, **extra), port) as target:
+                msgs = [daemon_request(t, BASE["history"], BASE["tools"], "mixed") for t in (0, 1)]
+                speed.append(reference_cpu_ms())
+                rows.append({"work": n, **daemon_row(target, msgs, seconds)})
+                print(f"daemon candidates={n}: {rows[-1]}", flush=True)
+    out["candidates"] = rows
+    with Stack(DAEMON_TENANTS) as stack:
+        port = free_port()
+        with metered(stack.daemon(1, IBEX_CONTEXT_METRICS_ADDR=f"127.0.0.1:{port}"), port) as t:
+            for axis in ("history", "tools"):
+                rows = []
+                for x in DAEMON_AXES[axis]:
+                    shape = {**BASE, axis: x}
+                    msgs = [
+                        daemon_request(i, shape["history"], shape["tools"], "mixed") for i in (0, 1)
+                    ]
+                    speed.append(reference_cpu_ms())
+                    rows.append({"work": x, **daemon_row(t, msgs, seconds)})
+                    print(f"daemon {axis}={x}: {rows[-1]}", flush=True)
+                out[axis] = rows
+            scripts = {}
+            for script in ("ascii", "cjk"):
+                msgs = [daemon_request(i, 40, BASE["tools"], script) for i in (0, 1)]
+                speed.append(reference_cpu_ms())
+                scripts[script] = daemon_row(t, msgs, seconds)
+            out["scripts"] = scripts
     return out
 
 
@@ -312,8 +401,29 @@ def table(out: dict[str, Any]) -> str:
             mark = "" if f["follows"] else " FASTER"
             parts.append(f"{stage} {k}, {top}/{f['expected']:g}{mark}")
         lines.append(f"  {axis}: " + ", ".join(parts))
+    daemon = out.get("daemon")
+    if daemon:
+        lines.append(
+            f"through the daemon (h2load, {DAEMON_RATE} calls/s): "
+            "axis, work, CPU ms/answer, p50 / p99 ms, statuses"
+        )
+        for axis in DAEMON_AXES:
+            for r in daemon[axis]:
+                lines.append(
+                    f"  {axis:<11} {r['work']:>5} {_num(r['cpu_ms_per_answer'], '.2f'):>7} "
+                    f"{r['p50_ms']:>7.1f} / {r['p99_ms']:<7.1f} {r['statuses']}"
+                )
+        for script, r in daemon["scripts"].items():
+            lines.append(
+                f"  {'script 40 msgs':<11} {script:>5} {_num(r['cpu_ms_per_answer'], '.2f'):>7} "
+                f"{r['p50_ms']:>7.1f} / {r['p99_ms']:<7.1f} {r['statuses']}"
+            )
     lines.append(f"reference work, ms of CPU (lower is faster): {out['machine_speed']}")
     return "\n".join(lines)
+
+
+def _num(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
 
 
 def plot(out: dict[str, Any], path: Path) -> bool:
@@ -325,7 +435,10 @@ def plot(out: dict[str, Any], path: Path) -> bool:
         return False
     matplotlib.use("Agg")
     plt: Any = importlib.import_module("matplotlib.pyplot")
-    fig, axes = plt.subplots(1, len(AXES), figsize=(5 * len(AXES), 4))
+    daemon = out.get("daemon")
+    nrows = 2 if daemon else 1
+    fig, grid = plt.subplots(nrows, len(AXES), figsize=(5 * len(AXES), 4 * nrows), squeeze=False)
+    axes = grid[0]
     for ax, (axis, data) in zip(axes, out["axes"].items(), strict=True):
         xs = [r["work"] for r in data["rows"]]
         ax.plot(xs, [r["cpu_us_median"] for r in data["rows"]], "o-", label="whole, p50")
@@ -338,6 +451,18 @@ def plot(out: dict[str, Any], path: Path) -> bool:
         ax.set_ylabel("CPU µs per assembly")
         ax.grid(True, which="both", alpha=0.3)
     axes[0].legend(fontsize=7)
+    if daemon:
+        for ax, axis in zip(grid[1], DAEMON_AXES, strict=True):
+            rows = daemon[axis]
+            xs = [r["work"] for r in rows]
+            ax.plot(xs, [r["cpu_ms_per_answer"] or 0 for r in rows], "o-", label="CPU ms/answer")
+            ax.plot(xs, [r["p99_ms"] for r in rows], "o--", label="p99 ms (h2load)")
+            ax.set_xscale("symlog" if min(xs) == 0 else "log")
+            ax.set_yscale("log")
+            ax.set_xlabel(f"{axis} (through the daemon, {DAEMON_RATE} calls/s)")
+            ax.set_ylabel("ms")
+            ax.grid(True, which="both", alpha=0.3)
+        grid[1][0].legend(fontsize=7)
     s = out["scripts"]
     fig.suptitle(
         f"assemble_pure cost against work (ASCII {s['ascii']['cpu_us_median']:.0f} µs, "
@@ -366,6 +491,29 @@ def figures_of(out: dict[str, Any]) -> list[figures.Figure]:
                 beside=first["cpu_us_median"],
             )
         )
+    for axis, rows in (out.get("daemon") or {}).items():
+        if axis == "scripts":
+            continue
+        found.append(
+            figures.Figure(
+                f"curves.daemon.{axis}.cpu_ms",
+                f"daemon CPU ms/answer, {axis} {rows[0]['work']} → {rows[-1]['work']} (h2load)",
+                rows[-1]["cpu_ms_per_answer"],
+                "ms",
+                src,
+                beside=rows[0]["cpu_ms_per_answer"],
+            )
+        )
+        found.append(
+            figures.Figure(
+                f"curves.daemon.{axis}.p99_ms",
+                f"daemon p99 ms, {axis} {rows[0]['work']} → {rows[-1]['work']} (h2load)",
+                rows[-1]["p99_ms"],
+                "ms",
+                src,
+                beside=rows[0]["p99_ms"],
+            )
+        )
     s = out["scripts"]
     found.append(
         figures.Figure(
@@ -385,6 +533,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--plot", type=Path, help="write the curves as a PNG (needs matplotlib)")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--no-figures", action="store_true", help="do not update figures.json")
+    p.add_argument("--no-daemon", action="store_true", help="the in-process curves only")
     args = p.parse_args(argv)
     out = measure(args)
     out["table"] = table(out)

@@ -48,6 +48,7 @@ _REQUESTS = re.compile(
     r"requests: (\d+) total, (\d+) started, (\d+) done, (\d+) succeeded, (\d+) failed, "
     r"(\d+) errored, (\d+) timeout"
 )
+OPEN_STREAMS = 64  # concurrent streams a connection may have in an open-loop (--rps) run
 _FINISHED = re.compile(r"finished in ([\d.]+)(m?s), ([\d.]+) req/s")
 
 
@@ -91,8 +92,10 @@ class Load:
             return ["-c", str(self.clients), "-m", str(self.streams)]
         if self.rps % self.clients:
             raise ValueError(f"rps {self.rps} is not a multiple of {self.clients} clients")
-        # --rps is per connection; one stream each keeps the schedule close to even.
-        return ["-c", str(self.clients), "-m", "1", "--rps", str(self.rps // self.clients)]
+        # --rps is per connection; -m caps the calls in flight on one, so it is set well
+        # above rate x latency: a slow answer must not hold back the next scheduled call.
+        per = self.rps // self.clients
+        return ["-c", str(self.clients), "-m", str(OPEN_STREAMS), "--rps", str(per)]
 
 
 @dataclass

@@ -102,7 +102,7 @@ def test_grpc_frame_is_flag_length_and_message() -> None:
 
 
 def test_open_loop_splits_the_rate_over_connections() -> None:
-    assert h2load.Load(100, clients=4).args() == ["-c", "4", "-m", "1", "--rps", "25"]
+    assert h2load.Load(100, clients=4).args() == ["-c", "4", "-m", "64", "--rps", "25"]
     assert h2load.Load(None, clients=4, streams=8).args() == ["-c", "4", "-m", "8"]
     with pytest.raises(ValueError):
         h2load.Load(101, clients=4).args()
