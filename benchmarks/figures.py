@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import re
 import subprocess
 import sys
@@ -91,8 +92,12 @@ def record(
     path: Path = FILE,
     when: dt.datetime | None = None,
     measured: str | None = None,
+    load_average: float | None = None,
 ) -> Path:
-    """Make `found` the current figures of `source`; its previous run goes to the history."""
+    """Make `found` the current figures of `source`; its previous run goes to the history.
+
+    The machine's 1-minute load average at the end of the run is kept beside the
+    speed reference: on a shared machine it says whether others were busy."""
     data = load(path)
     previous = data["current"].get(source)
     if previous is not None:
@@ -104,6 +109,8 @@ def record(
         "date": stamp,
         "command": command,
         "machine_speed": dict(machine_speed),
+        "load_average": round(os.getloadavg()[0] if load_average is None else load_average, 2),
+        "cores": os.cpu_count(),
         "figures": [asdict(f) for f in found],
     }
     data["current"] = dict(sorted(data["current"].items()))
@@ -142,7 +149,8 @@ def render_current(data: Mapping[str, Any]) -> str:
     for n, (source, run) in enumerate(data["current"].items(), start=1):
         runs.append(
             f"{n}. `{source}`: {run['date']}, commit {run['commit']}, speed reference "
-            f"{_speed(run['machine_speed'])}: `{run['command']}`"
+            f"{_speed(run['machine_speed'])}, load average {run.get('load_average', '-')} "
+            f"on {run.get('cores', '-')} cores: `{run['command']}`"
         )
         for f in run["figures"]:
             beside = "-" if f.get("beside") is None else fmt(f["beside"], f["unit"])
