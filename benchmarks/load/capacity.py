@@ -378,6 +378,7 @@ def figures_of(out: Mapping[str, Any]) -> list[figures.Figure]:
     src = "load.capacity"
     for wkey, by_client in out["stack"].items():
         w = wkey[1:]
+        workers = f"{w} worker" + ("" if w == "1" else "s")
         for client, by_load in by_client.items():
             for label in CPU_LIMITS:
                 cell = by_load[label]
@@ -385,7 +386,7 @@ def figures_of(out: Mapping[str, Any]) -> list[figures.Figure]:
                 found.append(
                     figures.Figure(
                         f"capacity.w{w}.{client}.{label}.cpu_ratio",
-                        f"CPU/answer ibex ÷ floor, {w} worker(s), {where}, {client}",
+                        f"CPU/answer ibex ÷ floor, {workers}, {where}, {client}",
                         cell["ratio"],
                         "×",
                         src,
@@ -394,7 +395,7 @@ def figures_of(out: Mapping[str, Any]) -> list[figures.Figure]:
                 found.append(
                     figures.Figure(
                         f"capacity.w{w}.{client}.{label}.cpu_ms",
-                        f"CPU ms/answer ibex / floor, {w} worker(s), {where}, {client}",
+                        f"CPU ms/answer ibex / floor, {workers}, {where}, {client}",
                         cell["ibex"]["cpu_ms_per_answer"],
                         "ms",
                         src,
@@ -405,7 +406,7 @@ def figures_of(out: Mapping[str, Any]) -> list[figures.Figure]:
             found.append(
                 figures.Figure(
                     f"capacity.w{w}.{client}.answers_per_s",
-                    f"answers/s saturated ibex / floor, {w} worker(s), {client}",
+                    f"answers/s saturated ibex / floor, {workers}, {client}",
                     closed["ibex"]["answers_per_s"],
                     "answers/s",
                     src,
@@ -415,7 +416,7 @@ def figures_of(out: Mapping[str, Any]) -> list[figures.Figure]:
             found.append(
                 figures.Figure(
                     f"capacity.w{w}.{client}.200rps.p99",
-                    f"p99 ms at 200 rps ibex / floor, {w} worker(s), {client}",
+                    f"p99 ms at 200 rps ibex / floor, {workers}, {client}",
                     by_load["200rps"]["ibex"]["p99_ms"],
                     "ms",
                     src,
