@@ -350,7 +350,7 @@ def table(out: Mapping[str, Any]) -> str:
                 r = by_load[label]["ratio"]
                 parts.append(f"{label} {_f(r, '.2f')}x (<= {limit}x {verdict(r, limit)})")
             lines.append(
-                f"  CPU/answer ibex/floor, {wkey[1:]} worker(s), {client}: " + ", ".join(parts)
+                f"  CPU/answer ibex/floor, workers {wkey[1:]}, {client}: " + ", ".join(parts)
             )
     for client, s in out.get("sample", {}).items():
         lines.append(

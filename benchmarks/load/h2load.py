@@ -229,17 +229,17 @@ def run(
             for cmd in cmds
         ]
         outputs = []
-        for proc in procs:
-            try:
+        try:
+            for proc in procs:
                 out, err = proc.communicate(timeout=seconds + warm_up_s + 60)
-            except subprocess.TimeoutExpired:
-                for p in procs:
-                    p.kill()
-                    p.wait()
-                raise
-            if proc.returncode != 0:
-                raise RuntimeError(f"h2load exited {proc.returncode}: {err[-2000:]}")
-            outputs.append(out)
+                if proc.returncode != 0:
+                    raise RuntimeError(f"h2load exited {proc.returncode}: {err[-2000:]}")
+                outputs.append(out)
+        finally:  # a failed or stuck run leaves no h2load behind
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         runs = [
             parse(out, log.read_text() if log.exists() else "")
