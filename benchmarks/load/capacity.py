@@ -33,8 +33,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import os
+import secrets
 import statistics
 import sys
 from collections.abc import Iterator, Mapping, Sequence
@@ -105,7 +107,14 @@ class Metered:
         return h2load.grpc_codes(h2load.scrape(self.metrics_port))
 
 
-def sample_env(port: int, metrics_port: int) -> dict[str, str]:
+def auth_env(token: str | None) -> dict[str, str]:
+    """The daemon setting that makes it accept `token` (and only it) as a bearer token."""
+    if not token:
+        return {}
+    return {"IBEX_CONTEXT_AUTH_TOKENS_SHA256": hashlib.sha256(token.encode()).hexdigest()}
+
+
+def sample_env(port: int, metrics_port: int, token: str | None = None) -> dict[str, str]:
     """The daemon on the bundled sample: no Redis, no memory service."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("IBEX_CONTEXT_")}
     env.update(
@@ -114,6 +123,7 @@ def sample_env(port: int, metrics_port: int) -> dict[str, str]:
         IBEX_CONTEXT_LOG_LEVEL="warning",
         PYTHONPATH=str(ROOT),
     )
+    env.update(auth_env(token))
     return env
 
 
@@ -126,9 +136,25 @@ def metered(daemon_cm: Any, metrics_port: int) -> Iterator[Metered]:
 
 
 @contextmanager
-def sample_daemon(workers: int) -> Iterator[Metered]:
+def stack_daemon(stack: Stack, workers: int, token: str | None) -> Iterator[Metered]:
+    """A daemon on the standard stack with /metrics (and auth when `token` is given)."""
     port, metrics_port = free_port(), free_port()
-    d = Daemon(sample_env(port, metrics_port), workers, port)
+    env = stack.env(port)
+    env["IBEX_CONTEXT_METRICS_ADDR"] = f"127.0.0.1:{metrics_port}"
+    env.update(auth_env(token))
+    d = Daemon(env, workers, port)
+    try:
+        if not wait_listening(d.proc, metrics_port):
+            raise RuntimeError("the daemon's /metrics did not start")
+        yield Metered(d, metrics_port)
+    finally:
+        d.stop()
+
+
+@contextmanager
+def sample_daemon(workers: int, token: str | None = None) -> Iterator[Metered]:
+    port, metrics_port = free_port(), free_port()
+    d = Daemon(sample_env(port, metrics_port, token), workers, port)
     try:
         if not wait_listening(d.proc, metrics_port):
             raise RuntimeError("the sample daemon's /metrics did not start")
@@ -140,8 +166,15 @@ def sample_daemon(workers: int) -> Iterator[Metered]:
 class Rows:
     """Runs one row (a client against a target at a load) and keeps the request material."""
 
-    def __init__(self, tenants: list[tuple[str, str]], versions: bool, seconds: float) -> None:
+    def __init__(
+        self,
+        tenants: list[tuple[str, str]],
+        versions: bool,
+        seconds: float,
+        token: str | None = None,
+    ) -> None:
         self.tenants = tenants
+        self.token = token
         self.versions = versions
         self.seconds = seconds
         self.salt = 0
@@ -159,7 +192,13 @@ class Rows:
         cpu0 = target.cpu()
         if client == "h2load":
             run = await asyncio.to_thread(
-                h2load.run, target.addr, self.messages, load, self.seconds, deadline_s=DEADLINE_S
+                h2load.run,
+                target.addr,
+                self.messages,
+                load,
+                self.seconds,
+                deadline_s=DEADLINE_S,
+                token=self.token,
             )
             cpu = target.cpu() - cpu0
             codes = None
@@ -197,7 +236,9 @@ async def warm(rows: Rows, targets: Sequence[tuple[Target, Driver]]) -> None:
     """Connections, caches and first-call imports, before anything is measured."""
     for target, driver in targets:
         await driver.ready()
-        await asyncio.to_thread(h2load.run, target.addr, rows.messages, h2load.Load(100), 1.0)
+        await asyncio.to_thread(
+            h2load.run, target.addr, rows.messages, h2load.Load(100), 1.0, token=rows.token
+        )
         reqs = build_requests(rows.tenants, 100, 0, versions=rows.versions)
         await driver.open_loop(reqs, fixed_rate((100, 1.0)), DEADLINE_S)
 
@@ -237,20 +278,15 @@ async def stack_part(args: argparse.Namespace, speed: list[float]) -> dict[str, 
     out: dict[str, Any] = {}
     with Stack() as stack:
         for workers in args.workers:
-            rows = Rows(stack.tenants, True, args.seconds)
-            metrics_port = free_port()
+            rows = Rows(stack.tenants, True, args.seconds, args.token)
             with ExitStack() as stop:
-                ibex = stop.enter_context(
-                    metered(
-                        stack.daemon(
-                            workers, IBEX_CONTEXT_METRICS_ADDR=f"127.0.0.1:{metrics_port}"
-                        ),
-                        metrics_port,
-                    )
-                )
+                ibex = stop.enter_context(stack_daemon(stack, workers, args.token))
                 floor = FloorWorkers(workers)
                 stop.callback(floor.stop)
-                drivers = {"ibex": Driver(ibex.addr), "floor": Driver(floor.addr)}
+                drivers = {
+                    "ibex": Driver(ibex.addr, token=args.token),
+                    "floor": Driver(floor.addr, token=args.token),
+                }
                 try:
                     await warm(rows, [(ibex, drivers["ibex"]), (floor, drivers["floor"])])
                     got: dict[str, list[dict[str, Any]]] = {}
@@ -281,12 +317,12 @@ async def stack_part(args: argparse.Namespace, speed: list[float]) -> dict[str, 
 
 async def sample_part(args: argparse.Namespace, speed: list[float]) -> dict[str, Any]:
     """Saturated answers/s on the bundled sample, one worker against two, alternating."""
-    rows = Rows([(SAMPLE_ORG_ID, SAMPLE_AGENT_ID)], False, args.seconds)
+    rows = Rows([(SAMPLE_ORG_ID, SAMPLE_AGENT_ID)], False, args.seconds, args.token)
     closed = h2load.Load(None)
     got: dict[str, list[dict[str, Any]]] = {}
-    with sample_daemon(1) as one, sample_daemon(2) as two:
+    with sample_daemon(1, args.token) as one, sample_daemon(2, args.token) as two:
         targets = {1: one, 2: two}
-        drivers = {w: Driver(t.addr) for w, t in targets.items()}
+        drivers = {w: Driver(t.addr, token=args.token) for w, t in targets.items()}
         try:
             await warm(rows, [(targets[w], drivers[w]) for w in targets])
             for _ in range(args.repeats):
@@ -459,9 +495,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--no-figures", action="store_true", help="do not update the results file of figures"
     )
+    p.add_argument(
+        "--auth",
+        action="store_true",
+        help="auth on: the daemons accept one random bearer token, both clients send it",
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.repeats, args.seconds = 1, 2.0
+    args.token = secrets.token_urlsafe(24) if args.auth else None
     h2load.h2load_path()
     out = asyncio.run(measure(args))
     text = table(out)
