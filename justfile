@@ -76,8 +76,28 @@ proto-check:
     {{py}} -m ibex.tools.protogen --check
 
 # Benchmarks: print tables and write JSON under benchmarks/results/.
-bench *ARGS: redis
+bench *ARGS: redis h2load
     {{py}} -m benchmarks {{ARGS}}
+
+# Install h2load (Debian package nghttp2-client) when missing: the capacity benchmarks use it.
+h2load:
+    #!/usr/bin/env bash
+    set -euo pipefail
+    if ! command -v h2load >/dev/null 2>&1; then
+        if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+        export DEBIAN_FRONTEND=noninteractive
+        $SUDO apt-get update -qq
+        $SUDO apt-get install -y -qq --no-install-recommends nghttp2-client >/dev/null
+    fi
+    h2load --version | head -1
+
+# Capacity and the floor at 1 and 2 workers from h2load and grpcio in one run; prints the ratios.
+bench-capacity *ARGS: redis h2load
+    {{py}} -m benchmarks.load.capacity {{ARGS}}
+
+# Cost curves: CPU per answer and p99 against candidates, history, tools, CJK (PNG with matplotlib).
+bench-curves *ARGS: redis h2load
+    {{py}} -m benchmarks.load.curves {{ARGS}}
 
 # Config: [tool.mutmut] in pyproject.toml; README "Mutation testing". Not in CI (tens of
 # minutes on two cores). Afterwards: `.venv/bin/mutmut results` / `mutmut show NAME`.

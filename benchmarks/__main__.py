@@ -38,6 +38,8 @@ ORDER = (
     "load",
     "load.deadlines",
     "load.floor",
+    "load.capacity",
+    "load.curves",
     "targets",
 )
 # Arguments that shorten a benchmark under --quick (only for modules that accept them).
@@ -48,6 +50,8 @@ QUICK_ARGS = {
     "load": ["--quick"],
     "load.deadlines": ["--quick"],
     "load.floor": ["--quick"],
+    "load.capacity": ["--quick"],
+    "load.curves": ["--quick"],
     "targets": ["--quick"],
 }
 

@@ -114,7 +114,9 @@ class Calls:
 class Driver:
     """A pool of channels (separate HTTP/2 connections, so SO_REUSEPORT spreads them)."""
 
-    def __init__(self, addr: str, channels: int = 4) -> None:
+    def __init__(self, addr: str, channels: int = 4, token: str | None = None) -> None:
+        # `token`: sent as `authorization: Bearer ...` on every call (a daemon with auth on).
+        self.metadata = (("authorization", f"Bearer {token}"),) if token else None
         self.channels = [
             grpc.aio.insecure_channel(
                 addr, options=[("grpc.use_local_subchannel_pool", 1), ("bench.channel", i)]
@@ -135,7 +137,7 @@ class Driver:
     async def one(self, request: bytes, deadline_s: float = DEADLINE_S) -> tuple[str, int, str]:
         """(status name, memories_included, degradation_level) of one call."""
         try:
-            raw = await next(self._rr)(request, timeout=deadline_s)
+            raw = await next(self._rr)(request, timeout=deadline_s, metadata=self.metadata)
         except grpc.aio.AioRpcError as exc:
             return exc.code().name, -1, ""
         resp = pb.AssembleContextResponse.FromString(raw)

@@ -128,7 +128,8 @@ class _Service:
 
 async def _serve_asyncio(mode: str, port: int) -> None:
     server = grpclib.server.Server([_Service(mode, canned_response())], codec=_Bytes())
-    await server.start("127.0.0.1", port)
+    # reuse_port: several floor processes on one port are the floor at one worker per core.
+    await server.start("127.0.0.1", port, reuse_port=True)
     await server.wait_closed()
 
 
@@ -155,8 +156,8 @@ def serve(mode: str, port: int) -> None:
 class _Bare:
     """A floor server as a child process."""
 
-    def __init__(self, mode: str) -> None:
-        self.port = free_port()
+    def __init__(self, mode: str, port: int | None = None) -> None:
+        self.port = free_port() if port is None else port
         self.addr = f"127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "benchmarks.load.floor", "--serve", mode, str(self.port)]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.DEVNULL)

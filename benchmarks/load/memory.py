@@ -72,9 +72,9 @@ def build(args: argparse.Namespace) -> SplitMemoryServer:
     server = SplitMemoryServer(token=args.token, host="127.0.0.1", port=args.port, seed=args.seed)
     server.hot.latency_ms, server.cold.latency_ms = args.hot_latency_ms, args.cold_latency_ms
     for i, (org, agent) in enumerate(tenants(args.tenants)):
-        memories = make_memories(org, agent, HOT_PER_TENANT + COLD_PER_TENANT, seed=args.seed + i)
-        server.add_memories(org, agent, memories[:HOT_PER_TENANT], source=HOT_SOURCE)
-        server.add_memories(org, agent, memories[HOT_PER_TENANT:], source=COLD_SOURCE)
+        memories = make_memories(org, agent, args.hot + args.cold, seed=args.seed + i)
+        server.add_memories(org, agent, memories[: args.hot], source=HOT_SOURCE)
+        server.add_memories(org, agent, memories[args.hot :], source=COLD_SOURCE)
     return server
 
 
@@ -86,6 +86,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hot-latency-ms", type=float, default=2.0)
     parser.add_argument("--cold-latency-ms", type=float, default=8.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hot", type=int, default=HOT_PER_TENANT, help="hot memories per tenant")
+    parser.add_argument(
+        "--cold", type=int, default=COLD_PER_TENANT, help="cold memories per tenant"
+    )
     args = parser.parse_args(argv)
     server = build(args)
     with server:

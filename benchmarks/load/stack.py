@@ -124,7 +124,9 @@ def directive_value(i: int) -> str:
 class MemoryProcess:
     """benchmarks.load.memory in a child process, steered over its stdin."""
 
-    def __init__(self, n_tenants: int, hot_ms: float, cold_ms: float) -> None:
+    def __init__(
+        self, n_tenants: int, hot_ms: float, cold_ms: float, hits: tuple[int, int] | None = None
+    ) -> None:
         cmd = [
             sys.executable,
             "-m",
@@ -136,6 +138,8 @@ class MemoryProcess:
             "--cold-latency-ms",
             str(cold_ms),
         ]
+        if hits is not None:  # (hot, cold) memories per tenant; the stand-in's own default else
+            cmd += ["--hot", str(hits[0]), "--cold", str(hits[1])]
         self.proc = subprocess.Popen(
             cmd, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
         )
@@ -228,9 +232,16 @@ class Daemon:
 class Stack:
     """Redis and the memory stand-in for the whole benchmark; daemons come and go."""
 
-    def __init__(self, n_tenants: int = 4, hot_ms: float = 2.0, cold_ms: float = 8.0) -> None:
+    def __init__(
+        self,
+        n_tenants: int = 4,
+        hot_ms: float = 2.0,
+        cold_ms: float = 8.0,
+        hits: tuple[int, int] | None = None,
+    ) -> None:
         self.tenants = tenants(n_tenants)
         self.hot_ms, self.cold_ms = hot_ms, cold_ms
+        self.hits = hits
         self._exit = contextlib.ExitStack()
 
     def __enter__(self) -> Stack:
@@ -241,7 +252,7 @@ class Stack:
             self.redis.start()
             for i, (org, agent) in enumerate(self.tenants):
                 self.redis.set(f"{org}:directive:{agent}", directive_value(i))
-            self.memory = MemoryProcess(len(self.tenants), self.hot_ms, self.cold_ms)
+            self.memory = MemoryProcess(len(self.tenants), self.hot_ms, self.cold_ms, self.hits)
             self._exit.callback(self.memory.stop)
         except BaseException:
             self._exit.close()
