@@ -31,6 +31,7 @@ import trustme
 
 from ibex.testing.grpc_harness import AGENT, ORG, SERVICE, in_thread, running_daemon, test_settings
 from ibex.testing.grpcio_stubs import context_pb2, context_pb2_grpc
+from ibex.testing.memory_server import running_memory_server
 
 TOKEN = "edge-test-token-not-a-secret"
 HASHES = (hashlib.sha256(TOKEN.encode()).hexdigest(),)
@@ -466,3 +467,42 @@ async def test_stalled_tls_handshakes_count_toward_the_cap_and_time_out(
         out = await in_thread(scenario)
         assert out == {"counted": True, "level": "L0", "closed": 4, "left": 1}
         assert conns.evicted == 1
+
+
+# -- a caller that leaves while its answer is made ----------------------------------------------
+
+
+async def test_a_caller_whose_connection_closed_before_its_answer_is_cancelled_not_internal(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The caller sends its request, then GOAWAY (as h2load and grpc clients do when they
+    close): the answer finds the connection closed. Nobody is left to answer, and it is
+    not the daemon's failure: the call counts CANCELLED and no `handler_failed` is logged."""
+    with running_memory_server() as memory:
+        memory.hot.latency_ms = memory.cold.latency_ms = 300.0
+        async with running_daemon(
+            memory_base_url=memory.url, memory_api_token=memory.token, **RELAXED
+        ) as d:
+
+            def scenario() -> None:
+                with raws(d.port, 1) as (raw,):
+                    stream = raw.open(ASSEMBLE)
+                    raw.send(stream, assemble_request(), end=True)
+                    # The call is running (its memory reads are out), then the caller leaves.
+                    assert until(lambda: len(memory.seen) >= 1, 10)
+                    raw.conn.close_connection()
+                    raw.flush()
+
+                    def finished(code: str) -> float:
+                        value = d.daemon.metrics.registry.get_sample_value(
+                            "ibex_grpc_requests_total",
+                            {"method": "AssembleContext", "code": code},
+                        )
+                        return value or 0.0
+
+                    assert until(lambda: finished("CANCELLED") + finished("INTERNAL") >= 1, 10)
+                    assert finished("CANCELLED") == 1
+                    assert finished("INTERNAL") == 0
+
+            await in_thread(scenario)
+    assert not [r for r in caplog.records if r.getMessage() == "handler_failed"]
