@@ -235,8 +235,8 @@ async def test_an_answer_finished_after_grpclib_gave_up_is_a_deadline_miss_not_a
     at error level for every such call under overload; it is a deadline miss (info)."""
     real = ContextService._assemble_in_trio
 
-    async def slow(self: Any, request: Any, ticket: Any) -> Any:
-        result = await real(self, request, ticket)
+    async def slow(self: Any, request: Any, ticket: Any, *rest: Any) -> Any:
+        result = await real(self, request, ticket, *rest)
         # The Trio task is cancelled while the thread runs, but reaches no checkpoint
         # after it: trio-asyncio hands the result to the cancelled asyncio task.
         await trio.to_thread.run_sync(time.sleep, 0.3)
