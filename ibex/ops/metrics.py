@@ -125,6 +125,7 @@ CONNECTION_CLOSE_REASONS: Final = (
     "auth_timeout",
     "idle",
     "rapid_reset",
+    "reset_flood",
     "ping_flood",
     "settings_flood",
     "empty_frames",

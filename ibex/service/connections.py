@@ -225,7 +225,7 @@ class Connections:
         if room and peer is not None and limit is not None and self._peers.get(peer, 0) >= limit:
             room = self._evict(now, peer)
         if room and len(self._conns) >= cfg.max_connections:
-            room = self._evict(now, None)
+            room = self._evict(now, None, peer)
         if not room:
             self.refused += 1
             self._report(reason)
@@ -271,10 +271,12 @@ class Connections:
         if self._closed_for is not None:
             self._closed_for(reason)
 
-    def _evict(self, now: float, peer: str | None) -> bool:
+    def _evict(self, now: float, peer: str | None, newcomer: str | None = None) -> bool:
         """Close the oldest unauthenticated connection (of `peer`, or of anyone) that has had
-        `first_call_grace`, else the oldest idle one; False when there is none (every
-        candidate an authenticated caller's busy one, or too young to judge)."""
+        `first_call_grace`, else the oldest idle one, else (at the process cap) the oldest
+        unauthenticated one of the peer holding the most connections, when that is more
+        than the `newcomer`'s peer holds plus one: a storm from a few addresses cannot
+        keep a quieter peer out. False when there is none."""
         victim: Conn | None = None
         young = now - self.config.first_call_grace
         for conn, state in self._conns.items():  # in accept order: the oldest first
@@ -287,6 +289,17 @@ class Connections:
                 break
             if victim is None and state.phase == _Phase.OPEN and not conn.open_streams():
                 victim = conn
+        if victim is None and peer is None and newcomer is not None and self._peers:
+            heaviest = max(self._peers, key=self._peers.__getitem__)
+            if self._peers[heaviest] > self._peers.get(newcomer, 0) + 1:
+                victim = next(
+                    (
+                        c
+                        for c, st in self._conns.items()
+                        if st.peer == heaviest and not st.authenticated
+                    ),
+                    None,
+                )
         if victim is None:
             return False
         self.evicted += 1

@@ -60,6 +60,7 @@ class Budget(msgspec.Struct, frozen=True):
 #: of up to `authenticated` cancelled calls at once is tolerated).
 BUDGETS: Final[dict[str, Budget]] = {
     "rapid_reset": Budget(8, 100, 10.0),
+    "reset_flood": Budget(16, 64, 10.0),
     "ping_flood": Budget(16, 64, 10.0),
     "settings_flood": Budget(8, 32, 5.0),
     "empty_frames": Budget(8, 32, 10.0),
@@ -180,6 +181,20 @@ def malformed(headers: Sequence[tuple[bytes | str, bytes | str]] | None) -> bool
     return (
         not fields or len(fields) > MAX_REQUEST_HEADER_FIELDS or any(not name for name, _ in fields)
     )
+
+
+def resets_in(frames: bytes | bytearray) -> int:
+    """RST_STREAM frames in `frames`, whole frames as h2 queues them to send: the resets h2
+    answers a peer's frames with by itself (DATA on a closed stream, say: CVE-2019-9514)."""
+    count = 0
+    pos = 0
+    n = len(frames)
+    while pos + 9 <= n:
+        length = (frames[pos] << 16) | (frames[pos + 1] << 8) | frames[pos + 2]
+        if frames[pos + 3] == _RST_STREAM:
+            count += 1
+        pos += 9 + length
+    return count
 
 
 def _offence(kind: int, flags: int, length: int) -> str | None:

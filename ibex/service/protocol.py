@@ -34,7 +34,13 @@ from h2.exceptions import ProtocolError
 from hyperframe.frame import GoAwayFrame
 
 from ibex.service.connections import Connections
-from ibex.service.frame_guard import CLOSE_CODES, ENHANCE_YOUR_CALM, FrameGuard, malformed
+from ibex.service.frame_guard import (
+    CLOSE_CODES,
+    ENHANCE_YOUR_CALM,
+    FrameGuard,
+    malformed,
+    resets_in,
+)
 from ibex.service.hpack_block import MAX_STREAM_ID, send_headers_fast
 
 GOAWAY_PING = b"ibex-bye"  # 8 bytes of PING payload marking the drain's heads-up
@@ -372,8 +378,12 @@ class _TrackedProtocol(H2Protocol):
             self.connection.flush()
             self.processor.close("Protocol error")
             return
-        self.connection.flush()
         h2 = self.connection._connection
+        flood = self._guard.offend("reset_flood", resets_in(h2._data_to_send))
+        if flood is not None:
+            self._close_flooded(flood)
+            return
+        self.connection.flush()
         now = time.monotonic()
         replies = 0  # frames the peer wants answered (a call, a PING, SETTINGS)
         for event in events:
