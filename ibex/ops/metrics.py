@@ -134,6 +134,7 @@ CONNECTION_CLOSE_REASONS: Final = (
     "unknown_frames",
     "unread_output",
     "continuation_flood",
+    "too_many_streams",
     "protocol_error",
 )
 RESTART_REASONS: Final = ("exited", "unresponsive")

@@ -74,7 +74,7 @@ CLOSE_CODES: Final[dict[str, int]] = {kind: ENHANCE_YOUR_CALM for kind in BUDGET
 }
 #: Every reason `ibex_connections_closed_total` carries for a flood, plus the HTTP/2
 #: errors h2 closes on by itself (a CONTINUATION flood among them).
-FLOOD_REASONS: Final = (*BUDGETS, "continuation_flood", "protocol_error")
+FLOOD_REASONS: Final = (*BUDGETS, "continuation_flood", "too_many_streams", "protocol_error")
 
 
 class _Bucket:

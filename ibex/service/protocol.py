@@ -30,7 +30,7 @@ from grpclib.protocol import H2Protocol
 from h2.connection import H2Connection
 from h2.errors import ErrorCodes
 from h2.events import PingAckReceived, PingReceived, RemoteSettingsChanged, RequestReceived
-from h2.exceptions import ProtocolError
+from h2.exceptions import ProtocolError, TooManyStreamsError
 from hyperframe.frame import GoAwayFrame
 
 from ibex.service.connections import Connections
@@ -211,6 +211,7 @@ class _CorkedTransport:
     __slots__ = (
         "_answered",
         "_buffer",
+        "_done",
         "_earned",
         "_ended",
         "_flush_pending",
@@ -227,6 +228,7 @@ class _CorkedTransport:
     ) -> None:
         self._transport = transport
         self._earned = earned  # told of every answered call (`FrameGuard.earned`)
+        self._done = False  # `last_words` said: later writes are dropped
         self._loop = loop  # writes also come from Trio tasks (GOAWAY), outside asyncio
         self._buffer: list[bytes] = []
         self._flush_pending = False
@@ -244,7 +246,7 @@ class _CorkedTransport:
                 self._loop.call_soon(self._flush)
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
-        if not data:
+        if not data or self._done:
             return
         self._buffer.append(bytes(data))
         if not self._flush_pending:
@@ -268,6 +270,20 @@ class _CorkedTransport:
     def close(self) -> None:
         self._flush()
         self._transport.close()
+
+    def last_words(self, data: bytes, raw: asyncio.BaseTransport | None) -> None:
+        """Send what is buffered and `data`, and nothing after; then half-close (plain TCP:
+        FIN once the bytes are out, while what the peer still sends is read and dropped)
+        or close (TLS). A plain close with unread input would be a reset, which can
+        destroy the GOAWAY on its way."""
+        self.write(data)
+        self._flush()
+        self._done = True
+        transport = self._transport
+        if transport is raw and transport.can_write_eof() and not transport.is_closing():
+            transport.write_eof()
+        else:
+            transport.close()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._transport, name)
@@ -370,13 +386,13 @@ class _TrackedProtocol(H2Protocol):
         try:
             events = self.connection.feed(data)
         except ProtocolError as exc:
-            # h2 queued a GOAWAY naming the error: send it before closing.
-            continuation = "continuation" in str(exc).lower()
-            self._connections.flood_closed(
-                self, "continuation_flood" if continuation else "protocol_error"
-            )
-            self.connection.flush()
-            self.processor.close("Protocol error")
+            # h2 queued a GOAWAY naming the error: it is sent before the socket closes.
+            reason = "protocol_error"
+            if isinstance(exc, TooManyStreamsError):  # past the 100 streams advertised
+                reason = "too_many_streams"
+            elif "continuation" in str(exc).lower():  # h2: 64 CONTINUATION frames a block
+                reason = "continuation_flood"
+            self._close_flooded(reason, self.connection._connection.data_to_send())
             return
         h2 = self.connection._connection
         flood = self._guard.offend("reset_flood", resets_in(h2._data_to_send))
@@ -437,21 +453,24 @@ class _TrackedProtocol(H2Protocol):
                 return
         self._connections.active(self)
 
-    def _close_flooded(self, reason: str) -> None:
-        """GOAWAY with the reason's code, then close; the socket is aborted if the peer does
-        not take the GOAWAY within `FLOOD_ABORT_AFTER` (it may not be reading at all)."""
+    def _close_flooded(self, reason: str, goaway: bytes | None = None) -> None:
+        """Send GOAWAY (`goaway`, else one with the reason's code) as the last frame, and
+        abort the socket `FLOOD_ABORT_AFTER` later (the peer may not be reading at all);
+        nothing more it sends is read. Its calls end when the socket does."""
         self._flooded = True
         self._connections.flood_closed(self, reason)
-        h2 = self.connection._connection
-        frame = GoAwayFrame(
-            stream_id=0,
-            last_stream_id=h2.highest_inbound_stream_id,
-            error_code=CLOSE_CODES.get(reason, ENHANCE_YOUR_CALM),
-        )
-        if not self.connection.is_closing():
+        corked = self._corked
+        if corked is None or self.connection.is_closing():
+            self.processor.close("Connection closed: " + reason)
+            return
+        if goaway is None:
             self.connection.flush()
-            self.connection._transport.write(frame.serialize())
-        self.processor.close("Connection closed: " + reason)
+            goaway = GoAwayFrame(
+                stream_id=0,
+                last_stream_id=self.connection._connection.highest_inbound_stream_id,
+                error_code=CLOSE_CODES.get(reason, ENHANCE_YOUR_CALM),
+            ).serialize()
+        corked.last_words(goaway, self._raw)
         raw = self._raw
         if raw is not None:
             asyncio.get_running_loop().call_later(FLOOD_ABORT_AFTER, _abort, raw)

@@ -42,6 +42,7 @@ HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 CLOSED_WITHIN = 5.0  # seconds from a flooding connection's first frame to its close
 FLOOD_FOR = 2.5  # seconds the attacker keeps reconnecting and flooding
 CALLS_PER_SECOND = 50
+FLOOD_BYTES_PER_SECOND = 1_000_000  # the attacker's pace, as in the issue's probes
 ENV = {
     "IBEX_CONTEXT_AUTH_TOKENS_SHA256": hashlib.sha256(TOKEN.encode()).hexdigest(),
     # Budgets for a loaded test machine: these tests are about floods, not latency.
@@ -95,22 +96,28 @@ def assemble_request() -> Any:
 
 
 def steady_calls(target: str, stop: threading.Event, out: dict[str, Any]) -> None:
-    """AssembleContext at `CALLS_PER_SECOND` with the token until `stop` (at most 10 s)."""
+    """AssembleContext with the token, started `CALLS_PER_SECOND` times a second whatever
+    the answers' latency (grpcio futures), until `stop` (at most 10 s); their codes."""
     metadata = [("authorization", f"Bearer {TOKEN}")]
     codes: list[str] = out.setdefault("codes", [])
     with grpc.insecure_channel(target) as channel:
         stub = context_pb2_grpc.ContextAssemblyServiceStub(channel)
         stub.AssembleContext(assemble_request(), metadata=metadata, timeout=10)  # connected
         out["ready"].set()
+        futures = []
         start = time.monotonic()
         for i in range(10 * CALLS_PER_SECOND):
             if stop.is_set():
-                return
+                break
             delay = start + i / CALLS_PER_SECOND - time.monotonic()
             if delay > 0:
                 stop.wait(delay)
+            futures.append(
+                stub.AssembleContext.future(assemble_request(), metadata=metadata, timeout=2)
+            )
+        for future in futures:
             try:
-                stub.AssembleContext(assemble_request(), metadata=metadata, timeout=2)
+                future.result()
                 codes.append("OK")
             except grpc.RpcError as exc:
                 codes.append(exc.code().name)
@@ -190,10 +197,16 @@ def flood_once(port: int, source: str, burst: Burst) -> Flooded:
     reader.start()
     state = [1]
     deadline = time.monotonic() + CLOSED_WITHIN + 1
+    sent = 0
     try:
         with contextlib.suppress(OSError):
             while reader.is_alive() and time.monotonic() < deadline:
-                sock.sendall(burst(conn, state))
+                data = burst(conn, state)
+                sock.sendall(data)
+                sent += len(data)
+                ahead = started[0] + sent / FLOOD_BYTES_PER_SECOND - time.monotonic()
+                if ahead > 0:
+                    reader.join(ahead)  # paced: returns early when the daemon closes
     finally:
         reader.join(CLOSED_WITHIN + 10)
         sock.close()
@@ -211,8 +224,9 @@ def attack(served: Served, burst: Burst, source: str) -> tuple[list[Flooded], li
     try:
         assert calls["ready"].wait(20)
         until = time.monotonic() + FLOOD_FOR
-        while time.monotonic() < until and len(flooded) < 200:
+        while time.monotonic() < until and len(flooded) < 1000:
             flooded.append(flood_once(served.proc.port, source, burst))
+            time.sleep(0.005)  # bounds the test's own reconnect loop, not the daemon's
     finally:
         stop.set()
         caller.join(30)
@@ -296,19 +310,26 @@ def test_a_flood_is_closed_with_goaway_and_the_caller_is_served(
     served: Served, reason: str, burst: Burst, code: int
 ) -> None:
     before = closed_total(served.metrics_port, reason)
-    flooded, codes = attack(served, burst, "127.0.0.2")
+    # Each attack from its own address: the connection rate is counted per peer.
+    source = f"127.0.0.{10 + [a[0] for a in ATTACKS].index(reason)}"
+    flooded, codes = attack(served, burst, source)
     first = flooded[0]
     assert first.goaway == code, (reason, first.frames[-3:])
     closes = [f.closed_after for f in flooded]
     assert all(c is not None and c < CLOSED_WITHIN for c in closes), closes
     assert closed_total(served.metrics_port, reason) >= before + 1
-    assert codes and set(codes) == {"OK"}, codes
-    assert len(codes) >= CALLS_PER_SECOND  # a second's worth at least, on a loaded machine
+    refused = sum(f.goaway is None for f in flooded)  # over the peer's connection rate
+    summary = (reason, len(flooded), refused, {c: codes.count(c) for c in set(codes)})
+    assert set(codes) == {"OK"}, summary
+    assert len(codes) >= FLOOD_FOR * CALLS_PER_SECOND * 0.9, summary
+
+
+UNREAD = ("unread_output", "too_many_streams")
 
 
 def test_a_peer_that_never_reads_its_answers_is_closed(served: Served) -> None:
     """CVE-2019-9517: the peer opens its windows, asks for answers and reads none."""
-    before = closed_total(served.metrics_port, "unread_output")
+    before = sum(closed_total(served.metrics_port, r) for r in UNREAD)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.bind(("127.0.0.3", 0))
@@ -334,7 +355,10 @@ def test_a_peer_that_never_reads_its_answers_is_closed(served: Served) -> None:
     finally:
         sock.close()
     assert closed_after is not None and closed_after < CLOSED_WITHIN
-    assert closed_total(served.metrics_port, "unread_output") >= before + 1
+    # Which bound it meets first depends on how many requests one read holds: past 100
+    # streams open (answers not yet written) or 32 requests while its answers back up.
+    after = sum(closed_total(served.metrics_port, r) for r in UNREAD)
+    assert after >= before + 1
 
 
 # -- churn ----------------------------------------------------------------------------------
