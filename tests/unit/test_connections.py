@@ -148,6 +148,26 @@ def test_a_connection_within_its_first_call_grace_is_not_evicted() -> None:
     assert reasons == ["refused_cap", "evicted"]
 
 
+def test_at_the_process_cap_the_peer_holding_the_most_gives_way_to_a_quieter_one() -> None:
+    """Every connection young: a newcomer from a peer holding fewer evicts the oldest
+    unauthenticated connection of the peer holding the most; one from that peer does not."""
+    conns = make(Clock(), max_connections=4, first_call_grace=2.0)
+    storm = [FakeConn() for _ in range(3)]
+    for conn in storm:
+        assert conns.admit(conn, "10.0.0.66")
+    quiet = FakeConn()
+    assert conns.admit(quiet, "10.0.0.7")
+    assert not conns.admit(FakeConn(), "10.0.0.66")  # the heaviest peer itself: refused
+    caller = FakeConn()
+    assert conns.admit(caller, "127.0.0.1")  # holds 0 < 3 - 1: the storm's oldest goes
+    assert storm[0].calls == ["close_idle"] and quiet.calls == []
+    assert conns.peer_count("10.0.0.66") == 2
+    assert conns.admit(FakeConn(), "10.0.0.8")  # the storm's 2 > 0 + 1: its next oldest
+    assert storm[1].calls == ["close_idle"]
+    assert not conns.admit(FakeConn(), "10.0.0.9")  # every peer holds one: refused
+    assert caller.calls == [] and quiet.calls == [] and storm[2].calls == []
+
+
 def test_a_peer_over_its_connection_rate_is_refused_and_others_are_not() -> None:
     clock = Clock()
     reasons: list[str] = []
