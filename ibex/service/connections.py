@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import math
 import random
 import time
 from collections.abc import Callable
@@ -272,23 +273,26 @@ class Connections:
             self._closed_for(reason)
 
     def _evict(self, now: float, peer: str | None, newcomer: str | None = None) -> bool:
-        """Close the oldest unauthenticated connection (of `peer`, or of anyone) that has had
-        `first_call_grace`, else the oldest idle one, else (at the process cap) the oldest
+        """Make room for a connection from `newcomer`. At `peer`'s cap: close that peer's
+        oldest unauthenticated connection, else its oldest idle one (a peer's own new
+        connections push out its old ones). At the process cap: close the oldest
+        unauthenticated connection that has had `first_call_grace`; else the oldest
         unauthenticated one of the peer holding the most connections, when that is more
-        than the `newcomer`'s peer holds plus one: a storm from a few addresses cannot
-        keep a quieter peer out. False when there is none."""
+        than the newcomer's peer holds plus one (a storm from a few addresses cannot keep
+        a quieter peer out); else the oldest idle one. False when there is none."""
         victim: Conn | None = None
-        young = now - self.config.first_call_grace
+        idle: Conn | None = None
+        # A peer's own connections have no grace among themselves.
+        young = now - self.config.first_call_grace if peer is None else math.inf
         for conn, state in self._conns.items():  # in accept order: the oldest first
             if peer is not None and state.peer != peer:
                 continue
             if not state.authenticated:
-                if state.accepted > young:
-                    continue  # still within its grace (and so is every later one)
-                victim = conn
-                break
-            if victim is None and state.phase == _Phase.OPEN and not conn.open_streams():
-                victim = conn
+                if state.accepted <= young:
+                    victim = conn
+                    break
+            elif idle is None and state.phase == _Phase.OPEN and not conn.open_streams():
+                idle = conn
         if victim is None and peer is None and newcomer is not None and self._peers:
             heaviest = max(self._peers, key=self._peers.__getitem__)
             if self._peers[heaviest] > self._peers.get(newcomer, 0) + 1:
@@ -300,6 +304,8 @@ class Connections:
                     ),
                     None,
                 )
+        if victim is None:
+            victim = idle
         if victim is None:
             return False
         self.evicted += 1
