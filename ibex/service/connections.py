@@ -8,15 +8,16 @@ HTTP/2 part on grpclib's protocol objects (the `Conn` methods below).
 
 Fair to callers: a connection counts from accept (before any TLS handshake),
 against the process cap and its peer's (by IP) cap. A connection that has made
-no authenticated call within `auth_timeout` of accept is closed, and when a cap
-is reached a new connection first evicts the oldest unauthenticated one that
-has had `first_call_grace` to make its first call, then the oldest idle one,
-and is refused when there is none (every connection an authenticated caller's
-busy one, or too young): a peer that only holds sockets cannot keep a caller
-with credentials out, and a storm of new connections cannot evict a caller
-before its first call. A peer opening connections faster than `peer_rate` per
-second (a burst of twice that) has its new ones refused at once: it pays for
-its churn, and its connections are not what pushes others out.
+no authenticated call within `auth_timeout` of accept is closed. When a cap is
+reached a new connection evicts an unauthenticated one, else an idle one (see
+`_evict` for the order), and is refused when there is none: a peer that only
+holds sockets cannot keep a caller with credentials out. At the process cap an
+unauthenticated connection of another peer is evicted only once it has had
+`first_call_grace` to make its first call, or when its peer holds clearly more
+connections than the newcomer's: a storm of new connections from other
+addresses cannot evict a caller before its first call. A peer opening
+connections faster than `peer_rate` per second (a burst of twice that) has its
+new ones refused at once, before any TLS or HTTP/2 work.
 
 Goodbye follows grpc-go's `MaxConnectionAge` convention: a first GOAWAY with
 last-stream-id 2^31-1 and a PING (the client stops opening streams here);
