@@ -22,7 +22,7 @@ that emptied the bucket. `ibex.service.protocol` owns the socket side.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Final
 
 import msgspec
@@ -30,6 +30,7 @@ import msgspec
 # Frame types (RFC 9113 6) and flags read by the scan.
 _DATA, _HEADERS, _PRIORITY, _RST_STREAM, _SETTINGS, _PING, _CONTINUATION = 0, 1, 2, 3, 4, 6, 9
 _LAST_KNOWN_TYPE = 9
+_PLAIN = frozenset({_DATA, 5, 7, 8})  # DATA (unless empty), PUSH_PROMISE, GOAWAY, WINDOW_UPDATE
 _ACK = 0x1
 _END_STREAM = 0x1
 _END_HEADERS = 0x4
@@ -136,15 +137,12 @@ class FrameGuard:
             bucket.earn()
 
     def scan(self, data: bytes | bytearray | memoryview) -> str | None:
-        """Read the frame headers in `data` (the next bytes from the peer)."""
-        counts: dict[str, int] = {}
-        for kind in self._kinds(memoryview(data)):
-            counts[kind] = counts.get(kind, 0) + 1
-        return self._spend(counts) if counts else None
+        """Read the frame headers in `data` (the next bytes from the peer).
 
-    def _kinds(self, data: memoryview) -> Iterable[str]:
+        One pass of plain indexing: it runs on every read of every connection."""
         n = len(data)
         pos = 0
+        counts: dict[str, int] | None = None
         while pos < n:
             if self._skip:
                 step = min(self._skip, n - pos)
@@ -156,17 +154,24 @@ class FrameGuard:
                 self._head += bytes(data[pos : pos + need])
                 pos += min(need, n - pos)
                 if len(self._head) < 9:
-                    return
-                header: bytes | memoryview = self._head
+                    break
+                header: bytes | bytearray | memoryview = self._head
                 self._head = b""
+                at = 0
             else:
-                header = data[pos : pos + 9]
+                header, at = data, pos
                 pos += 9
-            length = (header[0] << 16) | (header[1] << 8) | header[2]
-            kind = _offence(header[3], header[4], length)
+            length = (header[at] << 16) | (header[at + 1] << 8) | header[at + 2]
             self._skip = length
-            if kind is not None:
-                yield kind
+            kind = header[at + 3]
+            if kind in _PLAIN and (kind != _DATA or length):
+                continue  # DATA with a payload, WINDOW_UPDATE, GOAWAY: never counted
+            offence = _offence(kind, header[at + 4], length)
+            if offence is not None:
+                if counts is None:
+                    counts = {}
+                counts[offence] = counts.get(offence, 0) + 1
+        return self._spend(counts) if counts else None
 
     def offend(self, kind: str, n: int = 1) -> str | None:
         """`n` offending frames of `kind` seen after h2 parsed them (`malformed`, or a
