@@ -268,6 +268,8 @@ class _CorkedTransport:
                     self._answered(path, now - arrived)
 
     def close(self) -> None:
+        if self._done:  # after `last_words` the socket is left to its abort timer
+            return
         self._flush()
         self._transport.close()
 
@@ -456,7 +458,7 @@ class _TrackedProtocol(H2Protocol):
     def _close_flooded(self, reason: str, goaway: bytes | None = None) -> None:
         """Send GOAWAY (`goaway`, else one with the reason's code) as the last frame, and
         abort the socket `FLOOD_ABORT_AFTER` later (the peer may not be reading at all);
-        nothing more it sends is read. Its calls end when the socket does."""
+        nothing more it sends is read. Its calls end at once."""
         self._flooded = True
         self._connections.flood_closed(self, reason)
         corked = self._corked
@@ -474,6 +476,7 @@ class _TrackedProtocol(H2Protocol):
         raw = self._raw
         if raw is not None:
             asyncio.get_running_loop().call_later(FLOOD_ABORT_AFTER, _abort, raw)
+        self.processor.close("Connection closed: " + reason)  # its calls end now
 
     def pause_writing(self) -> None:
         self._write_paused = True
