@@ -60,7 +60,7 @@ class Budget(msgspec.Struct, frozen=True):
 #: twice, and RST_STREAM when a call is cancelled or its deadline passes (a burst
 #: of up to `authenticated` cancelled calls at once is tolerated).
 BUDGETS: Final[dict[str, Budget]] = {
-    "rapid_reset": Budget(8, 100, 10.0),
+    "rapid_reset": Budget(8, 1000, 33.0),
     "reset_flood": Budget(16, 64, 10.0),
     "ping_flood": Budget(16, 64, 10.0),
     "settings_flood": Budget(8, 32, 5.0),
