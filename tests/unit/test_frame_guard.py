@@ -27,6 +27,7 @@ from ibex.service.frame_guard import (
     PROTOCOL_ERROR,
     FrameGuard,
     malformed,
+    resets_in,
 )
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
@@ -132,3 +133,18 @@ def test_close_codes_and_every_reason_has_a_metric_series() -> None:
     assert {CLOSE_CODES[k] for k in BUDGETS if k != "empty_headers"} == {ENHANCE_YOUR_CALM}
     assert set(CONNECTION_CLOSE_REASONS) == set(CLOSE_REASONS) | set(FLOOD_REASONS)
     assert len(PREFACE) == PREFACE_BYTES
+
+
+def test_resets_h2_queued_are_counted_and_the_rest_skipped() -> None:
+    queued = (
+        RstStreamFrame(1, error_code=5).serialize()
+        + WindowUpdateFrame(0, 100).serialize()
+        + DataFrame(3, RstStreamFrame(3).serialize() * 3).serialize()  # payload, not frames
+        + RstStreamFrame(5, error_code=5).serialize()
+    )
+    assert resets_in(queued) == 2
+    assert resets_in(b"") == 0
+    g = guard()
+    assert g.offend("reset_flood", BUDGETS["reset_flood"].unauthenticated) is None
+    assert g.offend("reset_flood", 0) is None
+    assert g.offend("reset_flood") == "reset_flood"
