@@ -513,6 +513,15 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         float | UnsetType,
         var("CONNECTION_AUTH_TIMEOUT", WITH_UNIT, "ConnectionsConfig.auth_timeout"),
     ] = UNSET
+    connection_first_call_grace: Annotated[
+        float | UnsetType,
+        var("CONNECTION_FIRST_CALL_GRACE", WITH_UNIT, "ConnectionsConfig.first_call_grace"),
+    ] = UNSET
+    # new connections per second per peer IP
+    connection_rate_per_peer: Annotated[
+        float | UnsetType,
+        var("CONNECTION_RATE_PER_PEER", floats(0.1, 1_000_000.0), "ConnectionsConfig.peer_rate"),
+    ] = UNSET
     tls_handshake_timeout: Annotated[
         float | UnsetType,
         var("TLS_HANDSHAKE_TIMEOUT", WITH_UNIT, "ConnectionsConfig.tls_handshake_timeout"),

@@ -121,6 +121,27 @@ STAGES: Final[tuple[str, ...]] = (*(s.value for s in Stage), "total")
 LEVELS: Final[tuple[str, ...]] = get_args(DegradationLevel)
 PACK_PATHS: Final[tuple[str, ...]] = get_args(PackPath)
 SHED_REASONS: Final = ("in_flight", "queue", "cpu", "org", "threads")
+#: Why the daemon closed (or refused) a gRPC connection: the caps and timeouts of
+#: `ibex.service.connections` and the HTTP/2 floods of `ibex.service.frame_guard`.
+CONNECTION_CLOSE_REASONS: Final = (
+    "refused_cap",
+    "refused_rate",
+    "evicted",
+    "auth_timeout",
+    "idle",
+    "rapid_reset",
+    "reset_flood",
+    "ping_flood",
+    "settings_flood",
+    "empty_frames",
+    "empty_headers",
+    "priority_flood",
+    "unknown_frames",
+    "unread_output",
+    "continuation_flood",
+    "too_many_streams",
+    "protocol_error",
+)
 RESTART_REASONS: Final = ("exited", "unresponsive")
 RELOAD_RESULTS: Final = ("done", "failed", "rejected")
 FEEDBACK_OUTCOMES: Final = (
@@ -350,6 +371,12 @@ class Metrics:
         self.shed_requests = Counter(
             "ibex_shed_requests", "RPCs refused by admission, by reason.", ["reason"], registry=r
         )
+        self.connections_closed = Counter(
+            "ibex_connections_closed",
+            "gRPC connections closed or refused by the daemon before their peer left, by reason.",
+            ["reason"],
+            registry=r,
+        )
         self.branch_outcomes = Counter(
             "ibex_branch_outcomes",
             "Retrieval branches by source and outcome.",
@@ -445,6 +472,9 @@ class Metrics:
         self._level = {level: self.degradation.labels(level) for level in LEVELS}
         self._path = {path: self.pack_path.labels(path) for path in PACK_PATHS}
         self._shed = {reason: self.shed_requests.labels(reason) for reason in SHED_REASONS}
+        self._closed = {
+            reason: self.connections_closed.labels(reason) for reason in CONNECTION_CLOSE_REASONS
+        }
         self._feedback = {o: self.feedback.labels(o) for o in FEEDBACK_OUTCOMES}
         # (method, code) -> label children: `labels()` takes a lock and validates on every
         # call, a cost the overload path pays per refusal. Methods are the service's own
@@ -485,6 +515,10 @@ class Metrics:
     def in_flight(self) -> AbstractContextManager[None]:
         """Count the enclosed block as an in-flight request, however it ends."""
         return self.in_flight_requests.track_inprogress()
+
+    def connection_closed(self, reason: str) -> None:
+        """One connection closed or refused; `reason` is one of `CONNECTION_CLOSE_REASONS`."""
+        (self._closed.get(reason) or self.connections_closed.labels(reason)).inc()
 
     def shed(self, reason: str) -> None:
         """One request refused by admission; `reason` is one of `SHED_REASONS`."""

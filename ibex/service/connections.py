@@ -8,11 +8,16 @@ HTTP/2 part on grpclib's protocol objects (the `Conn` methods below).
 
 Fair to callers: a connection counts from accept (before any TLS handshake),
 against the process cap and its peer's (by IP) cap. A connection that has made
-no authenticated call within `auth_timeout` of accept is closed, and when a cap
-is reached a new connection first evicts the oldest unauthenticated one, then
-the oldest idle one, and is refused only when every connection is an
-authenticated caller's busy one: a peer that only holds sockets cannot keep a
-caller with credentials out.
+no authenticated call within `auth_timeout` of accept is closed. When a cap is
+reached a new connection evicts an unauthenticated one, else an idle one (see
+`_evict` for the order), and is refused when there is none: a peer that only
+holds sockets cannot keep a caller with credentials out. At the process cap an
+unauthenticated connection of another peer is evicted only once it has had
+`first_call_grace` to make its first call, or when its peer holds clearly more
+connections than the newcomer's: a storm of new connections from other
+addresses cannot evict a caller before its first call. A peer opening
+connections faster than `peer_rate` per second (a burst of twice that) has its
+new ones refused at once, before any TLS or HTTP/2 work.
 
 Goodbye follows grpc-go's `MaxConnectionAge` convention: a first GOAWAY with
 last-stream-id 2^31-1 and a PING (the client stops opening streams here);
@@ -27,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import math
 import random
 import time
 from collections.abc import Callable
@@ -40,6 +46,10 @@ log = logging.getLogger(__name__)
 NOFILE_HEADROOM = 64  # fds kept for listeners, Redis, the memory pool, logs, /metrics
 MAX_CONNECTIONS_CEILING = 1024
 REFUSAL_LOG_INTERVAL = 10.0  # seconds between two `connections_refused` lines during a flood
+PEER_RATES_KEPT = 4096  # peers whose connection rate is remembered (least recent dropped)
+#: Why connections are closed before their peer leaves (`ibex_connections_closed_total`),
+#: besides the HTTP/2 floods (`ibex.service.frame_guard.FLOOD_REASONS`).
+CLOSE_REASONS = ("refused_cap", "refused_rate", "evicted", "auth_timeout", "idle")
 
 
 def default_max_connections(soft_limit: int | None = None) -> int:
@@ -105,6 +115,8 @@ class ConnectionsConfig(msgspec.Struct, frozen=True):
     max_connections: int = MAX_CONNECTIONS_CEILING
     max_per_peer: int | None = None
     auth_timeout: float | None = 10.0
+    first_call_grace: float = 2.0  # an unauthenticated connection this young is not evicted
+    peer_rate: float | None = 20.0  # new connections per second per peer IP (burst: twice)
     tls_handshake_timeout: float = 5.0
     idle_timeout: float | None = 300.0
     max_age: float | None = None
@@ -171,12 +183,18 @@ class Connections:
         *,
         clock: Callable[[], float] = time.monotonic,
         jitter: Callable[[], float] = random.random,
+        closed_for: Callable[[str], None] | None = None,
     ) -> None:
         self.config = config
         self._clock = clock
         self._jitter = jitter
+        self._closed_for = closed_for  # told why a connection was closed (a metric)
         self._conns: dict[Conn, _State] = {}
         self._peers: dict[str, int] = {}  # open connections per peer address
+        self._rates: dict[str, tuple[float, float]] = {}  # peer -> (tokens, at): new conns
+        self.flooded: dict[str, int] = {}  # connections closed for an HTTP/2 flood, by reason
+        self._flood_logged_at = -REFUSAL_LOG_INTERVAL
+        self._flood_logged = 0
         self.refused = 0  # connections closed at once because the cap was reached
         self._refused_logged = 0
         self._refusal_logged_at = -REFUSAL_LOG_INTERVAL
@@ -202,13 +220,17 @@ class Connections:
         now = self._clock()
         cfg = self.config
         room = not self._draining
+        reason = "refused_cap"
+        if room and peer is not None and not self._within_rate(peer, now):
+            room, reason = False, "refused_rate"
         limit = cfg.max_per_peer
         if room and peer is not None and limit is not None and self._peers.get(peer, 0) >= limit:
             room = self._evict(now, peer)
         if room and len(self._conns) >= cfg.max_connections:
-            room = self._evict(now, None)
+            room = self._evict(now, None, peer)
         if not room:
             self.refused += 1
+            self._report(reason)
             if now - self._refusal_logged_at >= REFUSAL_LOG_INTERVAL:
                 log.warning(
                     "connections_refused",
@@ -218,6 +240,7 @@ class Connections:
                         "max_connections": cfg.max_connections,
                         "max_per_peer": cfg.max_per_peer,
                         "draining": self._draining,
+                        "reason": reason,
                     },
                 )
                 self._refusal_logged_at = now
@@ -231,21 +254,63 @@ class Connections:
             self._peers[peer] = self._peers.get(peer, 0) + 1
         return True
 
-    def _evict(self, now: float, peer: str | None) -> bool:
-        """Close the oldest unauthenticated connection (of `peer`, or of anyone), else the
-        oldest idle one; False when every candidate is an authenticated caller's busy one."""
+    def _within_rate(self, peer: str, now: float) -> bool:
+        """Take one of `peer`'s new-connection tokens (`peer_rate` per second, a burst of
+        twice that); False when it has none left."""
+        rate = self.config.peer_rate
+        if rate is None:
+            return True
+        burst = max(1.0, 2 * rate)
+        tokens, at = self._rates.pop(peer, (burst, now))
+        tokens = min(burst, tokens + (now - at) * rate)
+        ok = tokens >= 1.0
+        self._rates[peer] = (tokens - 1.0 if ok else tokens, now)  # most recent last
+        if len(self._rates) > PEER_RATES_KEPT:
+            del self._rates[next(iter(self._rates))]  # least recent: it starts full again
+        return ok
+
+    def _report(self, reason: str) -> None:
+        if self._closed_for is not None:
+            self._closed_for(reason)
+
+    def _evict(self, now: float, peer: str | None, newcomer: str | None = None) -> bool:
+        """Make room for a connection from `newcomer`. At `peer`'s cap: close that peer's
+        oldest unauthenticated connection, else its oldest idle one (a peer's own new
+        connections push out its old ones). At the process cap: close the oldest
+        unauthenticated connection that has had `first_call_grace`; else the oldest
+        unauthenticated one of the peer holding the most connections, when that is more
+        than the newcomer's peer holds plus one (a storm from a few addresses cannot keep
+        a quieter peer out); else the oldest idle one. False when there is none."""
         victim: Conn | None = None
+        idle: Conn | None = None
+        # A peer's own connections have no grace among themselves.
+        young = now - self.config.first_call_grace if peer is None else math.inf
         for conn, state in self._conns.items():  # in accept order: the oldest first
             if peer is not None and state.peer != peer:
                 continue
             if not state.authenticated:
-                victim = conn
-                break
-            if victim is None and state.phase == _Phase.OPEN and not conn.open_streams():
-                victim = conn
+                if state.accepted <= young:
+                    victim = conn
+                    break
+            elif idle is None and state.phase == _Phase.OPEN and not conn.open_streams():
+                idle = conn
+        if victim is None and peer is None and newcomer is not None and self._peers:
+            heaviest = max(self._peers, key=self._peers.__getitem__)
+            if self._peers[heaviest] > self._peers.get(newcomer, 0) + 1:
+                victim = next(
+                    (
+                        c
+                        for c, st in self._conns.items()
+                        if st.peer == heaviest and not st.authenticated
+                    ),
+                    None,
+                )
+        if victim is None:
+            victim = idle
         if victim is None:
             return False
         self.evicted += 1
+        self._report("evicted")
         if now - self._eviction_logged_at >= REFUSAL_LOG_INTERVAL:
             log.warning(
                 "connections_evicted",
@@ -275,6 +340,30 @@ class Connections:
         state = self._conns.get(conn)
         if state is not None:
             state.authenticated = True
+
+    def is_authenticated(self, conn: Conn) -> bool:
+        state = self._conns.get(conn)
+        return state is not None and state.authenticated
+
+    def flood_closed(self, conn: Conn, reason: str) -> None:
+        """`conn` is being closed for an HTTP/2 flood (`ibex.service.frame_guard`)."""
+        self.flooded[reason] = self.flooded.get(reason, 0) + 1
+        self._report(reason)
+        now = self._clock()
+        total = sum(self.flooded.values())
+        if now - self._flood_logged_at >= REFUSAL_LOG_INTERVAL:
+            state = self._conns.get(conn)
+            log.warning(
+                "connection_flood_closed",
+                extra={
+                    "reason": reason,
+                    "peer": state.peer if state is not None else None,
+                    "authenticated": state is not None and state.authenticated,
+                    "closed": total - self._flood_logged,
+                },
+            )
+            self._flood_logged_at = now
+            self._flood_logged = total
 
     def peer_count(self, peer: str) -> int:
         return self._peers.get(peer, 0)
@@ -318,6 +407,7 @@ class Connections:
                 and now - state.accepted >= cfg.auth_timeout
             ):
                 self.closed_unauthenticated += 1
+                self._report("auth_timeout")
                 self._forget(conn)
                 conn.close_idle()
                 continue
@@ -326,6 +416,7 @@ class Connections:
                     state.last_active = now
                 elif cfg.idle_timeout is not None and now - state.last_active >= cfg.idle_timeout:
                     self.closed_idle += 1
+                    self._report("idle")
                     self._forget(conn)
                     conn.close_idle()
                     continue

@@ -109,7 +109,9 @@ class Daemon:
         self._make_tracing = tracing
         self.tracing: Tracing | None = None
         self.health_status = ServiceStatus()
-        self.connections = Connections(config.connections)
+        self.connections = Connections(
+            config.connections, closed_for=self.metrics.connection_closed
+        )
         self.loop_errors = LoopErrorHandler()
         self.server: grpclib.server.Server | None = None
         self.port: int | None = None

@@ -29,14 +29,22 @@ from grpclib.metadata import decode_timeout, encode_grpc_message
 from grpclib.protocol import H2Protocol
 from h2.connection import H2Connection
 from h2.errors import ErrorCodes
-from h2.events import PingAckReceived, RequestReceived
-from h2.exceptions import ProtocolError
+from h2.events import PingAckReceived, PingReceived, RemoteSettingsChanged, RequestReceived
+from h2.exceptions import ProtocolError, TooManyStreamsError
 from hyperframe.frame import GoAwayFrame
 
 from ibex.service.connections import Connections
+from ibex.service.frame_guard import (
+    CLOSE_CODES,
+    ENHANCE_YOUR_CALM,
+    FrameGuard,
+    malformed,
+    resets_in,
+)
 from ibex.service.hpack_block import MAX_STREAM_ID, send_headers_fast
 
 GOAWAY_PING = b"ibex-bye"  # 8 bytes of PING payload marking the drain's heads-up
+FLOOD_ABORT_AFTER = 1.0  # seconds a flooding peer's socket may take to flush its GOAWAY
 
 
 def bound_port(server: grpclib.server.Server) -> int:
@@ -209,15 +217,27 @@ class _CorkedTransport:
     answer ended in the buffer (`answer_ends`) are reported to `answered` then.
     """
 
-    __slots__ = ("_answered", "_buffer", "_ended", "_flush_pending", "_loop", "_transport")
+    __slots__ = (
+        "_answered",
+        "_buffer",
+        "_done",
+        "_earned",
+        "_ended",
+        "_flush_pending",
+        "_loop",
+        "_transport",
+    )
 
     def __init__(
         self,
         transport: asyncio.Transport,
         loop: asyncio.AbstractEventLoop,
         answered: Answered | None = None,
+        earned: Callable[[], None] | None = None,
     ) -> None:
         self._transport = transport
+        self._earned = earned  # told of every answered call (`FrameGuard.earned`)
+        self._done = False  # `last_words` said: later writes are dropped
         self._loop = loop  # writes also come from Trio tasks (GOAWAY), outside asyncio
         self._buffer: list[bytes] = []
         self._flush_pending = False
@@ -226,6 +246,8 @@ class _CorkedTransport:
 
     def answer_ends(self, path: str, arrived: float) -> None:
         """A call's answer ended in what was written since the last flush."""
+        if self._earned is not None:
+            self._earned()
         if self._answered is not None:
             self._ended.append((path, arrived))
             if not self._flush_pending:  # a refusal h2 could not send still gets its report
@@ -233,7 +255,7 @@ class _CorkedTransport:
                 self._loop.call_soon(self._flush)
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
-        if not data:
+        if not data or self._done:
             return
         self._buffer.append(bytes(data))
         if not self._flush_pending:
@@ -255,8 +277,24 @@ class _CorkedTransport:
                     self._answered(path, now - arrived)
 
     def close(self) -> None:
+        if self._done:  # after `last_words` the socket is left to its abort timer
+            return
         self._flush()
         self._transport.close()
+
+    def last_words(self, data: bytes, raw: asyncio.BaseTransport | None) -> None:
+        """Send what is buffered and `data`, and nothing after; then half-close (plain TCP:
+        FIN once the bytes are out, while what the peer still sends is read and dropped)
+        or close (TLS). A plain close with unread input would be a reset, which can
+        destroy the GOAWAY on its way."""
+        self.write(data)
+        self._flush()
+        self._done = True
+        transport = self._transport
+        if transport is raw and transport.can_write_eof() and not transport.is_closing():
+            transport.write_eof()
+        else:
+            transport.close()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._transport, name)
@@ -279,6 +317,11 @@ def _path(event: RequestReceived) -> str:
         if name in (b":path", ":path"):
             return value.decode() if isinstance(value, bytes) else value
     return ""
+
+
+def _abort(transport: asyncio.BaseTransport) -> None:
+    """Drop a socket whose close is still waiting on its peer (a no-op once it is gone)."""
+    cast(asyncio.Transport, transport).abort()
 
 
 class _TrackedProtocol(H2Protocol):
@@ -305,6 +348,10 @@ class _TrackedProtocol(H2Protocol):
         self._answered = answered
         self._corked: _CorkedTransport | None = None
         self._watches: set[int] = set()  # open Health/Watch streams
+        self._guard = FrameGuard()
+        self._guard.authenticated = lambda: connections.is_authenticated(self)
+        self._flooded = False  # closed for a flood: what else arrives is dropped
+        self._write_paused = False  # the peer is not reading what was sent
 
     def accept(self, transport: asyncio.BaseTransport) -> bool:
         """Count the connection from accept (before a TLS handshake); False: closed at once."""
@@ -330,26 +377,53 @@ class _TrackedProtocol(H2Protocol):
         if self._raw is None and not self.accept(transport):
             return
         corked = _CorkedTransport(
-            cast(asyncio.Transport, transport), asyncio.get_running_loop(), self._answered
+            cast(asyncio.Transport, transport),
+            asyncio.get_running_loop(),
+            self._answered,
+            self._guard.earned,
         )
         self._corked = corked
         super().connection_made(cast(asyncio.Transport, corked))
         self.connection.ibex_protocol = self  # type: ignore[attr-defined]  # caller_authenticated
 
     def data_received(self, data: bytes) -> None:
-        if self._refused:
+        if self._refused or self._flooded:
             return
-        # grpclib's own body, with two hooks on the events (see its H2Protocol.data_received).
+        flood = self._guard.scan(data)  # offending frames are counted before h2 reads them
+        if flood is not None:
+            self._close_flooded(flood)
+            return
+        # grpclib's own body, with hooks on the events (see its H2Protocol.data_received).
         try:
             events = self.connection.feed(data)
-        except ProtocolError:
-            self.processor.close("Protocol error")
+        except ProtocolError as exc:
+            # h2 queued a GOAWAY naming the error: it is sent before the socket closes.
+            reason = "protocol_error"
+            if isinstance(exc, TooManyStreamsError):  # past the 100 streams advertised
+                reason = "too_many_streams"
+            elif "continuation" in str(exc).lower():  # h2: 64 CONTINUATION frames a block
+                reason = "continuation_flood"
+            self._close_flooded(reason, self.connection._connection.data_to_send())
+            return
+        h2 = self.connection._connection
+        flood = self._guard.offend("reset_flood", resets_in(h2._data_to_send))
+        if flood is not None:
+            self._close_flooded(flood)
             return
         self.connection.flush()
-        h2 = self.connection._connection
         now = time.monotonic()
+        replies = 0  # frames the peer wants answered (a call, a PING, SETTINGS)
         for event in events:
             if isinstance(event, RequestReceived):
+                replies += 1
+                if malformed(event.headers):  # CVE-2019-9516: never served
+                    with contextlib.suppress(ProtocolError):
+                        h2.reset_stream(event.stream_id, ErrorCodes.PROTOCOL_ERROR)
+                    flood = self._guard.offend("empty_headers")
+                    if flood is not None:
+                        self._close_flooded(flood)
+                        return
+                    continue
                 if self._refuse(event.stream_id):
                     with contextlib.suppress(ProtocolError):  # reset by the client already
                         h2.reset_stream(event.stream_id, ErrorCodes.REFUSED_STREAM)
@@ -379,9 +453,47 @@ class _TrackedProtocol(H2Protocol):
                 continue
             if isinstance(event, PingAckReceived) and event.ping_data == GOAWAY_PING:
                 self._connections.acked(self)
+            elif isinstance(event, (PingReceived, RemoteSettingsChanged)):
+                replies += 1
             self.processor.process(event)
         self.connection.flush()
+        if self._write_paused and replies:
+            flood = self._guard.offend("unread_output", replies)
+            if flood is not None:
+                self._close_flooded(flood)
+                return
         self._connections.active(self)
+
+    def _close_flooded(self, reason: str, goaway: bytes | None = None) -> None:
+        """Send GOAWAY (`goaway`, else one with the reason's code) as the last frame, and
+        abort the socket `FLOOD_ABORT_AFTER` later (the peer may not be reading at all);
+        nothing more it sends is read. Its calls end at once."""
+        self._flooded = True
+        self._connections.flood_closed(self, reason)
+        corked = self._corked
+        if corked is None or self.connection.is_closing():
+            self.processor.close("Connection closed: " + reason)
+            return
+        if goaway is None:
+            self.connection.flush()
+            goaway = GoAwayFrame(
+                stream_id=0,
+                last_stream_id=self.connection._connection.highest_inbound_stream_id,
+                error_code=CLOSE_CODES.get(reason, ENHANCE_YOUR_CALM),
+            ).serialize()
+        corked.last_words(goaway, self._raw)
+        raw = self._raw
+        if raw is not None:
+            asyncio.get_running_loop().call_later(FLOOD_ABORT_AFTER, _abort, raw)
+        self.processor.close("Connection closed: " + reason)  # its calls end now
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+        super().pause_writing()
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        super().resume_writing()
 
     def _ask_gate(self, event: RequestReceived) -> GateVerdict:
         """ "refused" (answered RESOURCE_EXHAUSTED, trailers only, before grpclib starts a

@@ -54,6 +54,7 @@ def make(clock: Clock, jitter: float = 0.5, **config: object) -> Connections:
     """Connections with the close of unauthenticated connections off unless a test sets it
     (these connections never authenticate)."""
     config.setdefault("auth_timeout", None)
+    config.setdefault("first_call_grace", 0.0)  # the tests of the grace set one
     return Connections(ConnectionsConfig(**config), clock=clock, jitter=lambda: jitter)  # type: ignore[arg-type]
 
 
@@ -120,6 +121,89 @@ def test_the_per_peer_cap_evicts_only_that_peers_connections() -> None:
     conns.closed(b)
     assert conns.peer_count("10.0.0.1") == 1
     assert conns.admit(FakeConn(), "10.0.0.1")
+
+
+def test_a_connection_within_its_first_call_grace_is_not_evicted() -> None:
+    """A storm of new connections cannot push out a caller that has not yet made its first
+    call: at the cap the newcomer is refused while every unauthenticated connection is
+    younger than the grace, and the oldest goes once it has had the grace."""
+    clock = Clock()
+    reasons: list[str] = []
+    conns = Connections(
+        ConnectionsConfig(max_connections=2, auth_timeout=None, first_call_grace=2.0),
+        clock=clock,
+        closed_for=reasons.append,
+    )
+    caller, other = FakeConn(), FakeConn()
+    assert conns.admit(caller, "127.0.0.1")
+    clock.now += 0.5
+    assert conns.admit(other, "127.0.0.2")
+    clock.now += 1.0
+    assert not conns.admit(FakeConn(), "127.0.0.3")  # both within their grace
+    assert caller.calls == other.calls == []
+    assert reasons == ["refused_cap"]
+    clock.now += 0.6  # `caller` has had 2.1 s, `other` 1.6 s
+    assert conns.admit(FakeConn(), "127.0.0.3")
+    assert caller.calls == ["close_idle"] and other.calls == []
+    assert reasons == ["refused_cap", "evicted"]
+
+
+def test_at_the_process_cap_the_peer_holding_the_most_gives_way_to_a_quieter_one() -> None:
+    """Every connection young: a newcomer from a peer holding fewer evicts the oldest
+    unauthenticated connection of the peer holding the most; one from that peer does not."""
+    conns = make(Clock(), max_connections=4, first_call_grace=2.0)
+    storm = [FakeConn() for _ in range(3)]
+    for conn in storm:
+        assert conns.admit(conn, "10.0.0.66")
+    quiet = FakeConn()
+    assert conns.admit(quiet, "10.0.0.7")
+    assert not conns.admit(FakeConn(), "10.0.0.66")  # the heaviest peer itself: refused
+    caller = FakeConn()
+    assert conns.admit(caller, "127.0.0.1")  # holds 0 < 3 - 1: the storm's oldest goes
+    assert storm[0].calls == ["close_idle"] and quiet.calls == []
+    assert conns.peer_count("10.0.0.66") == 2
+    assert conns.admit(FakeConn(), "10.0.0.8")  # the storm's 2 > 0 + 1: its next oldest
+    assert storm[1].calls == ["close_idle"]
+    assert not conns.admit(FakeConn(), "10.0.0.9")  # every peer holds one: refused
+    assert caller.calls == [] and quiet.calls == [] and storm[2].calls == []
+
+
+def test_a_peer_over_its_connection_rate_is_refused_and_others_are_not() -> None:
+    clock = Clock()
+    reasons: list[str] = []
+    conns = Connections(
+        ConnectionsConfig(max_connections=1000, auth_timeout=None, peer_rate=5.0),
+        clock=clock,
+        closed_for=reasons.append,
+    )
+    admitted = [conns.admit(FakeConn(), "10.0.0.9") for _ in range(12)]
+    assert admitted == [True] * 10 + [False] * 2  # a burst of twice the rate
+    assert reasons == ["refused_rate"] * 2
+    assert conns.admit(FakeConn(), "10.0.0.1")  # another peer has its own rate
+    clock.now += 0.2  # one more connection's worth at 5 per second
+    assert conns.admit(FakeConn(), "10.0.0.9")
+    assert not conns.admit(FakeConn(), "10.0.0.9")
+
+
+def test_closes_are_reported_by_reason() -> None:
+    clock = Clock()
+    reasons: list[str] = []
+    conns = Connections(
+        ConnectionsConfig(auth_timeout=1.0, idle_timeout=5.0, first_call_grace=0.0),
+        clock=clock,
+        closed_for=reasons.append,
+    )
+    holder, caller = FakeConn(), FakeConn()
+    conns.admit(holder, "10.0.0.1")
+    conns.admit(caller, "10.0.0.1")
+    conns.authenticated(caller)
+    clock.now += 1.0
+    conns.sweep()
+    clock.now += 5.0
+    conns.sweep()
+    conns.flood_closed(caller, "ping_flood")
+    assert reasons == ["auth_timeout", "idle", "ping_flood"]
+    assert conns.flooded == {"ping_flood": 1}
 
 
 def test_a_connection_without_an_authenticated_call_is_closed_after_the_auth_timeout() -> None:
