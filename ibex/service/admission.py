@@ -238,8 +238,6 @@ class Admission:
         self.metrics = metrics
         self.in_flight = 0
         self.in_flight_bytes = 0
-        self.shares = Shares(config.max_caller_bytes)  # per connection and per caller
-        self.unauthenticated = UnauthenticatedBytes(config.max_unauthenticated_bytes, metrics.shed)
         self.pending = 0  # arrived, not yet assembling
         self.gated = 0  # passed the HEADERS gate, handler not yet started
         self.untimed = 0  # in flight without a deadline: never work ahead of one with a deadline
@@ -260,6 +258,8 @@ class Admission:
         self._open, self._bytes = at["open"], at["bytes"]
         self._headers, self._arrival = at["headers"], at["arrival"]
         self._facts = CallFacts("open")  # refilled for every question (no allocation)
+        self.shares = Shares(config.max_caller_bytes)  # per connection and per caller
+        self.unauthenticated = UnauthenticatedBytes(config.max_unauthenticated_bytes, metrics.shed)
 
     def _ask(
         self,
