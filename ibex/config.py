@@ -403,6 +403,18 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         int | UnsetType,
         var("MAX_IN_FLIGHT_BYTES", ints(1024, 64 * GiB), "AdmissionConfig.max_in_flight_bytes"),
     ] = UNSET
+    # None: a quarter of MAX_IN_FLIGHT_BYTES (computed by the root)
+    max_caller_in_flight_bytes: Annotated[
+        int | None, var("MAX_CALLER_IN_FLIGHT_BYTES", ints(1024, 64 * GiB))
+    ] = None
+    max_unauthenticated_bytes: Annotated[
+        int | UnsetType,
+        var(
+            "MAX_UNAUTHENTICATED_BYTES",
+            ints(1024, 1 * GiB),
+            "AdmissionConfig.max_unauthenticated_bytes",
+        ),
+    ] = UNSET
     max_concurrent_assemblies: Annotated[
         int | UnsetType,
         var("MAX_CONCURRENT_ASSEMBLIES", ints(1, 100_000), "AdmissionConfig.max_concurrent"),

@@ -67,7 +67,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Hashable, Iterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from typing import NoReturn
 
@@ -75,6 +75,7 @@ import msgspec
 
 from ibex.errors import DeadlineError, IbexError, Overloaded, Unavailable
 from ibex.ops.metrics import Metrics
+from ibex.service.budgets import Reservation, Shares, UnauthenticatedBytes
 from ibex.service.policies import (
     GATE_CPU_MESSAGE as GATE_CPU_MESSAGE,  # re-exported: the gate's messages
 )
@@ -102,6 +103,11 @@ class AdmissionConfig(msgspec.Struct, frozen=True):
 
     max_in_flight: int = 256
     max_in_flight_bytes: int = 64 * 1024 * 1024
+    #: Request bytes one authenticated caller, and one connection, may hold in flight
+    #: (`ibex.service.budgets`); the root derives it from `max_in_flight_bytes` (a quarter).
+    max_caller_bytes: int = 16 * 1024 * 1024
+    #: The separate pool for Health, reflection and reads before authentication.
+    max_unauthenticated_bytes: int = 1024 * 1024
     max_concurrent: int = 16
     min_answer: float = 0.002
     min_useful: float = 0.020
@@ -252,6 +258,8 @@ class Admission:
         self._open, self._bytes = at["open"], at["bytes"]
         self._headers, self._arrival = at["headers"], at["arrival"]
         self._facts = CallFacts("open")  # refilled for every question (no allocation)
+        self.shares = Shares(config.max_caller_bytes)  # per connection and per caller
+        self.unauthenticated = UnauthenticatedBytes(config.max_unauthenticated_bytes, metrics.shed)
 
     def _ask(
         self,
@@ -260,6 +268,7 @@ class Admission:
         remaining: float | None,
         size: int,
         now: float,
+        own: int = 0,
     ) -> None:
         """Raise the first refusal of `policies` (handler side)."""
         facts = self._facts
@@ -267,6 +276,7 @@ class Admission:
         facts.method = ""
         facts.remaining = remaining
         facts.size = size
+        facts.own = own
         for policy in policies:
             refusal = policy.verdict(facts, self, now)
             if refusal is not None:
@@ -314,12 +324,41 @@ class Admission:
         """A call that passed the gate has started its handler (or ended without one)."""
         self.gated -= 1
 
-    def reserve_bytes(self, size: int) -> None:
-        """Count `size` request bytes in flight from their length prefix on, before they are
-        buffered; refuse them (RESOURCE_EXHAUSTED) over the byte cap. One message always fits
-        when nothing else is in flight. Pair with `release_bytes`."""
-        self._ask(self._bytes, "bytes", None, size, time.monotonic())
+    def reserve_bytes(self, size: int, own: int = 0) -> None:
+        """Count `size` request bytes in flight before they are buffered; refuse them
+        (RESOURCE_EXHAUSTED) over the byte cap. One message always fits when nothing else
+        is in flight (`own`: what the same message holds already). Pair with `release_bytes`."""
+        self._ask(self._bytes, "bytes", None, size, time.monotonic(), own)
         self.in_flight_bytes += size
+
+    def reservation(self, connection: Hashable, caller: str = "") -> Reservation:
+        """A request's bytes, counted against the process cap, `connection`'s share and,
+        with a `caller` (an authenticated identity), that caller's share
+        (`ibex.service.budgets`). Grow it before each part is read; release it once."""
+        shares = self.shares
+        keys: tuple[tuple[str, Hashable], ...] = (("connection", connection),)
+        if caller:
+            keys += (("caller", caller),)
+
+        def grow(r: Reservation, size: int) -> None:
+            for key in keys:
+                if shares.over(key, r.held, size) is not None:
+                    whose = "connection" if key[0] == "connection" else "caller"
+                    self._shed(
+                        "in_flight",
+                        f"overloaded: this {whose} holds its share of "
+                        f"{shares.limit} request bytes in flight",
+                    )
+            self.reserve_bytes(size, r.held)
+            for key in keys:
+                shares.add(key, size)
+
+        def release(r: Reservation) -> None:
+            self.release_bytes(r.held)
+            for key in keys:
+                shares.add(key, -r.held)
+
+        return Reservation(grow, release)
 
     def release_bytes(self, size: int) -> None:
         self.in_flight_bytes -= size

@@ -5,7 +5,8 @@ grpclib's Health and reflection services read a message with
 to 4 GiB) for as long as the peer takes, before anyone has authenticated, and
 outside the in-flight bytes. `BoundedReads` gives every method of a servable a
 `recv_message` that refuses a declared length over its cap before reading the
-body, counts the bytes toward `MAX_IN_FLIGHT_BYTES` from the prefix on, and
+body, counts the bytes as they arrive toward the unauthenticated pool
+(`MAX_UNAUTHENTICATED_BYTES`, apart from `MAX_IN_FLIGHT_BYTES`), and
 gives up after the read timeout; the stream is then answered and reset, so the
 peer stops sending.
 """
@@ -22,7 +23,13 @@ import grpclib.server
 from ibex.errors import DeadlineError, IbexError, InputError
 from ibex.service.admission import Admission
 from ibex.service.status import grpc_error
-from ibex.service.stream_reads import handler_started, recv_next, request_complete, reset_unread
+from ibex.service.stream_reads import (
+    connection_of,
+    handler_started,
+    recv_next,
+    request_complete,
+    reset_unread,
+)
 
 HEALTH_MAX_MESSAGE_BYTES = 1024  # a HealthCheckRequest is one service name
 REFLECTION_MAX_MESSAGE_BYTES = 64 * 1024  # a reflection request names one symbol or file
@@ -71,23 +78,18 @@ class BoundedReads:
     async def _read(self, stream: grpclib.server.Stream[Any, Any]) -> Any:
         """The next message (None at the end of the stream), within the read timeout."""
         admission = self._admission
-        reserved = 0
-
-        def reserve(size: int) -> None:
-            nonlocal reserved
-            admission.reserve_bytes(size)
-            reserved = size
-
+        # Nobody is authenticated here: the bytes come from the unauthenticated pool.
+        reservation = admission.unauthenticated.reservation(connection_of(stream))
         timeout = admission.config.read_timeout
         try:
             if request_complete(stream):
-                got = await recv_next(stream, self._limit, reserve)
+                got = await recv_next(stream, self._limit, reservation.grow)
             else:
                 async with asyncio.timeout(timeout):
-                    got = await recv_next(stream, self._limit, reserve)
+                    got = await recv_next(stream, self._limit, reservation.grow)
         except TimeoutError:
             raise DeadlineError(f"request: not received within {timeout:g}s") from None
         finally:
             # A decoded Health or reflection request is a few bytes: counted while it arrives.
-            admission.release_bytes(reserved)
+            reservation.release()
         return None if got is None else got[0]

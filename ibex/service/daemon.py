@@ -44,6 +44,7 @@ from ibex.service.bounded import (
 )
 from ibex.service.connections import Connections, ConnectionsConfig, LoopErrorHandler
 from ibex.service.dependencies import DependencyConfig, DependencyStates, keep, warm_all
+from ibex.service.flow import grpclib_configuration
 from ibex.service.handlers import ContextService, EdgeConfig, method_label
 from ibex.service.patches import install_patches, precise_wakeups
 from ibex.service.policies import AdmissionPolicy
@@ -140,7 +141,9 @@ class Daemon:
             BoundedReads(r, limit=REFLECTION_MAX_MESSAGE_BYTES, admission=self.admission)
             for r in reflection
         ]
-        server = grpclib.server.Server([service, health, *reflection])
+        server = grpclib.server.Server(
+            [service, health, *reflection], config=grpclib_configuration()
+        )
         if self.config.worker is not None:
             listen(server, SendTrailingMetadata, _worker_trailer(str(self.config.worker)))
         return server

@@ -44,11 +44,13 @@ from ibex.service import convert, pb
 from ibex.service.admission import Admission, Ticket
 from ibex.service.assembler import Assembler
 from ibex.service.auth import Authenticator, Caller
+from ibex.service.budgets import Reservation
 from ibex.service.crossing import in_trio
 from ibex.service.status import grpc_error
 from ibex.service.stream_reads import (
     arrival,
     caller_authenticated,
+    connection_of,
     handler_started,
     recv_bounded,
     request_complete,
@@ -67,8 +69,8 @@ _PREFIX = f"/{SERVICE}/"
 FEEDBACK_HEADROOM = 0.002
 
 Handler = Callable[[grpclib.server.Stream[Any, Any]], Awaitable[None]]
-# Request bytes each call's `_receive` counted in flight (released when the call ends).
-_RESERVED: weakref.WeakKeyDictionary[grpclib.server.Stream[Any, Any], int] = (
+# Each call's request bytes in flight, by connection and caller (released when it ends).
+_RESERVED: weakref.WeakKeyDictionary[grpclib.server.Stream[Any, Any], Reservation] = (
     weakref.WeakKeyDictionary()
 )
 # Each call's authenticated caller (with its org scope), set by `_wrap` before the handler.
@@ -175,7 +177,10 @@ class ContextService:
             try:
                 self.admission.check_open()
                 peer_cert = stream.peer.cert() if self.auth.mtls else None
-                _CALLERS[stream] = self.auth.caller(stream.metadata or {}, peer_cert)
+                caller = _CALLERS[stream] = self.auth.caller(stream.metadata or {}, peer_cert)
+                _RESERVED[stream] = self.admission.reservation(
+                    connection_of(stream), caller.identity if self.auth.enabled else ""
+                )
                 caller_authenticated(stream)
                 if self.tracing is not None:
                     # Traced only once authenticated: a stranger's call exports no span,
@@ -218,7 +223,9 @@ class ContextService:
                 log.exception("handler_failed", extra={**_call_fields(method, call)})
                 raise GRPCError(Status.INTERNAL, "internal error") from None
             finally:
-                self.admission.release_bytes(_RESERVED.pop(stream, 0))
+                reservation = _RESERVED.pop(stream, None)
+                if reservation is not None:
+                    reservation.release()
                 _CALLERS.pop(stream, None)
                 self.metrics.observe_request(method, code, time.perf_counter() - t0)
                 if call is not None:
@@ -235,15 +242,18 @@ class ContextService:
         holds nothing. Its repeated fields are counted against `rules` before it is
         decoded, so an over-count request is refused before it becomes objects.
 
-        Its bytes count toward the in-flight bytes from its length prefix on, so a slow
-        body is counted while it arrives. Usually the request arrived whole with its
-        HEADERS: then the read cannot stall and arms no timer (a timer costs a loop
-        crossing to set and one to cancel).
+        Its bytes count toward the in-flight bytes as they arrive, one look-ahead step
+        ahead (`recv_next`), against the caller's and the connection's shares. Usually
+        the request arrived whole with its HEADERS: then the read cannot stall and arms
+        no timer (a timer costs a loop crossing to set and one to cancel).
         """
 
-        def reserve(size: int) -> None:
-            self.admission.reserve_bytes(size)
-            _RESERVED[stream] = size  # released when the call ends (`_wrap`)
+        # Counted against the connection's and the caller's shares; released when the call
+        # ends (`_wrap`).
+        reservation = _RESERVED.get(stream)
+        if reservation is None:
+            reservation = _RESERVED[stream] = self.admission.reservation(connection_of(stream))
+        reserve = reservation.grow
 
         def check(data: bytes) -> None:
             check_counts(data, rules)

@@ -17,7 +17,8 @@ The checkpoints (`Stage`), in the order a call meets them:
   that status; a rule that needs another one decides at "open".
 - "open": before the request is read, and again when it has arrived
   (`Admission.check_open`; draining is checked first and is no policy).
-- "bytes": a request message's length prefix (`Admission.reserve_bytes`).
+- "bytes": a part of a request message, before it is read (`Admission.reserve_bytes`);
+  `own` is what the same message holds already.
 - "arrival": the request has arrived (`Admission.admitted`); `size` is its
   bytes unless "bytes" counted them already (then 0).
 
@@ -46,7 +47,7 @@ class CallFacts:
     read it during `verdict`, never keep it.
     """
 
-    __slots__ = ("method", "remaining", "size", "stage")
+    __slots__ = ("method", "own", "remaining", "size", "stage")
 
     def __init__(
         self, stage: Stage, method: str = "", remaining: float | None = None, size: int = 0
@@ -55,6 +56,7 @@ class CallFacts:
         self.method = method  # the short method label at "headers", else ""
         self.remaining = remaining  # seconds of the caller's deadline left; None without one
         self.size = size  # request bytes this checkpoint adds to the in-flight bytes
+        self.own = 0  # at "bytes": what the same request holds already (it grows by parts)
 
 
 class Refusal(NamedTuple):
@@ -99,7 +101,8 @@ class InFlightCap:
 
 class BytesCap:
     """The cap of request bytes in flight: a memory bound (calls waiting for a slot hold
-    only their requests). One message always fits when nothing else is in flight."""
+    only their requests). One message always fits when nothing else is in flight (the
+    parts of the message asking count as its own, not as something else)."""
 
     stages: frozenset[Stage] = frozenset(("bytes", "arrival"))
 
@@ -111,7 +114,7 @@ class BytesCap:
         if not size and call.stage == "arrival":  # counted already, at its length prefix
             return None
         held = load.in_flight_bytes
-        if held and held + size > self.max_in_flight_bytes:
+        if held - call.own > 0 and held + size > self.max_in_flight_bytes:
             return Refusal(
                 "in_flight", _RE, f"overloaded: {held} request bytes in flight, {size} more"
             )

@@ -1,6 +1,7 @@
 """grpclib's HTTP/2 protocol with ibex's connection handling: accept-time admission,
-TLS counted from accept, write batching, the early-refusal gate, the Health/Watch cap
-and the two-step GOAWAY; and the listeners that serve it.
+TLS counted from accept, write batching, the early-refusal gate, the Health/Watch cap,
+the reset of DATA past a unary request (`flow`) and the two-step GOAWAY; and the
+listeners that serve it.
 
 grpclib (0.4) has no public way to learn the bound port, to stop accepting
 connections while existing ones keep serving, to see and close its connections,
@@ -29,11 +30,19 @@ from grpclib.metadata import decode_timeout, encode_grpc_message
 from grpclib.protocol import H2Protocol
 from h2.connection import H2Connection
 from h2.errors import ErrorCodes
-from h2.events import PingAckReceived, PingReceived, RemoteSettingsChanged, RequestReceived
+from h2.events import (
+    DataReceived,
+    PingAckReceived,
+    PingReceived,
+    RemoteSettingsChanged,
+    RequestReceived,
+    StreamReset,
+)
 from h2.exceptions import ProtocolError, TooManyStreamsError
 from hyperframe.frame import GoAwayFrame
 
 from ibex.service.connections import Connections
+from ibex.service.flow import UnaryRequest
 from ibex.service.frame_guard import (
     CLOSE_CODES,
     ENHANCE_YOUR_CALM,
@@ -448,8 +457,12 @@ class _TrackedProtocol(H2Protocol):
                 if stream is not None:
                     stream.ibex_arrived = now  # type: ignore[attr-defined]
                     stream.ibex_path = path  # type: ignore[attr-defined]
+                    if self._unary_request(path):
+                        stream.ibex_request = UnaryRequest()  # type: ignore[attr-defined]
                 if verdict == "admitted":
                     self._track_gated(stream)
+                continue
+            if isinstance(event, DataReceived) and self._past_request(event):
                 continue
             if isinstance(event, PingAckReceived) and event.ping_data == GOAWAY_PING:
                 self._connections.acked(self)
@@ -554,6 +567,31 @@ class _TrackedProtocol(H2Protocol):
 
         stream.ibex_gate_left = (left, task, done)
         task.add_done_callback(done)
+
+    def _unary_request(self, path: str) -> bool:
+        """The method at `path` takes one request message (every method but reflection's)."""
+        method = getattr(self.handler, "mapping", {}).get(path)
+        return method is not None and not method.cardinality.client_streaming
+
+    def _past_request(self, event: DataReceived) -> bool:
+        """DATA past the end of a unary call's one request message: the stream is reset
+        (PROTOCOL_ERROR), its handler cancelled, and the bytes dropped, not buffered. Their
+        connection window is returned; the stream gets no more (`flow`)."""
+        stream = self.processor.streams.get(event.stream_id)
+        request: UnaryRequest | None = getattr(stream, "ibex_request", None)
+        if request is None or not request.past_end(event.data or b""):
+            return False
+        h2 = self.connection._connection
+        with contextlib.suppress(ProtocolError):
+            h2.reset_stream(event.stream_id, ErrorCodes.PROTOCOL_ERROR)
+        with contextlib.suppress(ProtocolError):  # after the reset: the connection's only
+            h2.acknowledge_received_data(event.flow_controlled_length or 0, event.stream_id)
+        reset = StreamReset(
+            stream_id=event.stream_id, error_code=ErrorCodes.PROTOCOL_ERROR, remote_reset=False
+        )
+        with contextlib.suppress(KeyError):  # its task has ended already
+            self.processor.process(reset)  # grpclib's own path: terminate, cancel the task
+        return True
 
     def _watch(self, stream_id: int | None) -> bool:
         """Count a new Health/Watch stream; False when the connection has its cap of them."""

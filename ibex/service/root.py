@@ -140,8 +140,10 @@ def effective_settings(settings: Settings) -> dict[str, Any]:
     """
     values: dict[str, Any] = {**layer_defaults(), **settings.redacted()}
     connections = connections_config(settings)
+    admission = admission_config(settings)
     values.update(
-        max_org_assemblies=admission_config(settings).max_org_concurrent,
+        max_org_assemblies=admission.max_org_concurrent,
+        max_caller_in_flight_bytes=admission.max_caller_bytes,
         max_connections=connections.max_connections,
         max_connections_per_peer=connections.max_per_peer,
         max_connection_age_grace=connections.age_grace,
@@ -301,11 +303,13 @@ def try_bind(host: str, port: int) -> str | None:
 
 
 def admission_config(settings: Settings) -> AdmissionConfig:
-    """Admission; per-org and worker-thread queue defaults derive from the global caps."""
+    """Admission; the per-org, per-caller and worker-thread queue defaults derive from the
+    global caps."""
     built = layer_config(AdmissionConfig, settings)
     return msgspec.structs.replace(
         built,
         max_org_concurrent=settings.max_org_assemblies or max(1, built.max_concurrent // 2),
+        max_caller_bytes=settings.max_caller_in_flight_bytes or built.max_in_flight_bytes // 4,
         max_thread_queue=max(1, built.max_in_flight // 4),
     )
 

@@ -20,7 +20,11 @@ import grpclib.server
 from ibex.errors import InputError, TooLargeError, Unimplemented
 
 Reserve = Callable[[int], None]
-"""Told a request message's declared length before its bytes are read (may raise to refuse)."""
+"""Told each part of a request message before its bytes are read (may raise to refuse)."""
+
+LOOK_AHEAD = 64 * 1024
+"""The bytes a message not yet arrived reserves ahead of what it has sent: a prefix
+declaring 4 MiB holds this much until its bytes come, not 4 MiB."""
 Check = Callable[[bytes], None]
 """Shown a request message's bytes before they are decoded (may raise to refuse)."""
 
@@ -37,8 +41,10 @@ async def recv_bounded(
     grpclib reads a whole message before decoding it and has no size cap, so
     this reads the 5-byte gRPC prefix itself and checks the declared length
     first; HTTP/2 flow control keeps the unread body bounded by the window.
-    `reserve` hears the declared length before the body is read, so the bytes
-    are counted (toward the in-flight bytes) before they are buffered.
+    `reserve` hears each part before it is read, so the bytes are counted (toward
+    the in-flight bytes) before they are buffered: the whole message when it has
+    all arrived, else `LOOK_AHEAD` at a time as it arrives, so a declared length
+    alone holds no more than one step.
     `check` sees the bytes before they are decoded (ibex.service.wire_counts counts
     repeated fields there). It then does what `Stream.recv_message` does (decode,
     dispatch event).
@@ -67,9 +73,22 @@ async def recv_next(
         raise Unimplemented("request: compressed messages are not supported")
     if length > limit:
         raise TooLargeError("request", f"message of {length} bytes exceeds the {limit}-byte limit")
-    if reserve is not None:
-        reserve(length)
-    data = await inner.recv_data(length)
+    if reserve is None or length <= LOOK_AHEAD or request_complete(stream):
+        if reserve is not None:
+            reserve(length)
+        data = await inner.recv_data(length)
+    else:
+        parts = []
+        left = length
+        while left:
+            step = min(left, LOOK_AHEAD)
+            reserve(step)
+            part = await inner.recv_data(step)
+            if len(part) != step:
+                raise InputError("request", "truncated message")
+            parts.append(part)
+            left -= step
+        data = b"".join(parts)
     if len(data) != length:
         raise InputError("request", "truncated message")
     if check is not None:
@@ -91,6 +110,11 @@ def reset_unread(stream: grpclib.server.Stream[Any, Any]) -> None:
     if not request_complete(stream):
         with contextlib.suppress(Exception):  # already closed or reset
             stream._stream.reset_nowait()
+
+
+def connection_of(stream: grpclib.server.Stream[Any, Any]) -> object:
+    """The HTTP/2 connection the call came on (a key for its byte share)."""
+    return stream._stream.connection
 
 
 def caller_authenticated(stream: grpclib.server.Stream[Any, Any]) -> None:

@@ -4,7 +4,7 @@ Against the in-process daemon over real loopback sockets, with raw HTTP/2 (h2) w
 stock client cannot misbehave on purpose:
 
 - row 1: Health reads its request bounded (1 KiB), under the read timeout, counted;
-- row 10: a request's declared bytes count toward MAX_IN_FLIGHT_BYTES from its prefix on;
+- row 10: a request's bytes count toward MAX_IN_FLIGHT_BYTES as they arrive, one step ahead;
 - row 2: one peer holding every socket it can open (idle, or holding Health/Watch) does
   not keep an authenticated caller out; Watch is capped per connection and is not
   activity; a connection with no authenticated call is closed;
@@ -29,6 +29,7 @@ import h2.events
 import pytest
 import trustme
 
+from ibex.service.stream_reads import LOOK_AHEAD
 from ibex.testing.grpc_harness import AGENT, ORG, SERVICE, in_thread, running_daemon, test_settings
 from ibex.testing.grpcio_stubs import context_pb2, context_pb2_grpc
 from ibex.testing.memory_server import running_memory_server
@@ -80,7 +81,7 @@ class Raw:
         self.reset: set[int] = set()
         self.eof = False
         settled = False
-        while not settled:  # the server's SETTINGS (4 MiB windows) before any DATA
+        while not settled:  # the server's SETTINGS (its windows) before any DATA
             settled = any(isinstance(e, h2.events.RemoteSettingsChanged) for e in self.pump())
             if self.eof:
                 raise ConnectionError("closed by the server before its SETTINGS")
@@ -128,7 +129,10 @@ class Raw:
         return stream
 
     def send(self, stream: int, data: bytes, end: bool = False) -> None:
+        """Send within the flow-control window; stops early once the stream is reset."""
         while data:
+            if stream in self.reset or self.eof:
+                return
             window = min(
                 self.conn.local_flow_control_window(stream), self.conn.max_outbound_frame_size
             )
@@ -240,14 +244,16 @@ async def test_health_check_declaring_64_mib_is_refused_before_its_bytes_are_rea
             out: dict[str, Any] = {}
             with raws(d.port, 1) as (raw,):
                 big = raw.open(CHECK)  # no credentials: Health is open to probes
-                raw.send(big, prefix(64 * MIB) + b"\x00" * (256 * 1024))
+                raw.send(big, prefix(64 * MIB) + b"\x00" * (64 * 1024))
                 out["big"] = raw.wait_status(big, timeout=5)
                 until(lambda: big in raw.reset or raw.eof, 2)
                 out["big_reset"] = big in raw.reset
                 stalled = raw.open(CHECK)
                 raw.send(stalled, prefix(100) + b"\x0a")  # under the cap, then nothing
-                until(lambda: d.daemon.admission.in_flight_bytes >= 100, 2)
-                out["counted"] = d.daemon.admission.in_flight_bytes
+                pool = d.daemon.admission.unauthenticated
+                until(lambda: pool.held >= 100, 2)
+                out["counted"] = pool.held
+                out["authenticated_counted"] = d.daemon.admission.in_flight_bytes
                 out["stalled"] = raw.wait_status(stalled, timeout=5)
                 ok = raw.open(CHECK)
                 raw.send(ok, health_request(), end=True)
@@ -256,9 +262,13 @@ async def test_health_check_declaring_64_mib_is_refused_before_its_bytes_are_rea
 
         out = await in_thread(scenario)
         assert d.daemon.admission.in_flight_bytes == 0
+        assert d.daemon.admission.unauthenticated.held == 0
     assert out["big"] == "8"  # RESOURCE_EXHAUSTED, read no further than the prefix
     assert out["big_reset"]  # and reset: the peer stops sending
-    assert out["counted"] == 100  # the declared bytes, counted while they arrive
+    # The declared bytes (under one look-ahead step), counted while they arrive, in the
+    # unauthenticated pool: not in the authenticated callers' budget.
+    assert out["counted"] == 100
+    assert out["authenticated_counted"] == 0
     assert out["stalled"] == "4"  # DEADLINE_EXCEEDED at the read timeout
     assert out["ok"] == "0"
 
@@ -275,24 +285,22 @@ async def test_reflection_reads_are_bounded_too() -> None:
         assert await in_thread(scenario) == "8"
 
 
-# -- row 10: declared bytes count toward MAX_IN_FLIGHT_BYTES from the prefix on ------------------
+# -- row 10: a request's bytes count toward MAX_IN_FLIGHT_BYTES as they arrive ------------------
 
 
-async def test_a_partly_received_request_counts_toward_the_in_flight_bytes() -> None:
+async def test_a_partly_received_request_counts_what_has_arrived_plus_one_step() -> None:
     async with running_daemon(
         max_in_flight_bytes=4 * MIB, request_read_timeout=1.5, **RELAXED
     ) as d:
         state = d.daemon.admission
+        counted = MIB + LOOK_AHEAD  # what arrived, and the step being read
 
         def scenario() -> dict[str, Any]:
             out: dict[str, Any] = {}
             with raws(d.port, 2) as (slow, other):
                 first = slow.open(ASSEMBLE)
                 slow.send(first, prefix(3 * MIB) + b"\x00" * MIB)  # 1 of 3 MiB, then a stall
-                out["counted"] = until(lambda: state.in_flight_bytes == 3 * MIB, 5)
-                second = other.open(ASSEMBLE)
-                other.send(second, prefix(2 * MIB) + b"\x00" * 1024)
-                out["second"] = other.wait_status(second, timeout=1)
+                out["counted"] = until(lambda: state.in_flight_bytes == counted, 5)
                 out["first"] = slow.wait_status(first, timeout=5)
                 out["released"] = until(lambda: state.in_flight_bytes == 0, 5)
                 third = other.open(ASSEMBLE)
@@ -301,8 +309,7 @@ async def test_a_partly_received_request_counts_toward_the_in_flight_bytes() -> 
             return out
 
         out = await in_thread(scenario)
-    assert out["counted"]  # 3 MiB counted while 1 MiB has arrived
-    assert out["second"] == "8"  # RESOURCE_EXHAUSTED: 3 + 2 MiB would pass the 4 MiB cap
+    assert out["counted"]  # 1 MiB arrived plus one look-ahead step, not the declared 3 MiB
     assert out["first"] == "4"  # the stalled one ends at the read timeout
     assert out["released"]
     assert out["third"] == "0"
