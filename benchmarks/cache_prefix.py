@@ -55,8 +55,8 @@ import msgspec
 import trio
 
 from ibex.assembly.catalog import Catalog, load_catalog
-from ibex.assembly.format import SECTION_ORDERS, SectionOrder
 from ibex.assembly.nonce import NonceKey
+from ibex.assembly.output_format import SECTION_ORDERS, SectionOrder
 from ibex.assembly.pipeline import PipelineConfig
 from ibex.assembly.structs import AssemblyRequest, AssemblyResult, Directive, MemoryHit, Message
 from ibex.assembly.tokens import Tokenizers

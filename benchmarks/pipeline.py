@@ -29,7 +29,6 @@ import msgspec
 
 from benchmarks.timing import timed
 from ibex.assembly.catalog import Catalog, load_catalog
-from ibex.assembly.formatter import XML_TAGS, new_nonce
 from ibex.assembly.packer import pack
 from ibex.assembly.pipeline import (
     AssemblyInputs,
@@ -42,6 +41,7 @@ from ibex.assembly.pipeline import (
 )
 from ibex.assembly.structs import AssemblyRequest, BranchOutcome, Directive, MemoryHit, Message
 from ibex.assembly.tokens import Tokenizers
+from ibex.assembly.xml_format import XML_TAGS, new_nonce
 from ibex.testing.samples import AGENT, ORG
 
 RESULTS = Path(__file__).parent / "results" / "pipeline.json"

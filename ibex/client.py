@@ -42,9 +42,9 @@ from grpclib.metadata import Deadline
 
 from ibex.assembly.budget import context_ceiling
 from ibex.assembly.catalog import Catalog, load_catalog, resolve_model
-from ibex.assembly.formatter import XML_TAGS
 from ibex.assembly.history import Staged, fit_history
 from ibex.assembly.structs import Message
+from ibex.assembly.xml_format import XML_TAGS
 from ibex.netaddr import split_host_port
 from ibex.wire import (
     SERVICE,

@@ -278,7 +278,7 @@ def _nonce_key(name: str, raw: str) -> str:
 
 
 _LEVELS = ("debug", "info", "warning", "error")
-#: IBEX_CONTEXT_SECTION_ORDER's values (= ibex.assembly.format.SECTION_ORDERS).
+#: IBEX_CONTEXT_SECTION_ORDER's values (= ibex.assembly.output_format.SECTION_ORDERS).
 SECTION_ORDERS = ("seed", "cache")
 
 

@@ -1,6 +1,6 @@
 """One exception tree for the whole daemon; each class carries its gRPC status.
 
-The gRPC edge maps an `IbexError` to a status once (`ibex.service.status`),
+The gRPC edge maps an `IbexError` to a status once (`ibex.service.edge.status`),
 the way h2's exceptions carry their protocol error code: a new error class
 never needs a new `except` clause at the edge. `status` is the name of a
 `grpc.StatusCode` / `grpclib.const.Status` member, kept as a string so the

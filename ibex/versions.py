@@ -1,6 +1,6 @@
 """The third-party versions whose private parts ibex patches, checked at start-up.
 
-Every patch of a private API lives in `ibex.service.patches` (grpclib, h2, hpack,
+Every patch of a private API lives in `ibex.service.edge.patches` (grpclib, h2, hpack,
 hyperframe, trio-asyncio) or, for redis-py's asyncio connection module, in
 `ibex.sources.redis_patches`, and is installed at start-up by `install_patches`.
 A private API can change in any release, so each install function calls
@@ -21,11 +21,11 @@ from importlib.metadata import PackageNotFoundError, version
 
 #: distribution -> (minimum, limit, who patches it)
 SUPPORTED: dict[str, tuple[str, str, str]] = {
-    "grpclib": ("0.4.7", "0.5", "ibex/service/patches.py"),
-    "h2": ("4.1", "5", "ibex/service/patches.py"),
-    "hpack": ("4.0", "5", "ibex/service/patches.py"),
-    "hyperframe": ("6.0", "7", "ibex/service/patches.py"),
-    "trio-asyncio": ("0.15", "0.17", "ibex/service/patches.py"),
+    "grpclib": ("0.4.7", "0.5", "ibex/service/edge/patches.py"),
+    "h2": ("4.1", "5", "ibex/service/edge/patches.py"),
+    "hpack": ("4.0", "5", "ibex/service/edge/patches.py"),
+    "hyperframe": ("6.0", "7", "ibex/service/edge/patches.py"),
+    "trio-asyncio": ("0.15", "0.17", "ibex/service/edge/patches.py"),
     "redis": ("5.2", "9", "ibex/sources/redis_patches.py"),
 }
 

@@ -51,7 +51,6 @@ from benchmarks.load.speed import reference_cpu_ms, spread
 from benchmarks.load.stack import Stack, free_port
 from benchmarks.pipeline import CATEGORIES, CJK, CODE, EMOJI, ENGLISH
 from ibex.assembly.catalog import Catalog, load_catalog
-from ibex.assembly.formatter import XML_TAGS, new_nonce
 from ibex.assembly.packer import pack
 from ibex.assembly.pipeline import (
     AssemblyInputs,
@@ -64,6 +63,7 @@ from ibex.assembly.pipeline import (
 )
 from ibex.assembly.structs import AssemblyRequest, BranchOutcome, Directive, MemoryHit, Message
 from ibex.assembly.tokens import Tokenizers
+from ibex.assembly.xml_format import XML_TAGS, new_nonce
 from ibex.testing.grpcio_stubs import context_pb2 as pb
 from ibex.testing.samples import AGENT, ORG
 

@@ -206,7 +206,7 @@ async def main():
     tracing = None
     if mode == "on":
         from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
-        from ibex.ops.spans import Tracing
+        from ibex.ops.otel_sdk import Tracing
 
         class Drop(SpanExporter):
             def export(self, spans):

@@ -28,7 +28,7 @@ from typing import Protocol
 
 import msgspec
 
-from ibex.assembly.format import Format
+from ibex.assembly.output_format import Format
 from ibex.assembly.structs import Message
 
 #: First probe, in characters per token of room: above natural text's 3-5.

@@ -5,7 +5,7 @@ No I/O and no clock other than stage timings: everything the pipeline needs
 Every candidate ends either included or excluded with a reason. `tokens_used`
 is the sum of the final text's piece counts, which is the text's exact count
 when every join is a pre-tokeniser split (checked on the final pieces, see
-the format's `counts_add_up`, see ibex.assembly.format); otherwise the whole
+the format's `counts_add_up`, see ibex.assembly.output_format); otherwise the whole
 text is re-counted. Every piece is priced and rendered by the one `Format` in
 the `PipelineConfig`.
 
@@ -40,9 +40,8 @@ from ibex.assembly.catalog import (
     ModelCapability,
     resolve_model,
 )
-from ibex.assembly.format import Format, SectionOrder, safety_emitted
-from ibex.assembly.formatter import XML_TAGS
 from ibex.assembly.history import Counter, Staged, dropped_tokens, fit_history, without_empty
+from ibex.assembly.output_format import Format, SectionOrder, safety_emitted
 from ibex.assembly.packer import DEFAULT_DP_CELL_CEILING, DEFAULT_MAX_CONSECUTIVE_SKIPS, pack
 from ibex.assembly.structs import (
     AssemblyMetrics,
@@ -60,6 +59,7 @@ from ibex.assembly.structs import (
     Stage,
     TokenBudget,
 )
+from ibex.assembly.xml_format import XML_TAGS
 from ibex.errors import TooLargeError
 
 if TYPE_CHECKING:
@@ -102,7 +102,7 @@ class PipelineConfig(msgspec.Struct, frozen=True):
     nonce_bytes: int = DEFAULT_NONCE_BYTES
     #: How the block is written and priced: both come from this one object.
     format: Format = XML_TAGS
-    #: The order sections are written in (ibex.assembly.format.SectionOrder): `seed`, the
+    #: The order sections are written in (ibex.assembly.output_format.SectionOrder): `seed`, the
     #: design's fixed order, or `cache`, what changes least first for a provider's cache.
     section_order: SectionOrder = "seed"
 
@@ -183,7 +183,7 @@ class FixedSections(msgspec.Struct, frozen=True, gc=False):
     budget: TokenBudget
     messages: tuple[Message, ...]  # the history that fits: the newest messages
     # The safety sentence is written with or without memories (the `cache` order with
-    # a directive, tools or history; see ibex.assembly.format.safety_emitted).
+    # a directive, tools or history; see ibex.assembly.output_format.safety_emitted).
     safety_fixed: bool = False
 
 
@@ -312,7 +312,7 @@ def pricer(
 ) -> Callable[[ScoredMemory], ScoredMemory]:
     """A candidate with its token_estimate: the cost of its block's pieces.
 
-    The opening piece is priced as its two parts (see ibex.assembly.format);
+    The opening piece is priced as its two parts (see ibex.assembly.output_format);
     memory blocks carry no nonce, so every count is cacheable by text. `count`
     and `body` (the escaped body piece) are the counter's and the format's, or a
     `Staged`'s, which keeps new entries out of the caches until committed.

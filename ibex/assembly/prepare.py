@@ -31,8 +31,8 @@ from typing import Literal
 
 from ibex.assembly.candidates import Stream, stream_candidates
 from ibex.assembly.catalog import Catalog, resolve_model
-from ibex.assembly.format import Format, SectionOrder
 from ibex.assembly.history import Counter, Staged
+from ibex.assembly.output_format import Format, SectionOrder
 from ibex.assembly.pipeline import (
     DEFAULT_CONFIG,
     CounterSource,

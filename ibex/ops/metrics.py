@@ -122,7 +122,7 @@ LEVELS: Final[tuple[str, ...]] = get_args(DegradationLevel)
 PACK_PATHS: Final[tuple[str, ...]] = get_args(PackPath)
 SHED_REASONS: Final = ("in_flight", "queue", "cpu", "org", "threads")
 #: Why the daemon closed (or refused) a gRPC connection: the caps and timeouts of
-#: `ibex.service.connections` and the HTTP/2 floods of `ibex.service.frame_guard`.
+#: `ibex.service.edge.connections` and the HTTP/2 floods of `ibex.service.edge.frame_guard`.
 CONNECTION_CLOSE_REASONS: Final = (
     "refused_cap",
     "refused_rate",

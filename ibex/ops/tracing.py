@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Final
 from ibex.ops.logs import redact_urls
 
 if TYPE_CHECKING:
-    from ibex.ops.spans import Tracing
+    from ibex.ops.otel_sdk import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ def setup_tracing(env: Mapping[str, str] | None = None) -> Tracing | None:
         return None
     try:
         # Imported only now: the SDK and its HTTP client cost start-up time.
-        from ibex.ops.spans import Tracing
+        from ibex.ops.otel_sdk import Tracing
     except ImportError as exc:
         log.warning(
             "tracing_unavailable",

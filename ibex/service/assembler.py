@@ -19,7 +19,6 @@ import trio
 
 from ibex.assembly.candidates import MAX_MEMORIES_HARD_CAP, SearchFilter, SearchResult, rank_search
 from ibex.assembly.catalog import Catalog
-from ibex.assembly.formatter import new_nonce
 from ibex.assembly.nonce import NonceKey
 from ibex.assembly.pipeline import (
     AssemblyInputs,
@@ -39,15 +38,16 @@ from ibex.assembly.structs import (
 )
 from ibex.assembly.tokens import Tokenizers
 from ibex.assembly.validation import RequestLimits, validate_request, validate_search
+from ibex.assembly.xml_format import new_nonce
 from ibex.errors import SourceError
 from ibex.service.dependencies import Dependency
 from ibex.service.queues import WorkerThreads, default_threads
 from ibex.sources.base import DirectiveSource, MemorySource, prefetch_directive
-from ibex.sources.feedback import FeedbackSink
+from ibex.sources.feedback_sender import FeedbackSink
 from ibex.sources.retrieval import RetrievalConfig, Retrieved, retrieve, search
 
 if TYPE_CHECKING:
-    from ibex.ops.spans import CallTrace
+    from ibex.ops.otel_sdk import CallTrace
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ here each request's bytes are counted against three budgets at once:
 A reservation beyond a share is refused (RESOURCE_EXHAUSTED, reason
 `in_flight`) for that holder only. Like the process cap, a share always fits one
 message when its holder has nothing else in flight. Bytes are reserved as they are
-read (`ibex.service.stream_reads.recv_next`: what has arrived plus one look-ahead
+read (`ibex.service.edge.stream_reads.recv_next`: what has arrived plus one look-ahead
 step), not by the declared length alone, so a prefix declaring 4 MiB holds one step.
 """
 

@@ -37,24 +37,24 @@ from ibex.ops.sdnotify import Notifier, run_watchdog
 from ibex.service.admission import Admission, AdmissionConfig
 from ibex.service.assembler import Assembler
 from ibex.service.auth import Authenticator
-from ibex.service.bounded import (
+from ibex.service.dependencies import DependencyConfig, DependencyStates, keep, warm_all
+from ibex.service.edge.bounded import (
     HEALTH_MAX_MESSAGE_BYTES,
     REFLECTION_MAX_MESSAGE_BYTES,
     BoundedReads,
 )
-from ibex.service.connections import Connections, ConnectionsConfig, LoopErrorHandler
-from ibex.service.dependencies import DependencyConfig, DependencyStates, keep, warm_all
-from ibex.service.flow import grpclib_configuration
+from ibex.service.edge.connections import Connections, ConnectionsConfig, LoopErrorHandler
+from ibex.service.edge.flow import grpclib_configuration
+from ibex.service.edge.patches import install_patches, precise_wakeups
+from ibex.service.edge.protocol import bound_port, listen_also, stop_accepting, track_connections
+from ibex.service.edge.reflection import with_reflection
 from ibex.service.handlers import ContextService, EdgeConfig, method_label
-from ibex.service.patches import install_patches, precise_wakeups
 from ibex.service.policies import AdmissionPolicy
-from ibex.service.protocol import bound_port, listen_also, stop_accepting, track_connections
 from ibex.service.queues import share_the_gil
-from ibex.service.reflection import with_reflection
 from ibex.service.warmup import warm_pipeline
 
 if TYPE_CHECKING:
-    from ibex.ops.spans import Tracing
+    from ibex.ops.otel_sdk import Tracing
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from grpclib.exceptions import GRPCError
 from h2.exceptions import StreamClosedError
 
 from ibex.assembly.candidates import SearchFilter, SearchResult
-from ibex.assembly.feedback import MAX_FEEDBACK_IDS, Feedback, validate_feedback
+from ibex.assembly.feedback_rules import MAX_FEEDBACK_IDS, Feedback, validate_feedback
 from ibex.assembly.structs import AssemblyRequest, AssemblyResult
 from ibex.assembly.validation import MAX_SEARCH_CATEGORIES, MAX_SEARCH_TAGS
 from ibex.errors import (
@@ -45,9 +45,9 @@ from ibex.service.admission import Admission, Ticket
 from ibex.service.assembler import Assembler
 from ibex.service.auth import Authenticator, Caller
 from ibex.service.budgets import Reservation
-from ibex.service.crossing import in_trio
-from ibex.service.status import grpc_error
-from ibex.service.stream_reads import (
+from ibex.service.edge.crossing import in_trio
+from ibex.service.edge.status import grpc_error
+from ibex.service.edge.stream_reads import (
     arrival,
     caller_authenticated,
     connection_of,
@@ -55,11 +55,11 @@ from ibex.service.stream_reads import (
     recv_bounded,
     request_complete,
 )
-from ibex.service.wire_counts import Rules, check_counts, request_rules
-from ibex.sources.feedback import FeedbackRejected, Sent, send_feedback
+from ibex.service.edge.wire_counts import Rules, check_counts, request_rules
+from ibex.sources.feedback_sender import FeedbackRejected, Sent, send_feedback
 
 if TYPE_CHECKING:
-    from ibex.ops.spans import CallTrace, Tracing
+    from ibex.ops.otel_sdk import CallTrace, Tracing
 
 log = logging.getLogger(__name__)
 

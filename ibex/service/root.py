@@ -53,13 +53,13 @@ from ibex.ops.tracing import setup_tracing
 from ibex.service.admission import AdmissionConfig
 from ibex.service.assembler import Assembler
 from ibex.service.auth import Authenticator, is_loopback
-from ibex.service.connections import ConnectionsConfig, default_max_connections
 from ibex.service.daemon import Daemon, DaemonConfig
 from ibex.service.dependencies import Dependency
+from ibex.service.edge.connections import ConnectionsConfig, default_max_connections
 from ibex.service.handlers import EdgeConfig
 from ibex.sources.base import DirectiveSource, MemorySource
 from ibex.sources.directive_cache import DirectiveCache, DirectiveCacheConfig
-from ibex.sources.feedback import FeedbackSink
+from ibex.sources.feedback_sender import FeedbackSink
 from ibex.sources.local_file import LocalFileSource
 from ibex.sources.memory_http import MemoryHttpSource
 from ibex.sources.redis_directive import RedisDirectiveSource

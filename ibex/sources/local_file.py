@@ -49,7 +49,7 @@ from typing import Annotated, Literal
 import msgspec
 import trio
 
-from ibex.assembly.feedback import Feedback, ScoreUpdate
+from ibex.assembly.feedback_rules import Feedback, ScoreUpdate
 from ibex.assembly.structs import Directive, InjectionMode, MemoryHit
 from ibex.assembly.validation import uuid_text
 from ibex.errors import ConfigFileError

@@ -26,7 +26,7 @@ answer byte, is connection housekeeping, not a retry).
 
 Feedback (`feedback`, the write surface) has a third pool, so a slow write
 never holds a read's connection; it makes one attempt per call, and
-`ibex.sources.feedback.send_feedback` decides on the one retry.
+`ibex.sources.feedback_sender.send_feedback` decides on the one retry.
 
 Trio only: the pool's sockets belong to the Trio run, so the same source used
 from an asyncio task (e.g. under trio-asyncio) would fail deep inside Trio.
@@ -46,11 +46,11 @@ import msgspec
 import sniffio
 import trio
 
-from ibex.assembly.feedback import Feedback, ScoreUpdate
+from ibex.assembly.feedback_rules import Feedback, ScoreUpdate
 from ibex.assembly.structs import MemoryHit
 from ibex.sources.base import SourceError
 from ibex.sources.cpu import niced
-from ibex.sources.feedback import (
+from ibex.sources.feedback_sender import (
     FEEDBACK_MAX_RESPONSE_BYTES,
     FEEDBACK_PATH,
     FeedbackRejected,

@@ -19,9 +19,9 @@ import grpc
 import pytest
 import trio
 
-from ibex.assembly.feedback import Feedback, ScoreUpdate, idempotency_key, validate_feedback
+from ibex.assembly.feedback_rules import Feedback, ScoreUpdate, idempotency_key, validate_feedback
 from ibex.errors import SourceError
-from ibex.sources.feedback import Sent, send_feedback
+from ibex.sources.feedback_sender import Sent, send_feedback
 from ibex.sources.memory_http import MemoryHttpSource
 from ibex.testing.grpc_harness import in_thread, running_daemon
 from ibex.testing.grpcio_stubs import context_pb2, context_pb2_grpc

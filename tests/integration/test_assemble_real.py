@@ -24,9 +24,9 @@ import msgspec
 import trio_asyncio
 
 from ibex.assembly.catalog import Catalog
-from ibex.assembly.formatter import escape_body
 from ibex.assembly.structs import AssemblyOptions, AssemblyRequest, AssemblyResult, Message
 from ibex.assembly.tokens import Tokenizers
+from ibex.assembly.xml_format import escape_body
 from ibex.config import Settings, load_settings
 from ibex.service.root import Assembler, load_static, open_assembler
 from ibex.sources.redis_directive import directive_key

@@ -18,7 +18,7 @@ import grpc
 import pytest
 from grpclib.encoding.proto import ProtoCodec
 
-from ibex.assembly.feedback import MAX_FEEDBACK_IDS
+from ibex.assembly.feedback_rules import MAX_FEEDBACK_IDS
 from ibex.assembly.validation import MAX_SEARCH_CATEGORIES, MAX_SEARCH_TAGS
 from ibex.testing.grpc_harness import AGENT, ORG, SERVICE, RunningDaemon, in_thread, running_daemon
 from ibex.testing.grpcio_stubs import context_pb2

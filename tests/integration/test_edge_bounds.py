@@ -29,7 +29,7 @@ import h2.events
 import pytest
 import trustme
 
-from ibex.service.stream_reads import LOOK_AHEAD
+from ibex.service.edge.stream_reads import LOOK_AHEAD
 from ibex.testing.grpc_harness import AGENT, ORG, SERVICE, in_thread, running_daemon, test_settings
 from ibex.testing.grpcio_stubs import context_pb2, context_pb2_grpc
 from ibex.testing.memory_server import running_memory_server

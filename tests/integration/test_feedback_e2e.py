@@ -18,10 +18,10 @@ import pytest
 import trio
 import trio_asyncio
 
-from ibex.assembly.feedback import idempotency_key, validate_feedback
+from ibex.assembly.feedback_rules import idempotency_key, validate_feedback
 from ibex.client import ContextClient
 from ibex.errors import SourceError
-from ibex.sources.feedback import FeedbackRejected, send_feedback
+from ibex.sources.feedback_sender import FeedbackRejected, send_feedback
 from ibex.testing.grpc_harness import (
     AGENT,
     ORG,

@@ -22,8 +22,8 @@ import trio
 import trio_asyncio
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from ibex.assembly.formatter import CATEGORY_ORDER, escape_body
 from ibex.assembly.tokens import Tokenizers
+from ibex.assembly.xml_format import CATEGORY_ORDER, escape_body
 from ibex.client import ContextClient
 from ibex.service import pb
 from ibex.service.admission import Admission

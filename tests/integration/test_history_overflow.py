@@ -19,9 +19,9 @@ import trio_asyncio
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 
-from ibex.assembly.formatter import escape_body
 from ibex.assembly.structs import Message
 from ibex.assembly.tokens import Tokenizers
+from ibex.assembly.xml_format import escape_body
 from ibex.client import ContextClient, fallback_history, history_only, is_input_error
 from ibex.service import pb
 from ibex.testing.grpc_harness import (

@@ -12,7 +12,7 @@ from typing import Any
 from ibex.testing.grpc_harness import AGENT, ORG, in_thread, running_daemon
 from ibex.testing.grpcio_stubs import context_pb2, context_pb2_grpc
 from ibex.testing.memory_server import make_memories, running_memory_server
-from tests.unit.test_formatter_unicode import (
+from tests.unit.test_xml_format_unicode import (
     EVERY_LOOK_ALIKE,
     FORGED_CLOSE,
     FORGED_CLOSE_ESCAPED,

@@ -24,8 +24,8 @@ TESTS = [
     "tests/unit/test_scoring.py",
     "tests/unit/test_packer.py",
     "tests/unit/test_pipeline.py",
-    "tests/unit/test_formatter.py",
-    "tests/unit/test_formatter_golden.py",
+    "tests/unit/test_xml_format.py",
+    "tests/unit/test_xml_format_golden.py",
     "tests/unit/test_candidates_rules.py",
 ]
 A = "ibex/assembly/"
@@ -51,25 +51,25 @@ MUTANTS: list[tuple[str, str, str]] = [
     (A + "validation.py", "max_text_bytes: int = 1024 * 1024", "max_text_bytes: int = 1024 * 1025"),
     (A + "validation.py", "max_tool_schemas: int = 128", "max_tool_schemas: int = 129"),
     (A + "candidates.py", "MAX_MEMORIES_HARD_CAP = 100", "MAX_MEMORIES_HARD_CAP = 101"),
-    (A + "formatter.py", '    "&<>"\n', '    "<>"\n'),  # & no longer escaped in bodies
-    (A + "formatter.py", "\\x0b-\\x1f", "\\x0e-\\x1f"),  # VT, FF, CR passed raw
-    (A + "formatter.py", "\\x7f-\\x9f", "\\x80-\\x9f"),  # DEL passed raw
-    (A + "formatter.py", "\\u2028\\u2029", "\\u2028"),
-    (A + "formatter.py", "\\u202a-\\u202e", "\\u202a-\\u202d"),
-    (A + "formatter.py", "\\u2066-\\u206f", "\\u2066-\\u206e"),
-    (A + "formatter.py", "[^A-Za-z0-9_.:@+\\-]", "[^A-Za-z0-9_.:@+\\- ]"),  # space allowed
-    (A + "formatter.py", '"\'": "&#39;"', '"\'": "\'"'),
+    (A + "xml_format.py", '    "&<>"\n', '    "<>"\n'),  # & no longer escaped in bodies
+    (A + "xml_format.py", "\\x0b-\\x1f", "\\x0e-\\x1f"),  # VT, FF, CR passed raw
+    (A + "xml_format.py", "\\x7f-\\x9f", "\\x80-\\x9f"),  # DEL passed raw
+    (A + "xml_format.py", "\\u2028\\u2029", "\\u2028"),
+    (A + "xml_format.py", "\\u202a-\\u202e", "\\u202a-\\u202d"),
+    (A + "xml_format.py", "\\u2066-\\u206f", "\\u2066-\\u206e"),
+    (A + "xml_format.py", "[^A-Za-z0-9_.:@+\\-]", "[^A-Za-z0-9_.:@+\\- ]"),  # space allowed
+    (A + "xml_format.py", '"\'": "&#39;"', '"\'": "\'"'),
     (
-        A + "formatter.py",
+        A + "xml_format.py",
         'CATEGORY_ORDER = ("procedural", "factual"',
         'CATEGORY_ORDER = ("factual", "procedural"',
     ),
     (
-        A + "formatter.py",
+        A + "xml_format.py",
         "version = f' version=\"{escape_attr(directive.version_id)}\"'",
         "version = ''",
     ),
-    (A + "formatter.py", '.replace("\\r\\n", "\\n")', ""),  # CRLF becomes two line ends
+    (A + "xml_format.py", '.replace("\\r\\n", "\\n")', ""),  # CRLF becomes two line ends
 ]
 
 

@@ -1,5 +1,5 @@
 """Request bytes by share (ibex.service.budgets) and where a unary request ends
-(ibex.service.flow): the rules the integration tests in test_budgets.py rest on."""
+(ibex.service.edge.flow): the rules the integration tests in test_budgets.py rest on."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from ibex.errors import Overloaded
 from ibex.ops.metrics import Metrics
 from ibex.service.admission import Admission, AdmissionConfig
-from ibex.service.flow import UnaryRequest
+from ibex.service.edge.flow import UnaryRequest
 
 KIB = 1024
 CONFIG = AdmissionConfig(

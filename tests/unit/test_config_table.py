@@ -25,7 +25,7 @@ from ibex.config import (
     load_settings,
 )
 from ibex.service.admission import AdmissionConfig
-from ibex.service.connections import ConnectionsConfig
+from ibex.service.edge.connections import ConnectionsConfig
 from ibex.service.root import (
     LAYERS,
     admission_config,

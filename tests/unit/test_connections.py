@@ -10,8 +10,8 @@ import pytest
 import trio
 import trio.testing
 
-import ibex.service.connections as connections_module
-from ibex.service.connections import (
+import ibex.service.edge.connections as connections_module
+from ibex.service.edge.connections import (
     MAX_CONNECTIONS_CEILING,
     REFUSAL_LOG_INTERVAL,
     Connections,
@@ -340,7 +340,7 @@ def test_a_flood_of_refusals_is_logged_once_per_interval_with_what_was_refused(
     clock = Clock()
     conns = make(clock, max_connections=1)
     hold_busy(conns)
-    with caplog.at_level(logging.WARNING, logger="ibex.service.connections"):
+    with caplog.at_level(logging.WARNING, logger="ibex.service.edge.connections"):
         for _ in range(3):  # the first one logs at once, the next two wait for the interval
             assert not conns.admit(FakeConn())
         clock.now += REFUSAL_LOG_INTERVAL - 0.5
@@ -360,7 +360,7 @@ def test_a_refusal_line_carries_the_per_peer_cap(caplog: pytest.LogCaptureFixtur
     """docs/operations.md: connections_refused carries max_per_peer."""
     conns = make(Clock(), max_connections=1, max_per_peer=3)
     hold_busy(conns)
-    with caplog.at_level(logging.WARNING, logger="ibex.service.connections"):
+    with caplog.at_level(logging.WARNING, logger="ibex.service.edge.connections"):
         assert not conns.admit(FakeConn(), "192.0.2.7")
     (line,) = _events(caplog, "connections_refused")
     assert line.max_per_peer == 3  # type: ignore[attr-defined]
@@ -369,7 +369,7 @@ def test_a_refusal_line_carries_the_per_peer_cap(caplog: pytest.LogCaptureFixtur
 def test_refusals_while_draining_say_so(caplog: pytest.LogCaptureFixture) -> None:
     conns = make(Clock())
     conns.goaway_all(grace=1.0)
-    with caplog.at_level(logging.WARNING, logger="ibex.service.connections"):
+    with caplog.at_level(logging.WARNING, logger="ibex.service.edge.connections"):
         assert not conns.admit(FakeConn())
     (line,) = _events(caplog, "connections_refused")
     assert line.draining is True and line.open == 0  # type: ignore[attr-defined]
@@ -408,7 +408,7 @@ def test_rotations_are_counted_and_a_grace_expiry_is_logged_with_its_reason(
     conns.admit(b)
     a.streams, b.streams = 2, 1
     clock.now += 10
-    with caplog.at_level(logging.WARNING, logger="ibex.service.connections"):
+    with caplog.at_level(logging.WARNING, logger="ibex.service.edge.connections"):
         conns.sweep()
         assert conns.rotated == 2
         clock.now += 3  # past the ack timeout and the grace (heads-up at 110, grace to 113)
@@ -431,7 +431,7 @@ def test_a_drain_shortens_the_grace_of_a_connection_already_saying_goodbye(
     clock.now += 10
     conns.sweep()  # rotating, with 60 s of grace
     conns.acked(conn)
-    with caplog.at_level(logging.WARNING, logger="ibex.service.connections"):
+    with caplog.at_level(logging.WARNING, logger="ibex.service.edge.connections"):
         conns.goaway_all(grace=2.0)  # the drain's 2 s win over the rotation's 60
         assert conn.calls == ["heads_up", "final"]  # no second goodbye
         clock.now += 1.5
@@ -452,7 +452,7 @@ def test_a_drain_gives_open_connections_the_reason_drain(
     conn = FakeConn()
     conns.admit(conn)
     conn.streams = 1
-    with caplog.at_level(logging.WARNING, logger="ibex.service.connections"):
+    with caplog.at_level(logging.WARNING, logger="ibex.service.edge.connections"):
         conns.goaway_all(grace=1.0)
         conns.acked(conn)
         clock.now += 1
@@ -482,7 +482,7 @@ def test_the_first_refusal_is_logged_even_at_clock_zero(caplog: pytest.LogCaptur
     clock.now = 0.0  # a monotonic clock may start near zero (a fresh boot)
     conns = make(clock, max_connections=1)
     hold_busy(conns)
-    with caplog.at_level(logging.WARNING, logger="ibex.service.connections"):
+    with caplog.at_level(logging.WARNING, logger="ibex.service.edge.connections"):
         assert not conns.admit(FakeConn())
     assert len(_events(caplog, "connections_refused")) == 1
 
@@ -521,7 +521,7 @@ def test_accept_failures_for_lack_of_resources_are_logged_once_per_interval(
     monkeypatch.setattr(connections_module.time, "monotonic", lambda: now[0])
     handler = LoopErrorHandler(interval=10.0)
     emfile = OSError(errno.EMFILE, "Too many open files")
-    with caplog.at_level(logging.INFO, logger="ibex.service.connections"):
+    with caplog.at_level(logging.INFO, logger="ibex.service.edge.connections"):
         for _ in range(3):
             handler(
                 None, {"exception": emfile, "message": "socket.accept() out of system resource"}
@@ -536,7 +536,7 @@ def test_accept_failures_for_lack_of_resources_are_logged_once_per_interval(
     assert lines[0].detail == "socket.accept() out of system resource"  # type: ignore[attr-defined]
     assert handler.accept_errors == 4
     now[0] = 20.0
-    with caplog.at_level(logging.INFO, logger="ibex.service.connections"):
+    with caplog.at_level(logging.INFO, logger="ibex.service.edge.connections"):
         handler(None, {"exception": emfile})  # type: ignore[arg-type]  # no message in the context
     assert _events(caplog, "accept_failed")[-1].detail == ""  # type: ignore[attr-defined]
     assert _events(caplog, "loop_error") == []
@@ -546,7 +546,7 @@ def test_any_other_loop_error_is_logged_as_an_error_and_never_raised(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     handler = LoopErrorHandler()
-    with caplog.at_level(logging.INFO, logger="ibex.service.connections"):
+    with caplog.at_level(logging.INFO, logger="ibex.service.edge.connections"):
         handler(None, {"exception": ValueError("boom"), "message": "Exception in callback"})  # type: ignore[arg-type]
         handler(None, {"message": "no exception here"})  # type: ignore[arg-type]
         handler(None, {"exception": OSError(errno.ECONNRESET, "reset")})  # type: ignore[arg-type]
@@ -609,7 +609,7 @@ def test_evictions_are_logged_once_per_interval_with_the_cap_that_made_them(
     clock = Clock()
     clock.now = 0.0  # a monotonic clock may start near zero: the first still logs at once
     conns = make(clock, max_connections=2, max_per_peer=1)
-    with caplog.at_level(logging.WARNING, logger="ibex.service.connections"):
+    with caplog.at_level(logging.WARNING, logger="ibex.service.edge.connections"):
         assert conns.admit(FakeConn(), "10.0.0.1")
         assert conns.admit(FakeConn(), "10.0.0.1")  # the peer's cap: its idle one goes
         assert conns.admit(FakeConn(), "10.0.0.2")

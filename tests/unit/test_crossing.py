@@ -18,7 +18,7 @@ import pytest
 import trio
 import trio_asyncio
 
-from ibex.service.crossing import in_trio
+from ibex.service.edge.crossing import in_trio
 
 
 class Payload:

@@ -14,7 +14,7 @@ import pytest
 import trio
 import trio.testing
 
-from ibex.assembly.feedback import (
+from ibex.assembly.feedback_rules import (
     MAX_FEEDBACK_IDS,
     Feedback,
     ScoreUpdate,
@@ -22,7 +22,7 @@ from ibex.assembly.feedback import (
     validate_feedback,
 )
 from ibex.errors import InputError, SourceError
-from ibex.sources.feedback import (
+from ibex.sources.feedback_sender import (
     FeedbackRejected,
     FeedbackRetryable,
     _detail,
@@ -399,7 +399,7 @@ async def test_a_retry_is_logged_with_its_reason_and_a_key_prefix_only(
     """Two 1 s halves of 2 s: the first hangs; the log names why the second attempt runs,
     the org and 16 characters of the key (enough to correlate, not the whole key)."""
     sink = ScriptedSink("hang", [ScoreUpdate(M1, 0.5, 0.6)])
-    with caplog.at_level(logging.INFO, logger="ibex.sources.feedback"):
+    with caplog.at_level(logging.INFO, logger="ibex.sources.feedback_sender"):
         sent = await _send(sink, 2.002)
     assert sent.attempts == 2
     (record,) = [r for r in caplog.records if r.getMessage() == "feedback_retry"]

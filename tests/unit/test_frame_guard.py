@@ -16,8 +16,8 @@ from hyperframe.frame import (
 )
 
 from ibex.ops.metrics import CONNECTION_CLOSE_REASONS
-from ibex.service.connections import CLOSE_REASONS
-from ibex.service.frame_guard import (
+from ibex.service.edge.connections import CLOSE_REASONS
+from ibex.service.edge.frame_guard import (
     BUDGETS,
     CLOSE_CODES,
     ENHANCE_YOUR_CALM,

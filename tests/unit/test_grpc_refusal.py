@@ -26,9 +26,9 @@ from h2.exceptions import ProtocolError
 from hyperframe.frame import DataFrame, HeadersFrame
 
 from ibex.service.admission import GATE_CPU_MESSAGE, GATE_QUEUE_MESSAGE
-from ibex.service.hpack_block import header_block, send_headers_fast
-from ibex.service.patches import lighten_h2
-from ibex.service.protocol import send_refusal
+from ibex.service.edge.hpack_block import header_block, send_headers_fast
+from ibex.service.edge.patches import lighten_h2
+from ibex.service.edge.protocol import send_refusal
 
 REQUEST = [
     (":method", "POST"),

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from ibex.assembly import formatter as fmt
+from ibex.assembly import xml_format as fmt
 from ibex.assembly.history import HistoryFit, Staged, body_tokens, dropped_tokens, fit_history
 from ibex.assembly.structs import Message
 from ibex.assembly.tokens import TokenCounter, Tokenizers

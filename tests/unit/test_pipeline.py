@@ -23,11 +23,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ibex.assembly import formatter as fmt
 from ibex.assembly import pipeline
+from ibex.assembly import xml_format as fmt
 from ibex.assembly.budget import compute_budget
 from ibex.assembly.catalog import Catalog, FamilyPolicy, ModelCapability, load_catalog
-from ibex.assembly.formatter import new_nonce
 from ibex.assembly.pipeline import (
     DEFAULT_CONFIG,
     DEFAULT_NONCE_BYTES,
@@ -54,6 +53,7 @@ from ibex.assembly.structs import (
     Stage,
 )
 from ibex.assembly.tokens import ESTIMATE_V1, EXACT, TokenCounter, Tokenizers, estimate_v1
+from ibex.assembly.xml_format import new_nonce
 from ibex.errors import InputError, TooLargeError
 from ibex.testing.samples import AGENT, ORG
 

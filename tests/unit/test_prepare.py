@@ -16,7 +16,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ibex.assembly.catalog import Catalog, load_catalog
-from ibex.assembly.formatter import XML_TAGS, new_nonce
 from ibex.assembly.pipeline import AssemblyInputs, assemble_pure
 from ibex.assembly.prepare import Prepared
 from ibex.assembly.scoring import COMPOSITE, INTERIM, as_composite, score_hit
@@ -31,6 +30,7 @@ from ibex.assembly.structs import (
     Message,
 )
 from ibex.assembly.tokens import TokenCounter, Tokenizers
+from ibex.assembly.xml_format import XML_TAGS, new_nonce
 from ibex.errors import TooLargeError
 from ibex.testing.samples import AGENT, ORG
 

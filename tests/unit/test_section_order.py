@@ -7,7 +7,7 @@ other rule: the nonce on every section, escaping, budget truth (the exact
 token count of `assembled_context` equals `tokens_used`, within the ceiling),
 byte-identical output for identical inputs and nonce. In the `cache` order the
 safety sentence sits in front of the history, so it is written whenever any
-section is (ibex.assembly.format.safety_emitted): a turn without memories
+section is (ibex.assembly.output_format.safety_emitted): a turn without memories
 must not change the prefix a provider caches.
 """
 
@@ -21,8 +21,8 @@ import trio
 import trio.testing
 from hypothesis import HealthCheck, given, settings
 
-from ibex.assembly import format as format_mod
-from ibex.assembly import formatter as fmt
+from ibex.assembly import output_format as format_mod
+from ibex.assembly import xml_format as fmt
 from ibex.assembly.catalog import Catalog, load_catalog
 from ibex.assembly.pipeline import (
     DEFAULT_CONFIG,

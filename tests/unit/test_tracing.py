@@ -64,7 +64,7 @@ def test_without_the_extra_tracing_stays_off(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     # As if opentelemetry were not installed: importing it (or the SDK side) fails.
-    monkeypatch.setitem(sys.modules, "ibex.ops.spans", None)
+    monkeypatch.setitem(sys.modules, "ibex.ops.otel_sdk", None)
     monkeypatch.setitem(sys.modules, "opentelemetry", None)
     with caplog.at_level(logging.WARNING, "ibex"):
         assert setup_tracing({"OTEL_EXPORTER_OTLP_ENDPOINT": ENDPOINT}) is None
@@ -143,7 +143,12 @@ def test_the_serving_path_does_not_import_the_sdk_unless_tracing_is_on() -> None
 
     (redis-py imports parts of opentelemetry itself when it is installed.)
     """
-    prefixes = ("opentelemetry.sdk.trace", "opentelemetry.exporter", "requests", "ibex.ops.spans")
+    prefixes = (
+        "opentelemetry.sdk.trace",
+        "opentelemetry.exporter",
+        "requests",
+        "ibex.ops.otel_sdk",
+    )
     probe = (
         "import sys, ibex.service.root, ibex.cli\n"
         "from ibex.ops.tracing import setup_tracing\n"
@@ -161,7 +166,7 @@ def traced() -> Any:
     """A real `Tracing` exporting to memory; its batch processor is flushed before reading."""
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from ibex.ops.spans import Tracing
+    from ibex.ops.otel_sdk import Tracing
 
     memory = InMemorySpanExporter()
     tracing = Tracing(exporter=memory)

@@ -83,7 +83,7 @@ def test_each_patch_refuses_to_install_with_an_unsupported_version() -> None:
             f"m.version = lambda name: {fake!r} if name == {package!r} else real(name)\n"
             "import grpclib.utils\n"
             "original = grpclib.utils.DeadlineWrapper.start\n"
-            "from ibex.service import patches\n"
+            "from ibex.service.edge import patches\n"
             "assert grpclib.utils.DeadlineWrapper.start is original\n"
             f"patches.{install}()\n"
         )
@@ -99,7 +99,7 @@ def test_each_patch_refuses_to_install_with_an_unsupported_version() -> None:
 
 def test_install_patches_checks_every_supported_package(monkeypatch: pytest.MonkeyPatch) -> None:
     """`install_patches` asks for every package in SUPPORTED (and nothing else)."""
-    from ibex.service import patches
+    from ibex.service.edge import patches
     from ibex.sources import redis_patches
 
     asked: set[str] = set()

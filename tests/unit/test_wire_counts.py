@@ -1,4 +1,4 @@
-"""Counting repeated fields on the wire (ibex.service.wire_counts) against the real decoder.
+"""Counting repeated fields on the wire (ibex.service.edge.wire_counts) against the real decoder.
 
 The walk must read protobuf as upb (the server's decoder) does: for any bytes upb
 decodes, the walk accepts them and counts each repeated field's elements as upb
@@ -16,11 +16,11 @@ from google.protobuf.message import DecodeError
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ibex.assembly.feedback import MAX_FEEDBACK_IDS
+from ibex.assembly.feedback_rules import MAX_FEEDBACK_IDS
 from ibex.assembly.validation import MAX_SEARCH_CATEGORIES, MAX_SEARCH_TAGS
 from ibex.errors import InputError, OverLimitError
 from ibex.service import pb
-from ibex.service.wire_counts import (
+from ibex.service.edge.wire_counts import (
     UNKNOWN_SLACK,
     check_counts,
     count_repeated,

@@ -3,7 +3,7 @@
 Each case renders one whole block with `formatter.render`, once in each section
 order (`seed`: ``<case>.txt``, `cache`: ``cache_<case>.txt``); the expected text is
 ``tests/unit/golden/<name>.txt`` (UTF-8, compared byte for byte by
-``tests/unit/test_formatter_golden.py``). After an *intended* formatter change,
+``tests/unit/test_xml_format_golden.py``). After an *intended* formatter change,
 regenerate and review the diff before committing::
 
     python -m tests.unit.golden --update   # rewrite every .txt
@@ -16,8 +16,8 @@ import functools
 from collections.abc import Callable
 from pathlib import Path
 
-from ibex.assembly import formatter as fmt
-from ibex.assembly.format import SectionOrder
+from ibex.assembly import xml_format as fmt
+from ibex.assembly.output_format import SectionOrder
 from ibex.assembly.structs import Directive, Message, ScoredMemory
 from ibex.testing.samples import scored
 

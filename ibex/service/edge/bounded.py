@@ -22,8 +22,8 @@ import grpclib.server
 
 from ibex.errors import DeadlineError, IbexError, InputError
 from ibex.service.admission import Admission
-from ibex.service.status import grpc_error
-from ibex.service.stream_reads import (
+from ibex.service.edge.status import grpc_error
+from ibex.service.edge.stream_reads import (
     connection_of,
     handler_started,
     recv_next,

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import random
 
-from ibex.assembly import formatter as fmt
-from ibex.assembly.formatter import escape_body
+from ibex.assembly import xml_format as fmt
+from ibex.assembly.xml_format import escape_body
 
 
 def one_pass(text: str) -> str:

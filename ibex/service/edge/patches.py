@@ -9,14 +9,14 @@ is applied at import. The patches:
 - `answer_expired_deadlines` (grpclib): an already expired deadline answers
   DEADLINE_EXCEEDED instead of an internal error;
 - `lighten_h2` (grpclib, h2, hpack, hyperframe): response headers from
-  `ibex.service.hpack_block`, and two per-frame debugging aids switched off;
+  `ibex.service.edge.hpack_block`, and two per-frame debugging aids switched off;
 - `batch_ready_callbacks` (trio-asyncio): one Trio step per batch of ready
   asyncio callbacks, Trio tasks started without waiting for their first step,
   and cancelled timers dropped before the loop waits
-  (`ibex.service.aio_loop.drop_cancelled_timers`);
+  (`ibex.service.edge.aio_loop.drop_cancelled_timers`);
 - `honour_cancellation_in_redis_writes` (redis-py, in `ibex.sources.redis_patches`,
   since the sources layer may not import this one);
-- `precise_wakeups` (Trio's epoll wait, `ibex.service.precise_wakeup`): a context
+- `precise_wakeups` (Trio's epoll wait, `ibex.service.edge.precise_wakeup`): a context
   manager, entered for the Trio run that serves.
 
 trio-asyncio's batching main loop: its main loop takes one callback per Trio
@@ -60,9 +60,9 @@ from hyperframe.frame import Frame
 from sniffio import thread_local as sniffio_library
 from trio_asyncio._handles import AsyncHandle as _AsyncHandle
 
-from ibex.service.aio_loop import REBUILD_MIN, drop_cancelled_timers
-from ibex.service.hpack_block import send_headers_fast
-from ibex.service.precise_wakeup import precise_wakeups
+from ibex.service.edge.aio_loop import REBUILD_MIN, drop_cancelled_timers
+from ibex.service.edge.hpack_block import send_headers_fast
+from ibex.service.edge.precise_wakeup import precise_wakeups
 from ibex.sources.redis_patches import honour_cancellation_in_redis_writes
 from ibex.versions import require
 

@@ -9,7 +9,7 @@ Layout, in the default `seed` order (each section only when it has content)::
     <tools nonce="N"> <tool> ... </tool> ... </tools>
 
 The `cache` order writes the same elements as directive, tools, safety,
-history, memories (see ibex.assembly.format.SectionOrder); nothing inside an
+history, memories (see ibex.assembly.output_format.SectionOrder); nothing inside an
 element depends on the order.
 
 Every section the daemon writes carries the nonce (fresh per assembly, or
@@ -33,7 +33,7 @@ always a pre-tokeniser split point for cl100k_base and o200k_base, so the
 token count of the whole block is the sum of its pieces' counts. That lets the
 pipeline count pieces once (cached) instead of re-tokenising every request;
 the pipeline checks that rule on the final pieces (`joins_split_cleanly`, the
-format's join rule; see ibex.assembly.format) and re-counts the whole text
+format's join rule; see ibex.assembly.output_format) and re-counts the whole text
 only if it fails.
 
 Bodies and attribute values are escaped, so a memory can neither close its
@@ -52,9 +52,9 @@ import re
 import secrets
 from collections.abc import Iterable
 
-from ibex.assembly.format import BODY_CACHE_BYTES as BODY_CACHE_BYTES
-from ibex.assembly.format import BODY_CACHE_MAX_CHARS as BODY_CACHE_MAX_CHARS
-from ibex.assembly.format import Format
+from ibex.assembly.output_format import BODY_CACHE_BYTES as BODY_CACHE_BYTES
+from ibex.assembly.output_format import BODY_CACHE_MAX_CHARS as BODY_CACHE_MAX_CHARS
+from ibex.assembly.output_format import Format
 from ibex.assembly.structs import Directive, ScoredMemory
 
 CATEGORY_ORDER = ("procedural", "factual", "preference", "behavioral", "episodic")
@@ -85,7 +85,7 @@ _CATEGORY_RANK = {name: i for i, name in enumerate(CATEGORY_ORDER)}
 # subgroup of), and the filled and small pointing triangles of the same
 # block; precedes/succeeds, double nested less/greater-than and the
 # technical, mathematical, ornamental, CJK and vertical angle brackets.
-# tests/unit/test_formatter_unicode.py derives the first two groups from the
+# tests/unit/test_xml_format_unicode.py derives the first two groups from the
 # data and checks them against this list. Listed rather than looked up, so the
 # output does not depend on the Python build's Unicode version. None of them
 # has a place in a prompt that a human reviewer must read as the model does;

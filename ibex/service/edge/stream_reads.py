@@ -45,7 +45,7 @@ async def recv_bounded(
     the in-flight bytes) before they are buffered: the whole message when it has
     all arrived, else `LOOK_AHEAD` at a time as it arrives, so a declared length
     alone holds no more than one step.
-    `check` sees the bytes before they are decoded (ibex.service.wire_counts counts
+    `check` sees the bytes before they are decoded (ibex.service.edge.wire_counts counts
     repeated fields there). It then does what `Stream.recv_message` does (decode,
     dispatch event).
     """

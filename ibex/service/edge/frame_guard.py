@@ -16,7 +16,7 @@ CONTINUATION flood is closed by h2 itself (64 frames per header block).
 `FrameGuard` reads the raw bytes before h2 parses them (a 9-byte frame header
 scan, payloads skipped), so an offending frame is counted however h2 would
 treat it, and the connection closes before h2 spends anything on the frame
-that emptied the bucket. `ibex.service.protocol` owns the socket side.
+that emptied the bucket. `ibex.service.edge.protocol` owns the socket side.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from ibex.assembly import formatter as fmt
+from ibex.assembly import xml_format as fmt
 from tests.unit.golden import CASES, NONCE, main_check, read_golden
 
 

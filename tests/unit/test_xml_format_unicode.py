@@ -22,9 +22,9 @@ import regex
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ibex.assembly import formatter as fmt
-from ibex.assembly.formatter import escape_attr, escape_body
+from ibex.assembly import xml_format as fmt
 from ibex.assembly.structs import Directive, ScoredMemory
+from ibex.assembly.xml_format import escape_attr, escape_body
 
 DEFAULT_IGNORABLE = regex.compile(r"\p{Default_Ignorable_Code_Point}")
 HIDDEN = regex.compile(r"[\p{Default_Ignorable_Code_Point}\p{Cf}\p{Co}]")

@@ -9,7 +9,7 @@ or to listen on a second port with the same connection bookkeeping (so drain
 and close cover both). Each of those reaches into a private attribute of
 grpclib's server or protocol (tests/integration/test_grpc_ops.py,
 test_connections.py and test_client_balancing.py exercise every function here).
-`ibex.service.connections` decides what happens to each connection; this module
+`ibex.service.edge.connections` decides what happens to each connection; this module
 does it.
 """
 
@@ -41,16 +41,16 @@ from h2.events import (
 from h2.exceptions import ProtocolError, TooManyStreamsError
 from hyperframe.frame import GoAwayFrame
 
-from ibex.service.connections import Connections
-from ibex.service.flow import UnaryRequest
-from ibex.service.frame_guard import (
+from ibex.service.edge.connections import Connections
+from ibex.service.edge.flow import UnaryRequest
+from ibex.service.edge.frame_guard import (
     CLOSE_CODES,
     ENHANCE_YOUR_CALM,
     FrameGuard,
     malformed,
     resets_in,
 )
-from ibex.service.hpack_block import MAX_STREAM_ID, send_headers_fast
+from ibex.service.edge.hpack_block import MAX_STREAM_ID, send_headers_fast
 
 GOAWAY_PING = b"ibex-bye"  # 8 bytes of PING payload marking the drain's heads-up
 FLOOD_ABORT_AFTER = 1.0  # seconds a flooding peer's socket may take to flush its GOAWAY

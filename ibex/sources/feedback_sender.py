@@ -8,7 +8,7 @@ and `SourceError` when the answer broke the contract (repeating would not
 help and must not widen anything).
 
 `send_feedback` makes at most two attempts, both with the same idempotency key
-(`ibex.assembly.feedback.idempotency_key`), so a first attempt the memory
+(`ibex.assembly.feedback_rules.idempotency_key`), so a first attempt the memory
 service did record but whose answer was lost is not counted twice. While a
 retry is still possible the first attempt gets half the time left: a hung
 first attempt would otherwise use up the whole deadline and leave the retry
@@ -30,7 +30,7 @@ from typing import ClassVar, Final, NamedTuple, Protocol
 import msgspec
 import trio
 
-from ibex.assembly.feedback import Feedback, ScoreUpdate, idempotency_key
+from ibex.assembly.feedback_rules import Feedback, ScoreUpdate, idempotency_key
 from ibex.errors import InputError, SourceError
 
 log = logging.getLogger(__name__)

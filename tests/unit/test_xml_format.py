@@ -8,16 +8,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ibex.assembly import formatter as fmt
 from ibex.assembly import pipeline
-from ibex.assembly.formatter import (
+from ibex.assembly import xml_format as fmt
+from ibex.assembly.structs import Directive, Message, ScoredMemory
+from ibex.assembly.xml_format import (
     body_piece,
     escape_attr,
     escape_body,
     joins_split_cleanly,
     new_nonce,
 )
-from ibex.assembly.structs import Directive, Message, ScoredMemory
 from ibex.testing.samples import scored
 
 NONCE = "0f1e2d3c4b5a69788796a5b4c3d2e1f0"

@@ -48,7 +48,7 @@ MAX_CONNECTIONS_CEILING = 1024
 REFUSAL_LOG_INTERVAL = 10.0  # seconds between two `connections_refused` lines during a flood
 PEER_RATES_KEPT = 4096  # peers whose connection rate is remembered (least recent dropped)
 #: Why connections are closed before their peer leaves (`ibex_connections_closed_total`),
-#: besides the HTTP/2 floods (`ibex.service.frame_guard.FLOOD_REASONS`).
+#: besides the HTTP/2 floods (`ibex.service.edge.frame_guard.FLOOD_REASONS`).
 CLOSE_REASONS = ("refused_cap", "refused_rate", "evicted", "auth_timeout", "idle")
 
 
@@ -346,7 +346,7 @@ class Connections:
         return state is not None and state.authenticated
 
     def flood_closed(self, conn: Conn, reason: str) -> None:
-        """`conn` is being closed for an HTTP/2 flood (`ibex.service.frame_guard`)."""
+        """`conn` is being closed for an HTTP/2 flood (`ibex.service.edge.frame_guard`)."""
         self.flooded[reason] = self.flooded.get(reason, 0) + 1
         self._report(reason)
         now = self._clock()

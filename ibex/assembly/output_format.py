@@ -39,7 +39,7 @@ history or memories that would have fit):
   priced as two parts: when `counts_add_up` can say yes, that join must be a
   split point of the tokeniser too.
 
-`ibex.assembly.formatter.XmlTagFormat` is the default (`PipelineConfig.format`).
+`ibex.assembly.xml_format.XmlTagFormat` is the default (`PipelineConfig.format`).
 A new format subclasses `Format` and gives the pieces, the body escaper and the
 join rule; the body cache, the sections and `render_pieces` come from here.
 """

@@ -18,9 +18,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ibex.assembly import formatter as fmt
+from ibex.assembly import xml_format as fmt
 from ibex.assembly.catalog import Catalog, load_catalog
-from ibex.assembly.format import BODY_CACHE_MAX_CHARS, Format
+from ibex.assembly.output_format import BODY_CACHE_MAX_CHARS, Format
 from ibex.assembly.pipeline import DEFAULT_CONFIG, AssemblyInputs, PipelineConfig, assemble_pure
 from ibex.assembly.structs import (
     AssemblyRequest,
