@@ -24,6 +24,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from types import TracebackType
+from typing import Protocol
 
 import msgspec
 import trio
@@ -32,10 +33,12 @@ from ibex.assembly.structs import Directive
 from ibex.errors import SourceError
 from ibex.sources.base import (
     Answer,
+    Answers,
     BatchRead,
     DirectiveAnswer,
     DirectiveOrError,
     DirectiveSource,
+    Wanted,
     batch_reader,
 )
 
@@ -65,6 +68,35 @@ class _Refresh:
         self.done = trio.Event()
         self.directive: Directive | None = None
         self.error = ""
+
+
+# A started read's wait: Trio-async, the answers in the order `take` gave the keys.
+Started = Callable[[], Awaitable[list[DirectiveOrError]]]
+
+
+class BatchStart(Protocol):
+    """A source's `start_directives(take, on_answers)`: start one round trip now, on the
+    I/O side of the loop, for the keys `take()` returns when that side first runs; the
+    Trio-async wait it returns gives the answers (and cancels the read when cancelled)."""
+
+    def __call__(self, take: Callable[[], list[Wanted]], on_answers: Answers) -> Started: ...
+
+
+def batch_starter(source: DirectiveSource) -> BatchStart | None:
+    """The source's `start_directives` when it reads keys together (`batch_reader`), else None."""
+    start: BatchStart | None = getattr(source, "start_directives", None)
+    return start if batch_reader(source) is not None else None
+
+
+class _Batch:
+    """The keys a started read took when its I/O side first ran, and their reads."""
+
+    __slots__ = ("keys", "reads", "taken")
+
+    def __init__(self) -> None:
+        self.taken = False
+        self.keys: list[tuple[str, str]] = []
+        self.reads: list[_Refresh] = []
 
 
 class _Entry(msgspec.Struct):
@@ -191,13 +223,71 @@ class DirectiveCache:
         return Answer(read.directive, "")
 
     def _queue(self, key: tuple[str, str], version: str) -> _Refresh:
-        """Queue a read of `key`; the first key queued starts the task that reads them all."""
+        """Queue a read of `key`; the first key queued starts the read of them all."""
         assert self._nursery is not None
         read = self._reading[key] = _Refresh()
         self._queued[key] = version
         if len(self._queued) == 1:
-            self._nursery.start_soon(self._read_queued)
+            self._start_read()
         return read
+
+    def _start_read(self) -> None:
+        """Start the read of the keys queued from now until its I/O side first runs.
+
+        With a source that can start it there (`start_directives`: Redis's asyncio
+        side), the round trip is sent in the loop's next round of I/O callbacks,
+        ahead of the Trio tasks that the calls queued behind it start (each call's
+        crossing, with its branches' set-up): a Trio task of the cache's would run
+        in a random order among those, behind all five crossings half the time.
+        The cache's own Trio task still owns the read: it waits for it under
+        `refresh_timeout` and cancels it when it ends first.
+        """
+        assert self._nursery is not None
+        start = batch_starter(self.source)
+        if start is not None:
+            batch = _Batch()
+            try:
+                wait = start(
+                    functools.partial(self._take, batch),
+                    functools.partial(self._deliver_batch, batch),
+                )
+            except SourceError:
+                pass  # e.g. the source is closed: the read below says so to every waiter
+            else:
+                self._nursery.start_soon(self._read_started, batch, wait)
+                return
+        self._nursery.start_soon(self._read_queued)
+
+    def _take(self, batch: _Batch) -> list[Wanted]:
+        """The queued keys, for the started read `batch` (once): later keys start another."""
+        if batch.taken:
+            return []
+        batch.taken = True
+        queued, self._queued = self._queued, {}
+        batch.keys = list(queued)
+        batch.reads = [self._reading[key] for key in batch.keys]
+        return [(org, agent, version) for (org, agent), version in queued.items()]
+
+    def _deliver_batch(self, batch: _Batch, answers: list[DirectiveOrError]) -> None:
+        self._deliver(batch.keys, batch.reads, answers)
+
+    async def _read_started(self, batch: _Batch, wait: Started) -> None:
+        """Wait for a started read under `refresh_timeout`; never raises. A read that ends
+        before its I/O side took the keys takes them here, and fails them with its error."""
+
+        def reads() -> list[_Refresh]:
+            self._take(batch)
+            return batch.reads
+
+        async def work() -> None:
+            answers = await wait()
+            self._deliver_batch(batch, answers)
+
+        try:
+            await self._guarded(reads, work)
+        finally:
+            for key, read in zip(batch.keys, batch.reads, strict=True):
+                self._finish(key, read)
 
     async def _read_queued(self) -> None:
         """Read every key queued before this task ran; never raises.
@@ -223,7 +313,9 @@ class DirectiveCache:
         """Read `key` for every waiter, under `refresh_timeout`; never raises."""
         read = self._reading[key]
         try:
-            await self._guarded([read], functools.partial(self._store_one, key, version, read))
+            await self._guarded(
+                lambda: [read], functools.partial(self._store_one, key, version, read)
+            )
         finally:
             self._finish(key, read)
 
@@ -236,7 +328,9 @@ class DirectiveCache:
         keys = list(queued)
         reads = [self._reading[key] for key in keys]
         try:
-            await self._guarded(reads, functools.partial(self._store_batch, many, queued, reads))
+            await self._guarded(
+                lambda: reads, functools.partial(self._store_batch, many, queued, reads)
+            )
         finally:
             for key, read in zip(keys, reads, strict=True):
                 self._finish(key, read)
@@ -273,8 +367,10 @@ class DirectiveCache:
             del self._reading[key]
         read.done.set()
 
-    async def _guarded(self, reads: list[_Refresh], work: Callable[[], Awaitable[None]]) -> None:
-        """`work()` under `refresh_timeout`; any failure becomes the reads' error."""
+    async def _guarded(
+        self, reads: Callable[[], list[_Refresh]], work: Callable[[], Awaitable[None]]
+    ) -> None:
+        """`work()` under `refresh_timeout`; any failure becomes the error of `reads()`."""
         timeout = self.config.refresh_timeout
         try:
             with trio.fail_after(timeout):
@@ -292,8 +388,8 @@ class DirectiveCache:
             log.exception("directive_refresh_failed")
 
     @staticmethod
-    def _fail(reads: list[_Refresh], error: str) -> None:
-        for read in reads:
+    def _fail(reads: Callable[[], list[_Refresh]], error: str) -> None:
+        for read in reads():
             if not read.done.is_set():  # an answer already delivered stands
                 read.directive, read.error = None, error
 

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
@@ -322,6 +322,46 @@ class RedisDirectiveSource:
             raise SourceError("redis directive source is closed")
         keys = [directive_key(org_id, agent_id) for org_id, agent_id, _ in wanted]
         return await trio_asyncio.aio_as_trio(self._get_many)(keys, on_answers)
+
+    def start_directives(
+        self,
+        take: Callable[[], list[tuple[str, str, str]]],
+        on_answers: Callable[[list[Directive | SourceError | None]], None],
+    ) -> Callable[[], Awaitable[list[Directive | SourceError | None]]]:
+        """Start `get_directives` now, as an asyncio task, for the keys `take()` returns
+        when that task first runs; return the Trio-async wait for its answers. No I/O here.
+
+        Called from the asyncio side (a gRPC handler's step), the task's first step
+        is queued on the loop behind that step: every call read from the same socket
+        read queues its key before the task takes them (one MGET), and the command is
+        sent in the loop's next round of callbacks, before the Trio tasks those calls
+        start. The wait owns the task: cancelled (or never awaited past a
+        cancellation), it cancels the task, whose lease closes its connection."""
+        if self._closed:
+            raise SourceError("redis directive source is closed")
+        task = asyncio.get_running_loop().create_task(self._take_many(take, on_answers))
+
+        async def wait() -> list[Directive | SourceError | None]:
+            try:
+                answers: list[Directive | SourceError | None] = (
+                    await trio_asyncio.run_aio_future(task)
+                )
+                return answers
+            finally:
+                task.cancel()  # a no-op once it is done
+
+        return wait
+
+    async def _take_many(
+        self,
+        take: Callable[[], list[tuple[str, str, str]]],
+        on_answers: Callable[[list[Directive | SourceError | None]], None],
+    ) -> list[Directive | SourceError | None]:
+        wanted = take()
+        if not wanted:
+            return []
+        keys = [directive_key(org_id, agent_id) for org_id, agent_id, _ in wanted]
+        return await self._get_many(keys, on_answers)
 
     def _decode(self, raw: bytes | SourceError | None) -> Directive | SourceError | None:
         if isinstance(raw, SourceError):
