@@ -436,8 +436,10 @@ async def open_assembler(
             redis, kind = redis_directive_source(settings)
             directive_source = redis
             backend.append(kind)
+            # Two connections: a burst whose calls come in two socket reads sends two
+            # batched reads at once, and the second must not connect on its calls' path.
             dependencies.append(
-                Dependency("redis", redis_target(settings), functools.partial(redis.warm, 1))
+                Dependency("redis", redis_target(settings), functools.partial(redis.warm, 2))
             )
             cache_config = layer_config(DirectiveCacheConfig, settings)
             if cache_config.max_entries > 0:

@@ -3,7 +3,8 @@
 Marks each step of a call's directive read on one clock (`time.perf_counter`,
 milliseconds), keyed by the call's agent (a burst's calls are for different
 agents): the request decoded, the crossing into Trio, the directive branch's
-start, the cache's read task, the GET's asyncio side (connection leased,
+start, the cache's read task (or, for a read started on the asyncio side, the
+moment it takes the queued keys), the GET's asyncio side (connection leased,
 command sent, reply bytes fed to the stream, reply parsed), the return to
 Trio, the branch's end, the work done as branches land, the pipeline and the
 send, each with the number of Trio scheduler passes (I/O checks) so far. A Trio
@@ -114,6 +115,16 @@ def _install() -> None:
             await queued(self)
 
         cache_module.DirectiveCache._read_queued = timed_queued  # type: ignore[attr-defined]
+    take = getattr(cache_module.DirectiveCache, "_take", None)
+    if take is not None:  # a read started on the asyncio side takes the queued keys
+
+        def timed_take(self: Any, batch: Any) -> Any:
+            wanted = take(self, batch)
+            for _, agent, _ in wanted:
+                mark(agent, "cache read task")
+            return wanted
+
+        cache_module.DirectiveCache._take = timed_take  # type: ignore[attr-defined]
     prefetch = getattr(cache_module.DirectiveCache, "prefetch", None)
     if prefetch is not None:
 
