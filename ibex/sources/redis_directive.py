@@ -156,6 +156,10 @@ class _Reader(Protocol):
     async def close(self) -> None: ...
 
 
+# Several agents' answers, in the order asked: a directive, None (no key) or the key's error.
+_Answers = list[Directive | SourceError | None]
+
+
 def _malformed_url() -> SourceError:
     # The URL may hold a password: never echo it.
     return SourceError("redis url: malformed (expected redis://, rediss:// or unix://)")
@@ -339,13 +343,15 @@ class RedisDirectiveSource:
         cancellation), it cancels the task, whose lease closes its connection."""
         if self._closed:
             raise SourceError("redis directive source is closed")
-        task = asyncio.get_running_loop().create_task(self._take_many(take, on_answers))
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            raise SourceError("redis directive source: no asyncio loop running") from None
+        task = loop.create_task(self._take_many(take, on_answers))
 
         async def wait() -> list[Directive | SourceError | None]:
             try:
-                answers: list[Directive | SourceError | None] = (
-                    await trio_asyncio.run_aio_future(task)
-                )
+                answers: _Answers = await trio_asyncio.run_aio_future(task)
                 return answers
             finally:
                 task.cancel()  # a no-op once it is done

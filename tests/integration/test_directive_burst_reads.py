@@ -100,7 +100,7 @@ async def burst(
         return (await cache.fetch(ORG, agent, "")).value
 
     async def handlers() -> list[Any]:
-        loop = asyncio.get_running_loop()
+        loop: Any = asyncio.get_running_loop()  # trio-asyncio's, with `trio_as_future`
         futures: list[asyncio.Future[Any]] = []
         names = agents(round_)
         step = -(-len(names) // reads)

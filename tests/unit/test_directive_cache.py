@@ -681,3 +681,76 @@ async def test_answers_told_before_the_read_returns_wake_their_callers_then(
         await trio.sleep(1.0)  # the read task's timeout has fired meanwhile
         assert c.cached(ORG, AGENTS[0], V1) == Answer(directive(V1), "cache")
         assert c._reading == {}
+
+
+class StartStore(BatchStore):
+    """A batch source whose reads start at once (`start_directives`, as Redis's asyncio
+    side does): the keys are taken when the read's I/O side first runs, here when its
+    wait begins. `refuse` makes the start fail; `lose` ends the read before it took them."""
+
+    def __init__(self, delay: float | None) -> None:
+        super().__init__(delay)
+        self.starts = 0
+        self.refuse: SourceError | None = None
+        self.lose: SourceError | None = None
+
+    def start_directives(self, take: Any, on_answers: Any) -> Any:
+        if self.refuse is not None:
+            raise self.refuse
+        self.starts += 1
+        lose, self.lose = self.lose, None
+
+        async def wait() -> list[Directive | SourceError | None]:
+            if lose is not None:
+                raise lose
+            return await self.get_directives(take(), on_answers=on_answers)
+
+        return wait
+
+
+async def test_a_started_read_is_one_read_of_the_keys_queued_before_it_took_them(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    store = StartStore(0.002)
+    for i, agent in enumerate(AGENTS):
+        store.values[(ORG, agent)] = directive(V1, f"agent {i}")
+    async with owned(store) as c:
+        for agent in AGENTS:
+            c.prefetch(ORG, agent, "")
+        got = await fetch_all(c, AGENTS)
+    assert store.starts == 1
+    assert [sorted(b) for b in store.batches] == [[(ORG, agent, "") for agent in AGENTS]]
+    assert got == {a: Answer(directive(V1, f"agent {i}"), "") for i, a in enumerate(AGENTS)}
+
+
+async def test_a_started_read_that_ends_before_taking_its_keys_fails_them_and_reads_again(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Its callers get its error (none waits for ever), and the next miss starts a read."""
+    store = StartStore(0.002)
+    store.values[(ORG, AGENTS[0])] = directive(V1)
+    store.lose = SourceError("redis: connection failed")
+    async with owned(store) as c:
+        assert await fetch_all(c, AGENTS[:2]) == {a: "redis: connection failed" for a in AGENTS[:2]}
+        assert await c.fetch(ORG, AGENTS[0], "") == Answer(directive(V1), "")
+    assert store.starts == 2 and len(store.batches) == 1
+
+
+async def test_a_started_read_is_bounded_by_the_refresh_timeout(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    store = StartStore(None)
+    async with owned(store, refresh_timeout=0.5) as c:
+        assert await fetch_all(c, AGENTS[:2]) == {a: "no answer within 500ms" for a in AGENTS[:2]}
+    assert store.starts == 1
+
+
+async def test_a_read_the_source_cannot_start_is_read_from_the_cache_task(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    store = StartStore(0.002)
+    store.values[(ORG, AGENTS[0])] = directive(V1)
+    store.refuse = SourceError("redis directive source: no asyncio loop running")
+    async with owned(store) as c:
+        assert await c.fetch(ORG, AGENTS[0], "") == Answer(directive(V1), "")
+    assert store.starts == 0 and len(store.batches) == 1
