@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
@@ -73,6 +74,8 @@ from ibex.sources.directive_envelope import MAX_VALUE_BYTES, decode_directive, d
 from ibex.sources.redis_cluster import ClusterReader
 
 __all__ = ["RedisDirectiveSource", "RedisOptions", "decode_directive", "directive_key"]
+
+log = logging.getLogger(__name__)
 
 CLIENT_NAME: Final = "ibex-directive"
 # TLS options of the data nodes' URL (or keyword arguments) that the sentinels'
@@ -392,12 +395,24 @@ class RedisDirectiveSource:
     ) -> list[Directive | SourceError | None]:
         """asyncio side: every key through the reader (`get` for one, `get_many`),
         errors mapped to SourceError (a whole round trip's raised, a key's own in its
-        place), values decoded; `on_answers` told before they are returned."""
+        place), values decoded; `on_answers` told before they are returned, on one
+        endpoint or Sentinel as soon as the reply's bytes arrive (`_PoolReader.get_early`)."""
+        told = False
+
+        def early(raws: list[bytes | None]) -> None:
+            nonlocal told
+            assert on_answers is not None
+            on_answers([self._decode(raw) for raw in raws])
+            told = True
+
+        reader = self._reader
         try:
-            if len(keys) == 1:
-                replies: list[object] = [await self._reader.get(keys[0])]
+            if on_answers is not None and isinstance(reader, _PoolReader):
+                replies: list[object] = await reader.get_early(keys, early, self._max_value_bytes)
+            elif len(keys) == 1:
+                replies = [await reader.get(keys[0])]
             else:
-                replies = await self._reader.get_many(keys)
+                replies = await reader.get_many(keys)
         except (RedisError, OSError) as exc:
             raise _source_error(exc) from None
         if len(replies) != len(keys):
@@ -416,7 +431,7 @@ class RedisDirectiveSource:
                 except SourceError as exc:
                     out.append(exc)
         answers = [self._decode(raw) for raw in out]
-        if on_answers is not None:
+        if on_answers is not None and not told:
             on_answers(answers)
         return answers
 
@@ -468,11 +483,27 @@ class _PoolReader:
             raise SourceError(f"redis: unexpected reply type {type(reply).__name__}")
         return reply
 
-    async def _command(self, *command: str) -> object:
+    async def get_early(
+        self, keys: list[str], early: Callable[[list[bytes | None]], None], limit: int
+    ) -> list[object]:
+        """GET (one key) or MGET, with `early` told the values in the transport's data
+        callback, as soon as the whole reply has arrived: the task that reads the reply
+        (and whatever waits on it) runs a pass of the loop later. A reply that is not a
+        plain one (an error, a value over `limit` bytes, bytes before it such as a
+        health-check PONG) is never told early; the usual parse still answers."""
+        command = ("GET", *keys) if len(keys) == 1 else ("MGET", *keys)
+        reply = await self._command(*command, early=_EarlyReply(len(keys) > 1, keys, limit, early))
+        if len(keys) == 1:
+            return [reply]
+        if not isinstance(reply, list):
+            raise SourceError(f"redis: unexpected reply type {type(reply).__name__}")
+        return reply
+
+    async def _command(self, *command: str, early: _EarlyReply | None = None) -> object:
         retries = self._retries
         while True:
             try:
-                return await self._leased(*command)
+                return await self._leased(*command, early=early)
             except _BrokenConnection:
                 if retries <= 0:
                     raise
@@ -507,9 +538,10 @@ class _PoolReader:
             if self._sentinel is not None:
                 await self._sentinel.aclose()
 
-    async def _leased(self, *command: str) -> object:
+    async def _leased(self, *command: str, early: _EarlyReply | None = None) -> object:
         pool = self.pool
         conn = await pool.get_connection()
+        watched = None if early is None else early.watch(conn)
         try:
             await conn.send_command(*command)
             return await conn.read_response(disable_decoding=True)
@@ -523,7 +555,124 @@ class _PoolReader:
                 raise _BrokenConnection(str(exc)) from exc
             raise
         finally:
+            if watched is not None:
+                watched.unwatch()
             await pool.release(conn)
+
+
+class _EarlyReply:
+    """Watches one leased connection's incoming bytes for the reply to a GET or MGET, and
+    tells `early` its values in the transport's data callback once it is whole.
+
+    Only the bytes fed after the lease are parsed, from their first byte (a leased
+    connection has none pending: redis-py checks that when it leases), and only a
+    reply of exactly the expected shape, ending at the last byte received, is told:
+    anything else (an error reply, a health-check PONG first, a value over `limit`,
+    bytes past the reply) stops the watch, and the usual parse answers alone. The
+    value bytes are never taken for framing: each bulk's length is read first."""
+
+    __slots__ = ("_buf", "_early", "_limit", "_many", "_n", "_reader", "_told")
+
+    def __init__(
+        self, many: bool, keys: list[str], limit: int, early: Callable[[list[bytes | None]], None]
+    ) -> None:
+        self._many, self._n, self._limit, self._early = many, len(keys), limit, early
+        self._buf = bytearray()
+        self._told = False
+        self._reader: Any = None
+
+    def watch(self, conn: Any) -> _EarlyReply | None:
+        reader = getattr(conn, "_reader", None)
+        if not isinstance(reader, asyncio.StreamReader) or "feed_data" in vars(reader):
+            return None
+        feed = reader.feed_data
+
+        def fed(data: bytes) -> None:
+            feed(data)
+            if not self._told:
+                self._seen(data)
+
+        reader.feed_data = fed  # type: ignore[method-assign, assignment]
+        self._reader = reader
+        return self
+
+    def unwatch(self) -> None:
+        vars(self._reader).pop("feed_data", None)
+
+    def _seen(self, data: bytes) -> None:
+        self._buf += data
+        try:
+            values = parse_values(self._buf, self._n if self._many else None, self._limit)
+        except ValueError:
+            self._told = True  # not a plain reply: leave it to the usual parse
+            return
+        if values is not None:
+            self._told = True
+            try:
+                self._early(values)
+            except Exception:  # raised into the transport's callback, it would close it
+                log.exception("directive_early_answers_failed")
+
+
+def parse_values(
+    buf: bytes | bytearray, count: int | None, limit: int
+) -> list[bytes | None] | None:
+    """The values of a whole GET reply (`count` None: one bulk string) or MGET reply (an
+    array of `count` bulk strings), a missing key's value a null (RESP2's `$-1`, RESP3's
+    `_`), ending exactly at the end of `buf`; None while it is incomplete. ValueError for
+    anything else, or a value over `limit` bytes."""
+    pos = 0
+    if count is not None:
+        head = _line(buf, 0, b"*")
+        if head is None:
+            return None
+        digits, pos = head
+        if digits != str(count).encode():
+            raise ValueError("not the expected array")
+    values: list[bytes | None] = []
+    for _ in range(1 if count is None else count):
+        if buf[pos : pos + 1] == b"_":  # RESP3's null (redis-py speaks RESP3 when it can)
+            if len(buf) < pos + 3:
+                return None
+            if buf[pos + 1 : pos + 3] != b"\r\n":
+                raise ValueError("not a plain null")
+            values.append(None)
+            pos += 3
+            continue
+        head = _line(buf, pos, b"$")
+        if head is None:
+            return None
+        digits, pos = head
+        if digits == b"-1":
+            values.append(None)
+            continue
+        if not digits.isdigit() or len(digits) > 10 or int(digits) > limit:
+            raise ValueError("not a plain bulk string")
+        end = pos + int(digits)
+        if len(buf) < end + 2:
+            return None
+        if buf[end : end + 2] != b"\r\n":
+            raise ValueError("not a plain bulk string")
+        values.append(bytes(buf[pos:end]))
+        pos = end + 2
+    if pos != len(buf):
+        raise ValueError("bytes past the reply")
+    return values
+
+
+def _line(buf: bytes | bytearray, pos: int, kind: bytes) -> tuple[bytes, int] | None:
+    """The header line at `pos` of type `kind` (its digits, the position after it); None
+    while it is incomplete. ValueError for another type or an overlong line."""
+    if len(buf) <= pos:
+        return None
+    if buf[pos : pos + 1] != kind:
+        raise ValueError("unexpected reply type")
+    end = buf.find(b"\r\n", pos, pos + 16)
+    if end < 0:
+        if len(buf) - pos >= 16:
+            raise ValueError("overlong header")
+        return None
+    return bytes(buf[pos + 1 : end]), end + 2
 
 
 async def _drop_idle(pool: aredis.ConnectionPool) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import traceback
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -22,6 +23,7 @@ import pytest
 import trio
 import trio_asyncio
 
+from ibex.assembly.structs import Directive
 from ibex.service.edge.patches import batch_ready_callbacks
 from ibex.sources.directive_cache import DirectiveCache, DirectiveCacheConfig
 from ibex.sources.redis_directive import RedisDirectiveSource, _PoolReader, directive_key
@@ -75,9 +77,9 @@ def commands(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
     sent: list[tuple[str, int]] = []
     leased = _PoolReader._leased
 
-    async def counted(self: _PoolReader, *command: str) -> object:
+    async def counted(self: _PoolReader, *command: str, **options: Any) -> object:
         sent.append((command[0], len(command) - 1))
-        return await leased(self, *command)
+        return await leased(self, *command, **options)
 
     monkeypatch.setattr(_PoolReader, "_leased", counted)
     return sent
@@ -154,3 +156,27 @@ async def test_a_burst_in_two_socket_reads_costs_one_round_trip_each(
             assert all(seen[a] == [("MGET", 3), ("MGET", 2)] for a in names[3:])
             assert directive_clients(redis_server) == connections
             assert [a.content for a in answers] == [f"directive of {a}" for a in agents(r)]
+
+
+async def test_a_batched_reads_answers_are_told_as_its_reply_arrives(
+    redis_source: RedisDirectiveSource,
+) -> None:
+    """`on_answers` runs in the transport's data callback, where the reply's last bytes
+    arrive, not a loop pass later in the task that parses it; the same answers as the
+    read returns."""
+    told: list[tuple[bool, list[str | None]]] = []
+
+    def on_answers(answers: list[Any]) -> None:
+        arriving = any(f.name == "data_received" for f in traceback.extract_stack())
+        told.append((arriving, [a.content if isinstance(a, Directive) else None for a in answers]))
+
+    missing = (ORG, str(uuid.uuid4()), "")  # no such key: no directive
+    for wanted in ([(ORG, agents(0)[0], "")], [*((ORG, a, "") for a in agents(0)), missing]):
+        told.clear()
+        with trio.fail_after(10):
+            answers = await redis_source.get_directives(wanted, on_answers=on_answers)
+        contents = [a.content if isinstance(a, Directive) else None for a in answers]
+        assert told == [(True, contents)]
+        assert contents == [f"directive of {a}" for _, a, _ in wanted[:BURST]] + [None] * (
+            len(wanted) > 1
+        )

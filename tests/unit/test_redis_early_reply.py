@@ -1,0 +1,54 @@
+"""The early parse of a GET or MGET reply (`parse_values`): only a whole, plain reply of
+the expected shape is told early; anything else is left to redis-py's own parse."""
+
+from __future__ import annotations
+
+import pytest
+
+from ibex.sources.redis_directive import parse_values
+
+MGET = b'*3\r\n$13\r\n{"v": 1, "x"}\r\n$-1\r\n$12\r\nline\r\n$3\r\nab\r\n'
+
+
+def test_a_whole_mget_reply_gives_its_values_and_nil_as_none() -> None:
+    assert parse_values(MGET, 3, 100) == [b'{"v": 1, "x"}', None, b"line\r\n$3\r\nab"]
+    resp3 = MGET.replace(b"$-1\r\n", b"_\r\n")
+    assert parse_values(resp3, 3, 100) == parse_values(MGET, 3, 100)
+    for end in range(len(resp3)):
+        assert parse_values(resp3[:end], 3, 100) is None, end
+
+
+def test_every_strict_prefix_of_a_reply_is_incomplete() -> None:
+    """Framing comes from the lengths: a value holding `\\r\\n$3\\r\\n` is not a new bulk."""
+    for end in range(len(MGET)):
+        assert parse_values(MGET[:end], 3, 100) is None, end
+
+
+def test_a_get_reply_is_one_bulk_string_or_nil() -> None:
+    assert parse_values(b"$5\r\nhello\r\n", None, 100) == [b"hello"]
+    assert parse_values(b"$-1\r\n", None, 100) == [None]
+    assert parse_values(b"_\r\n", None, 100) == [None]  # RESP3's null
+    assert parse_values(b"$0\r\n\r\n", None, 100) == [b""]
+
+
+@pytest.mark.parametrize(
+    ("raw", "count"),
+    [
+        (b"-ERR wrong number of arguments\r\n", 3),  # an error reply
+        (b"+PONG\r\n" + MGET, 3),  # a health check's answer first
+        (MGET + b"+PONG\r\n", 3),  # bytes past the reply
+        (MGET, 2),  # another count than the keys asked
+        (b"*3\r\n$101\r\n", 3),  # a value over the limit
+        (b"$5\r\nhelloXY", None),  # no CRLF after the value
+        (b"$-2\r\n", None),
+        (b"$+5\r\nhello\r\n", None),
+        (b"$" + b"9" * 20 + b"\r\n", None),  # an overlong header
+        (b"*1\r\n:1\r\n", 1),  # an integer, not a bulk string
+        (b"_x\r\n", None),
+    ],
+)
+def test_anything_but_a_plain_reply_of_the_expected_shape_is_refused(
+    raw: bytes, count: int | None
+) -> None:
+    with pytest.raises(ValueError):
+        parse_values(raw, count, 100)
