@@ -120,11 +120,13 @@ class DirectiveCache:
     Entered with `async with`, misses are read once per key in a task the cache
     owns, under `refresh_timeout`, and every caller missing on that key waits for
     that one read (each no longer than its own branch allows). Keys missed before
-    that task runs are read with it, in one `get_directives` call where the source
-    offers one (one MGET on Redis): a burst of calls for different agents costs one
-    round trip and one set of loop crossings, not one each, and its answers wake
-    their callers as soon as the source has them. `prefetch` queues a call's read
-    as soon as the call is known, before its own work. A read is then never
+    the read takes them are read with it, in one `get_directives` call where the
+    source offers one (one MGET on Redis): a burst of calls for different agents
+    costs one round trip and one set of loop crossings, not one each, and its
+    answers wake their callers as soon as the source has them. A source that offers
+    `start_directives` (Redis) starts that read on its I/O side at once, ahead of
+    the Trio work of the calls that queued it (see `_start_read`). `prefetch` queues
+    a call's read as soon as the call is known, before its own work. A read is then never
     cut by a caller's branch timeout: on a saturated loop a Redis GET rarely makes a
     5 ms branch, and a cut GET closes its connection, so without this an expired
     entry would stay expired, every call for that agent would reconnect, and the
