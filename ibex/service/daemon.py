@@ -18,7 +18,7 @@ import signal
 import ssl
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractAsyncContextManager, contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import grpclib.server
 import msgspec
@@ -29,6 +29,7 @@ from grpclib.health.check import ServiceStatus
 from grpclib.health.service import Health
 
 from ibex.assembly.tokens import Tokenizers
+from ibex.envvar import env
 from ibex.errors import ListenError
 from ibex.netaddr import bind_problem, join_host_port
 from ibex.ops.branch_errors import BranchErrors
@@ -63,7 +64,7 @@ class DaemonConfig(msgspec.Struct, frozen=True):
     host: str = "127.0.0.1"
     port: int = 9092
     reuse_port: bool = False
-    drain_grace: float = 10.0
+    drain_grace: Annotated[float, env("IBEX_CONTEXT_DRAIN_GRACE", unit="s")] = 10.0
     connections: ConnectionsConfig = ConnectionsConfig()
     # This process's own ports besides `port` (a worker's WORKER_PORT_BASE + i), so a
     # client can balance calls over workers; and its worker slot, sent to callers

@@ -15,7 +15,7 @@ import logging
 import time
 import weakref
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import grpclib.const
 import grpclib.server
@@ -29,6 +29,7 @@ from ibex.assembly.candidates import SearchFilter, SearchResult
 from ibex.assembly.feedback_rules import MAX_FEEDBACK_IDS, Feedback, validate_feedback
 from ibex.assembly.structs import AssemblyRequest, AssemblyResult
 from ibex.assembly.validation import MAX_SEARCH_CATEGORIES, MAX_SEARCH_TAGS
+from ibex.envvar import env
 from ibex.errors import (
     DeadlineError,
     IbexError,
@@ -93,7 +94,9 @@ def method_label(path: str) -> str:
 class EdgeConfig(msgspec.Struct, frozen=True):
     """What the handlers need beyond the assembler; the settings table's defaults equal these."""
 
-    max_message_bytes: int = 4 * 1024 * 1024
+    max_message_bytes: Annotated[
+        int, env("IBEX_CONTEXT_MAX_MESSAGE_BYTES", bounds=(1024, 256 * 1024 * 1024))
+    ] = 4 * 1024 * 1024
     # RecordMemoryFeedback's time for both attempts when the caller sets no deadline.
     feedback_timeout: float = 2.0
 

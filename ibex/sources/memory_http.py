@@ -39,7 +39,7 @@ import functools
 import ssl
 import types
 from contextlib import AsyncExitStack
-from typing import Final, Literal, Self
+from typing import Annotated, Final, Literal, Self
 from urllib.parse import quote
 
 import msgspec
@@ -48,6 +48,7 @@ import trio
 
 from ibex.assembly.feedback_rules import Feedback, ScoreUpdate
 from ibex.assembly.structs import MemoryHit
+from ibex.envvar import env
 from ibex.sources.base import SourceError
 from ibex.sources.cpu import niced
 from ibex.sources.feedback_sender import (
@@ -62,9 +63,26 @@ from ibex.sources.memory_schema import DEFAULT_MAX_CONTENT_BYTES, DecodedAnswers
 
 HOT_PATH = "/v1/memories/hot"
 SEARCH_PATH = "/v1/memories/search"
-# A whole answer of the contract's largest page (100 memories at the 32 KiB
-# content cap) is about 3.3 MiB; anything longer is not an answer to our request.
-DEFAULT_MAX_RESPONSE_BYTES = 4 * 1024 * 1024
+
+
+class MemoryServiceConfig(msgspec.Struct, frozen=True):
+    """Bounds of the memory-service client: its pools, a whole answer, one memory."""
+
+    #: Keep-alive connections per branch (hot and cold have a pool each).
+    pool_size: Annotated[int, env("IBEX_CONTEXT_MEMORY_POOL_SIZE", bounds=(1, 4096))] = 32
+    #: A whole answer of the contract's largest page (100 memories at the 32 KiB content
+    #: cap) is about 3.3 MiB; anything longer is not an answer to our request.
+    max_response_bytes: Annotated[
+        int, env("IBEX_CONTEXT_MEMORY_MAX_RESPONSE_BYTES", bounds=(1024, 1024**3))
+    ] = 4 * 1024 * 1024
+    #: One memory's content (the local source reads it too).
+    max_content_bytes: Annotated[
+        int, env("IBEX_CONTEXT_MEMORY_MAX_CONTENT_BYTES", bounds=(1, 64 * 1024 * 1024))
+    ] = DEFAULT_MAX_CONTENT_BYTES
+
+
+_DEFAULTS = MemoryServiceConfig()
+DEFAULT_MAX_RESPONSE_BYTES = _DEFAULTS.max_response_bytes
 USER_AGENT = "ibex-context"
 # Answers longer than this are decoded in a worker thread. msgspec holds the GIL
 # while it runs, so the thread does not make one decode call interruptible; but a
@@ -109,7 +127,7 @@ class MemoryHttpSource:
         base_url: str,
         token: str,
         *,
-        pool_size: int = 32,
+        pool_size: int = _DEFAULTS.pool_size,
         transport_timeout: float = 2.0,
         keepalive_expiry: float = 5.0,
         max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,

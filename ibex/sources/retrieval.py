@@ -15,7 +15,7 @@ import asyncio
 import logging
 import math
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import Annotated, Any, Protocol
 
 import msgspec
 import trio
@@ -28,6 +28,7 @@ from ibex.assembly.structs import (
     Directive,
     MemoryHit,
 )
+from ibex.envvar import env
 from ibex.errors import SourceError
 from ibex.sources.base import (
     Answer,
@@ -47,15 +48,15 @@ class RetrievalConfig(msgspec.Struct, frozen=True):
     """Time and size limits of the retrieval layer (seconds). The daemon's values come from
     the settings table, whose defaults equal these (pinned by test_config_table.py)."""
 
-    timeout: float = 0.045
-    deadline: float = 0.040
-    directive_timeout: float = 0.005
-    hot_timeout: float = 0.015
-    cold_timeout: float = 0.045
-    pipeline_headroom: float = 0.010
-    hot_limit: int = 20
-    cold_limit: int = 20
-    min_confidence: float = 0.0
+    timeout: Annotated[float, env("IBEX_CONTEXT_TIMEOUT", unit="ms")] = 0.045
+    deadline: Annotated[float, env("IBEX_CONTEXT_DEADLINE_MS", unit="ms")] = 0.040
+    directive_timeout: Annotated[float, env("IBEX_CONTEXT_DIRECTIVE_TIMEOUT_MS", unit="ms")] = 0.005
+    hot_timeout: Annotated[float, env("IBEX_CONTEXT_HOT_TIMEOUT_MS", unit="ms")] = 0.015
+    cold_timeout: Annotated[float, env("IBEX_CONTEXT_COLD_TIMEOUT_MS", unit="ms")] = 0.045
+    pipeline_headroom: Annotated[float, env("IBEX_CONTEXT_PIPELINE_HEADROOM_MS", unit="ms")] = 0.010
+    hot_limit: Annotated[int, env("IBEX_CONTEXT_HOT_LIMIT", bounds=(1, 100))] = 20
+    cold_limit: Annotated[int, env("IBEX_CONTEXT_COLD_LIMIT", bounds=(1, 100))] = 20
+    min_confidence: Annotated[float, env("IBEX_CONTEXT_MIN_CONFIDENCE", bounds=(0.0, 1.0))] = 0.0
 
     @property
     def wall(self) -> float:

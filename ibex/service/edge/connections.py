@@ -36,10 +36,12 @@ import math
 import random
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Annotated, Any, Protocol
 
 import msgspec
 import trio
+
+from ibex.envvar import env
 
 log = logging.getLogger(__name__)
 
@@ -114,12 +116,22 @@ class ConnectionsConfig(msgspec.Struct, frozen=True):
 
     max_connections: int = MAX_CONNECTIONS_CEILING
     max_per_peer: int | None = None
-    auth_timeout: float | None = 10.0
-    first_call_grace: float = 2.0  # an unauthenticated connection this young is not evicted
-    peer_rate: float | None = 20.0  # new connections per second per peer IP (burst: twice)
-    tls_handshake_timeout: float = 5.0
-    idle_timeout: float | None = 300.0
-    max_age: float | None = None
+    auth_timeout: Annotated[float | None, env("IBEX_CONTEXT_CONNECTION_AUTH_TIMEOUT", unit="s")] = (
+        10.0
+    )
+    first_call_grace: Annotated[
+        float, env("IBEX_CONTEXT_CONNECTION_FIRST_CALL_GRACE", unit="s")
+    ] = 2.0  # an unauthenticated connection this young is not evicted
+    peer_rate: Annotated[
+        float | None, env("IBEX_CONTEXT_CONNECTION_RATE_PER_PEER", bounds=(0.1, 1_000_000.0))
+    ] = 20.0  # new connections per second per peer IP (burst: twice)
+    tls_handshake_timeout: Annotated[float, env("IBEX_CONTEXT_TLS_HANDSHAKE_TIMEOUT", unit="s")] = (
+        5.0
+    )
+    idle_timeout: Annotated[float | None, env("IBEX_CONTEXT_CONNECTION_IDLE_TIMEOUT", unit="s")] = (
+        300.0
+    )
+    max_age: Annotated[float | None, env("IBEX_CONTEXT_MAX_CONNECTION_AGE", unit="s")] = None
     age_grace: float = 10.0
     goaway_ack_timeout: float = 1.0
 
