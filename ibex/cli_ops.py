@@ -21,12 +21,15 @@ import ssl
 import sys
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from ibex.config import ConfigError, Settings, load_settings
+from ibex.errors import ConfigError
 from ibex.netaddr import split_host_port
+
+if TYPE_CHECKING:
+    from ibex.config import Settings
 
 SAMPLE_ORG = "00000000-0000-4000-8000-000000000001"
 SAMPLE_AGENT = "00000000-0000-4000-8000-0000000000a1"
@@ -334,6 +337,8 @@ class DirectiveCliError(Exception):
 
 def _directive_settings(args: argparse.Namespace) -> DirectiveRedis | int:
     try:
+        from ibex.config import load_settings  # the whole server's structs: only here
+
         return DirectiveRedis(load_settings())
     except ConfigError as exc:
         print(f"ibex directive {args.action}: configuration error: {exc}", file=sys.stderr)
