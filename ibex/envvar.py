@@ -90,7 +90,7 @@ def declared(struct: type[msgspec.Struct]) -> list[Declared]:
             raise TypeError(f"{struct.__name__}.{field.name} declares two variables")
         if field.default is msgspec.NODEFAULT:
             raise TypeError(f"{struct.__name__}.{field.name} declares a variable but no default")
-        extra = metas[0].extra
+        extra: dict[str, Any] = metas[0].extra or {}
         out.append(
             Declared(
                 variable=extra["env"],

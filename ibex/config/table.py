@@ -115,9 +115,8 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         if raw is not None and raw.strip() != "":
             (layers[row.layer] if row.layer else own)[row.field] = row.parse(name, raw)
     check_combinations(own)
-    settings = Settings(
-        **own, **{name: LAYERS[name](**values) for name, values in layers.items() if values}
-    )
+    built: dict[str, Any] = {name: LAYERS[name](**values) for name, values in layers.items()}
+    settings = Settings(**own, **built)
     settings.check_worker_ports()
     return settings
 
