@@ -57,7 +57,9 @@ from ibex.sources.feedback_sender import (
     FeedbackRetryable,
     decode_updates,
 )
-from ibex.sources.http_pool import HttpPool, PoolStats, TransportError, split_base_url
+from ibex.sources.http_exchange import split_base_url
+from ibex.sources.http_framing import TransportError
+from ibex.sources.http_pool import HttpPool, PoolStats
 from ibex.sources.memory_schema import DEFAULT_MAX_CONTENT_BYTES, DecodedAnswers, decode_hits
 
 HOT_PATH = "/v1/memories/hot"
