@@ -171,10 +171,10 @@ def config_warnings(settings: Settings) -> list[str]:
     """
     out: list[str] = []
     retrieval = layer_config(RetrievalConfig, settings)
-    wall = format_duration(retrieval.wall)
+    wall = format_duration(retrieval.time_limit)
     for field in ("directive_timeout", "hot_timeout", "cold_timeout"):
         value = getattr(settings, field)
-        if value is not UNSET and value > retrieval.wall:
+        if value is not UNSET and value > retrieval.time_limit:
             out.append(
                 f"{PREFIX}{TABLE[field].suffix}: {format_duration(value)} is above the retrieval "
                 f"wall of {wall} (min({PREFIX}TIMEOUT, {PREFIX}DEADLINE_MS)), which cuts "
