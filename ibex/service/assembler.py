@@ -44,7 +44,7 @@ from ibex.service.dependencies import Dependency
 from ibex.service.queues import WorkerThreads, default_threads
 from ibex.sources.base import DirectiveSource, MemorySource, prefetch_directive
 from ibex.sources.feedback_sender import FeedbackSink
-from ibex.sources.retrieval import RetrievalConfig, Retrieved, retrieve, search
+from ibex.sources.retrieval import RetrievalConfig, Retrieved, cold_search, retrieve
 
 if TYPE_CHECKING:
     from ibex.ops.otel_sdk import CallTrace
@@ -78,7 +78,7 @@ def _log_tenant_filtered(count: int, **ids: str) -> None:
 
 
 class _Early:
-    """Does a call's pipeline work as its branches land (the retrieval's `Landing`).
+    """Does a call's pipeline work as its branches land (the retrieval's `BranchListener`).
 
     In the loop, synchronously, and bounded: the text handed to the early work
     stays within `budget` characters in all (what the loop may count for one
@@ -98,11 +98,11 @@ class _Early:
         self.directive: Directive | None = None
         self.directive_known = False
 
-    def known(self, source: BranchSource, value: Any) -> None:
+    def answered_at_start(self, source: BranchSource, value: Any) -> None:
         if source == "directive":
             self.directive, self.directive_known = value, True
 
-    def landed(self, source: BranchSource, value: Any) -> None:
+    def branch_ended(self, source: BranchSource, value: Any) -> None:
         if self.prepared is None:
             return
         try:
@@ -269,7 +269,7 @@ class Assembler:
                 deadline=deadline,
                 arrived=arrived,
                 branch_starts=starts,
-                landing=early,
+                listener=early,
             )
         inputs = AssemblyInputs(
             request=request,
@@ -350,7 +350,7 @@ class Assembler:
         With filters that narrow after the fetch, the source is asked for the cap.
         """
         fetch = MAX_MEMORIES_HARD_CAP if flt.narrows else flt.limit
-        hits = await search(
+        hits = await cold_search(
             self._searchable(),
             flt.org_id,
             flt.agent_id,

@@ -123,14 +123,14 @@ def config_warnings(settings: Settings) -> list[str]:
     """
     out: list[str] = []
     retrieval = settings.retrieval
-    wall = format_duration(retrieval.wall)
+    wall = format_duration(retrieval.time_limit)
     # A branch timeout at its default is bounded by the wall by design (cold's 45 ms).
     branches = ("directive_timeout", "hot_timeout", "cold_timeout")
     for row in TABLE.values():
         if row.owner is not RetrievalConfig or row.field not in branches:
             continue
         value = row.value(settings)
-        if value != row.default and value > retrieval.wall:
+        if value != row.default and value > retrieval.time_limit:
             out.append(
                 f"{row.variable}: {format_duration(value)} is above the retrieval "
                 f"wall of {wall} (min({PREFIX}TIMEOUT, {PREFIX}DEADLINE_MS)), which cuts "

@@ -184,7 +184,7 @@ def _install() -> None:
 
     asyncio.StreamReader.feed_data = timed_feed  # type: ignore[method-assign]
 
-    landed = assembler_module._Early.landed
+    landed = assembler_module._Early.branch_ended
 
     def timed_landed(self: Any, source: str, value: Any) -> None:
         agent = self.prepared.request.agent_id if self.prepared is not None else "?"
@@ -192,7 +192,7 @@ def _install() -> None:
         landed(self, source, value)
         mark(agent, f"landed {source} done")
 
-    assembler_module._Early.landed = timed_landed  # type: ignore[method-assign]
+    assembler_module._Early.branch_ended = timed_landed  # type: ignore[method-assign]
 
     pure = assembler_module.assemble_pure
 
