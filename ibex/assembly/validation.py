@@ -29,8 +29,8 @@ MAX_LABEL_LENGTH = MAX_ID_LENGTH
 
 
 class RequestLimits(msgspec.Struct, frozen=True):
-    """Per-request input bounds (IBEX_CONTEXT_MAX_*); the defaults serve a core used alone,
-    the daemon's come from the settings table (pinned equal by test_config_table.py)."""
+    """Per-request input bounds; each field declares the variable that sets it, and its
+    default serves the daemon and a core used alone."""
 
     max_history_messages: Annotated[
         int, env("IBEX_CONTEXT_MAX_HISTORY_MESSAGES", bounds=(0, 100_000))

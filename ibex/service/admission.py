@@ -99,8 +99,8 @@ _CPU_EWMA = 0.5  # weight of the newest window in the utilisation and CPU-per-ca
 
 
 class AdmissionConfig(msgspec.Struct, frozen=True):
-    """Admission limits (seconds). The daemon's values come from the settings table, whose
-    defaults equal these (pinned by test_config_table.py)."""
+    """Admission limits (seconds). A field an operator sets declares its variable
+    (`ibex.envvar.env`); its default here is the only one."""
 
     max_in_flight: Annotated[int, env("IBEX_CONTEXT_MAX_IN_FLIGHT", bounds=(1, 100_000))] = 256
     max_in_flight_bytes: Annotated[

@@ -46,8 +46,8 @@ _DETAIL_MAX = 200
 
 
 class RetrievalConfig(msgspec.Struct, frozen=True):
-    """Time and size limits of the retrieval layer (seconds). The daemon's values come from
-    the settings table, whose defaults equal these (pinned by test_config_table.py)."""
+    """Time and size limits of the retrieval layer (seconds). Each field declares the
+    variable that sets it (`ibex.envvar.env`); its default here is the only one."""
 
     timeout: Annotated[float, env("IBEX_CONTEXT_TIMEOUT", unit="ms")] = 0.045
     deadline: Annotated[float, env("IBEX_CONTEXT_DEADLINE_MS", unit="ms")] = 0.040
