@@ -92,7 +92,7 @@ def method_label(path: str) -> str:
 
 
 class EdgeConfig(msgspec.Struct, frozen=True):
-    """What the handlers need beyond the assembler; a setting's variable is declared on its field."""
+    """What the handlers need beyond the assembler; a setting's variable is on its field."""
 
     max_message_bytes: Annotated[
         int, env("IBEX_CONTEXT_MAX_MESSAGE_BYTES", bounds=(1024, 256 * 1024 * 1024))
