@@ -76,6 +76,7 @@ import msgspec
 from ibex.errors import DeadlineError, IbexError, Overloaded, Unavailable
 from ibex.ops.metrics import Metrics
 from ibex.service.budgets import Reservation, Shares, UnauthenticatedBytes
+from ibex.service.edge.deadline import CallDeadline
 from ibex.service.policies import (
     GATE_CPU_MESSAGE as GATE_CPU_MESSAGE,  # re-exported: the gate's messages
 )
@@ -202,22 +203,31 @@ class CpuLoad:
 
 
 class Ticket:
-    """One admitted call: when it arrived and by when it must be answered (monotonic)."""
+    """One admitted call and its deadline (`CallDeadline`: arrival and due time, monotonic)."""
 
-    __slots__ = ("arrived", "deadline", "started")
+    __slots__ = ("deadline", "started")
 
-    def __init__(self, arrived: float, deadline: float | None) -> None:
-        self.arrived = arrived
+    def __init__(self, deadline: CallDeadline) -> None:
         self.deadline = deadline
         self.started = False
 
     @property
+    def arrived(self) -> float:
+        """When the call's HEADERS were read: the start of its sojourn."""
+        return self.deadline.arrived
+
+    @property
+    def timed(self) -> bool:
+        """The caller set a deadline."""
+        return self.deadline.at is not None
+
+    @property
     def line(self) -> int:
         """The queue line the call waits in: with a deadline, or behind them without one."""
-        return UNTIMED if self.deadline is None else TIMED
+        return TIMED if self.timed else UNTIMED
 
     def remaining(self, now: float) -> float | None:
-        return None if self.deadline is None else self.deadline - now
+        return self.deadline.remaining(now)
 
 
 class Admission:
@@ -364,22 +374,23 @@ class Admission:
         self.in_flight_bytes -= size
 
     @contextmanager
-    def admitted(self, arrived: float, remaining: float | None, size: int = 0) -> Iterator[Ticket]:
+    def admitted(self, deadline: CallDeadline, size: int = 0) -> Iterator[Ticket]:
         """The request has arrived: count it in flight until it ends; refuse what cannot fit.
 
-        `arrived` is when the call reached the process (`time.monotonic()`), the start
-        of its sojourn; `remaining` the caller's time left now (None without a deadline);
-        `size` the request message's bytes, unless `reserve_bytes` counted them already.
+        `deadline` is when the call reached the process, the start of its sojourn, and
+        when it is due; `size` the request message's bytes, unless `reserve_bytes`
+        counted them already.
         """
         now = time.monotonic()
         self.check_open(now)
+        remaining = deadline.remaining(now)
         self._ask(self._arrival, "arrival", remaining, size, now)
         self.in_flight += 1
         self.in_flight_bytes += size
         self.pending += 1
         self.untimed += remaining is None
         self.idle.clear()
-        ticket = Ticket(min(arrived, now), None if remaining is None else now + remaining)
+        ticket = Ticket(deadline)
         try:
             with self.metrics.in_flight():
                 yield ticket
@@ -402,7 +413,7 @@ class Admission:
         call until its wall) read as a full answer of CPU each, and the gate refused
         servable calls on a loop with room to spare.
         """
-        timed = ticket.deadline is not None
+        timed = ticket.timed
         self.retrieving += timed
         try:
             yield
@@ -509,7 +520,7 @@ class Admission:
                 "overloaded: this org already runs its limit of "
                 f"{self.config.max_org_concurrent} concurrent assemblies",
             )
-        if ticket.deadline is None:
+        if not ticket.timed:
             self._shed(
                 "queue",
                 "overloaded: no assembly slot within the "

@@ -22,10 +22,10 @@ import grpclib.server
 
 from ibex.errors import DeadlineError, IbexError, InputError
 from ibex.service.admission import Admission
+from ibex.service.edge.calls import handler_started
 from ibex.service.edge.status import grpc_error
 from ibex.service.edge.stream_reads import (
     connection_of,
-    handler_started,
     recv_next,
     request_complete,
     reset_unread,

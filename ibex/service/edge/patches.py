@@ -61,6 +61,7 @@ from sniffio import thread_local as sniffio_library
 from trio_asyncio._handles import AsyncHandle as _AsyncHandle
 
 from ibex.service.edge.aio_loop import REBUILD_MIN, drop_cancelled_timers
+from ibex.service.edge.calls import call_of
 from ibex.service.edge.hpack_block import send_headers_fast
 from ibex.service.edge.precise_wakeup import precise_wakeups
 from ibex.sources.redis_patches import honour_cancellation_in_redis_writes
@@ -129,10 +130,10 @@ async def _stream_send_headers(
     self._transport.write(h2.data_to_send())
     self.connection.headers_send_process()
     if end_stream:
-        arrived = getattr(self, "ibex_arrived", None)
+        call = call_of(self)
         ends = getattr(self._transport, "answer_ends", None)  # the server's corked transport
-        if arrived is not None and ends is not None:
-            ends(getattr(self, "ibex_path", ""), arrived)
+        if call is not None and ends is not None:
+            ends(call.path, call.deadline.arrived)
 
 
 class _Silent:

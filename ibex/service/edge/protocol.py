@@ -26,7 +26,7 @@ from typing import Any, Literal, cast
 
 import grpclib.server
 from grpclib.const import Status
-from grpclib.metadata import decode_timeout, encode_grpc_message
+from grpclib.metadata import encode_grpc_message
 from grpclib.protocol import H2Protocol
 from h2.connection import H2Connection
 from h2.errors import ErrorCodes
@@ -41,7 +41,9 @@ from h2.events import (
 from h2.exceptions import ProtocolError, TooManyStreamsError
 from hyperframe.frame import GoAwayFrame
 
+from ibex.service.edge.calls import EdgeCall, GateLeft, call_of, record
 from ibex.service.edge.connections import Connections
+from ibex.service.edge.deadline import CallDeadline
 from ibex.service.edge.flow import UnaryRequest
 from ibex.service.edge.frame_guard import (
     CLOSE_CODES,
@@ -121,13 +123,13 @@ def send_refusal(h2: H2Connection, stream_id: int, status: int, message: str) ->
         h2.send_headers(stream_id, headers, end_stream=True)
 
 
-Gate = Callable[[str, float | None], str | None]
-"""(method path, the call's grpc-timeout in seconds) -> a refusal message, or None to admit."""
+Gate = Callable[[str, CallDeadline], str | None]
+"""(method path, the call's deadline) -> a refusal message, or None to admit."""
 
 GateVerdict = Literal["refused", "admitted", "unasked"]
 
-GateLeft = Callable[[], None]
-"""Called once for every call the gate admitted, when its handler starts or its task ends."""
+#: grpclib's answer to a malformed `grpc-timeout`, given here from the HEADERS.
+BAD_TIMEOUT_MESSAGE = "Invalid grpc-timeout header"
 
 Answered = Callable[[str, float], None]
 """Told a call's `:path` and the seconds from its HEADERS being read to its answer's last
@@ -328,6 +330,14 @@ def _path(event: RequestReceived) -> str:
     return ""
 
 
+def _deadline(event: RequestReceived, arrived: float) -> CallDeadline | None:
+    """The call's deadline, counted from `arrived`; None for a malformed `grpc-timeout`."""
+    try:
+        return CallDeadline.from_headers(event.headers or (), arrived)
+    except ValueError:
+        return None
+
+
 def _abort(transport: asyncio.BaseTransport) -> None:
     """Drop a socket whose close is still waiting on its peer (a no-op once it is gone)."""
     cast(asyncio.Transport, transport).abort()
@@ -393,7 +403,6 @@ class _TrackedProtocol(H2Protocol):
         )
         self._corked = corked
         super().connection_made(cast(asyncio.Transport, corked))
-        self.connection.ibex_protocol = self  # type: ignore[attr-defined]  # caller_authenticated
 
     def data_received(self, data: bytes) -> None:
         if self._refused or self._flooded:
@@ -444,23 +453,25 @@ class _TrackedProtocol(H2Protocol):
                             h2, event.stream_id, Status.RESOURCE_EXHAUSTED.value, WATCH_CAP_MESSAGE
                         )
                     continue
-                verdict = self._ask_gate(event)
+                deadline = _deadline(event, now)
+                verdict = self._ask_gate(event, path, deadline)
                 if verdict == "refused":
                     if self._corked is not None:  # answered trailers-only, just now
                         self._corked.answer_ends(path, now)
                     continue
                 self.processor.process(event)
-                # When the call arrived: its handler task runs later, behind everything
-                # else the loop has to do, and that wait is queueing (see `arrival`).
-                # Its path goes with it, for the answer's time (`answer_ends`).
+                # The call's deadline counts from here: its handler task runs later, behind
+                # everything else the loop has to do, and that wait is queueing. Its path
+                # goes with it, for the answer's time (`answer_ends`).
                 stream = self.processor.streams.get(event.stream_id)
-                if stream is not None:
-                    stream.ibex_arrived = now  # type: ignore[attr-defined]
-                    stream.ibex_path = path  # type: ignore[attr-defined]
+                call = None
+                if stream is not None and deadline is not None:
+                    call = EdgeCall(path, deadline, self._authenticated)
                     if self._unary_request(path):
-                        stream.ibex_request = UnaryRequest()  # type: ignore[attr-defined]
+                        call.request = UnaryRequest()
+                    record(stream, call)
                 if verdict == "admitted":
-                    self._track_gated(stream)
+                    self._track_gated(stream, call)
                 continue
             if isinstance(event, DataReceived) and self._past_request(event):
                 continue
@@ -508,33 +519,35 @@ class _TrackedProtocol(H2Protocol):
         self._write_paused = False
         super().resume_writing()
 
-    def _ask_gate(self, event: RequestReceived) -> GateVerdict:
-        """ "refused" (answered RESOURCE_EXHAUSTED, trailers only, before grpclib starts a
-        task for the call), "admitted" (the gate counted it: `gate_left` must follow),
-        or "unasked" (no gate, or a malformed timeout that grpclib answers itself).
+    def _authenticated(self) -> None:
+        """A call on this connection passed authentication (`EdgeCall.authenticated`)."""
+        self._connections.authenticated(self)
+
+    def _ask_gate(
+        self, event: RequestReceived, path: str, deadline: CallDeadline | None
+    ) -> GateVerdict:
+        """ "refused" (answered trailers only before grpclib starts a task for the call:
+        RESOURCE_EXHAUSTED by the gate, or grpclib's own UNKNOWN for a malformed
+        `grpc-timeout`), "admitted" (the gate counted it: `gate_left` must follow), or
+        "unasked" (no gate).
 
         Under overload most of a refusal's cost is grpclib's per-call machinery
         (a Stream, a task, the handler, reading the message); a call the gate
         turns away here costs one HEADERS frame. Its request body, if still to
         come, is acknowledged and dropped by grpclib as for any unknown stream.
         """
-        if self._gate is None or event.stream_id is None:
+        if event.stream_id is None:
             return "unasked"
-        path = ""
-        timeout: float | None = None
-        try:
-            for name, value in event.headers or ():
-                key = name.decode() if isinstance(name, bytes) else name
-                if key == ":path":
-                    path = value.decode() if isinstance(value, bytes) else value
-                elif key == "grpc-timeout":
-                    raw = value.decode() if isinstance(value, bytes) else value
-                    timeout = decode_timeout(raw)
-        except ValueError:
-            return "unasked"  # grpclib answers a malformed timeout itself
-        message = self._gate(path, timeout)
-        if message is None:
-            return "admitted"
+        status = Status.RESOURCE_EXHAUSTED
+        if deadline is None:  # the one reading of grpc-timeout refused it: never served
+            status, message = Status.UNKNOWN, BAD_TIMEOUT_MESSAGE
+        elif self._gate is None:
+            return "unasked"
+        else:
+            gated = self._gate(path, deadline)
+            if gated is None:
+                return "admitted"
+            message = gated
         # The caller may have reset the stream in the same read (its deadline passed
         # while the request sat in the socket buffer, common under overload): h2 then
         # no longer knows the stream and raises. There is nobody left to answer, and
@@ -544,12 +557,12 @@ class _TrackedProtocol(H2Protocol):
             send_refusal(
                 self.connection._connection,
                 event.stream_id,
-                Status.RESOURCE_EXHAUSTED.value,
+                status.value,
                 message,
             )
         return "refused"
 
-    def _track_gated(self, stream: Any) -> None:
+    def _track_gated(self, stream: Any, call: EdgeCall | None) -> None:
         """Hand `gate_left` to the call the gate just let through: its handler calls it on
         start (`handler_started`); a task cancelled before it ran calls it when done."""
         left = self._gate_left
@@ -557,16 +570,10 @@ class _TrackedProtocol(H2Protocol):
             return
         tasks = getattr(self.handler, "_tasks", {})  # grpclib's Handler: stream -> task
         task = tasks.get(stream) if stream is not None else None
-        if task is None:  # grpclib answered it without a task (it cannot today)
+        if task is None or call is None:  # grpclib answered it without a task (it cannot today)
             left()
             return
-
-        def done(_: object) -> None:
-            if stream.__dict__.pop("ibex_gate_left", None) is not None:
-                left()
-
-        stream.ibex_gate_left = (left, task, done)
-        task.add_done_callback(done)
+        call.hold_gate(left, task)
 
     def _unary_request(self, path: str) -> bool:
         """The method at `path` takes one request message (every method but reflection's)."""
@@ -578,7 +585,8 @@ class _TrackedProtocol(H2Protocol):
         (PROTOCOL_ERROR), its handler cancelled, and the bytes dropped, not buffered. Their
         connection window is returned; the stream gets no more (`flow`)."""
         stream = self.processor.streams.get(event.stream_id)
-        request: UnaryRequest | None = getattr(stream, "ibex_request", None)
+        call = None if stream is None else call_of(stream)
+        request = None if call is None else call.request
         if request is None or not request.past_end(event.data or b""):
             return False
         h2 = self.connection._connection

@@ -26,8 +26,8 @@ from grpclib.reflection.service import ServerReflection
 from ibex._proto.google_proto_descriptor_pool import default_google_proto_descriptor_pool
 from ibex.errors import IbexError
 from ibex.service.auth import Authenticator
+from ibex.service.edge.calls import caller_authenticated
 from ibex.service.edge.status import grpc_error
-from ibex.service.edge.stream_reads import caller_authenticated
 
 
 def reflection_pool() -> DescriptorPool:
