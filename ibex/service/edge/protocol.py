@@ -370,6 +370,17 @@ class _TrackedProtocol(H2Protocol):
         self._guard = FrameGuard()
         self._guard.authenticated = lambda: connections.is_authenticated(self)
         self._flooded = False  # closed for a flood: what else arrives is dropped
+        # Each call's hook to tell this connection its caller authenticated. It holds the
+        # protocol weakly: the protocol holds the call's stream, and a side-table entry
+        # that led back to its stream would never end (`calls`).
+        this = weakref.ref(self)
+
+        def authenticated() -> None:
+            protocol = this()
+            if protocol is not None:
+                protocol._connections.authenticated(protocol)
+
+        self._authenticated = authenticated
         self._write_paused = False  # the peer is not reading what was sent
 
     def accept(self, transport: asyncio.BaseTransport) -> bool:
@@ -518,10 +529,6 @@ class _TrackedProtocol(H2Protocol):
     def resume_writing(self) -> None:
         self._write_paused = False
         super().resume_writing()
-
-    def _authenticated(self) -> None:
-        """A call on this connection passed authentication (`EdgeCall.authenticated`)."""
-        self._connections.authenticated(self)
 
     def _ask_gate(
         self, event: RequestReceived, path: str, deadline: CallDeadline | None
