@@ -20,6 +20,7 @@ import socket
 import struct
 import time
 import unittest.mock
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,10 +31,10 @@ import pytest
 import trio
 from h2.exceptions import StreamClosedError
 
+import ibex.service.edge.protocol as protocol_module
 import ibex.service.handlers as handlers_module
 from ibex.service.admission import GATE_CPU_MESSAGE
 from ibex.service.assembler import Assembler
-from ibex.service.edge.calls import open_calls
 from ibex.service.handlers import ContextService
 from ibex.testing.grpc_harness import (
     AGENT,
@@ -273,10 +274,19 @@ async def test_what_the_edge_keeps_of_a_call_ends_with_its_stream(daemon: Runnin
     """The edge's facts about a call (path, deadline, the gate's release) live in a side
     table keyed weakly by grpclib's stream, never on grpclib's objects: whatever becomes of
     a call (served, expired, reset, refused), its entry goes once grpclib lets go of it."""
-    await in_thread(raw_call, daemon.port, "5S")
-    await in_thread(raw_call, daemon.port, "1n")
-    await in_thread(reset_then_call, daemon.port)
-    await in_thread(functools.partial(raw_call, send_body=False), daemon.port, "45m")
+    recorded: list[weakref.ref[Any]] = []
+    real = protocol_module.record
+
+    def spy(stream: Any, call: Any) -> None:
+        recorded.append(weakref.ref(stream))
+        real(stream, call)
+
+    with unittest.mock.patch.object(protocol_module, "record", spy):
+        await in_thread(raw_call, daemon.port, "5S")
+        await in_thread(raw_call, daemon.port, "1n")
+        await in_thread(reset_then_call, daemon.port)
+        await in_thread(functools.partial(raw_call, send_body=False), daemon.port, "45m")
+    assert len(recorded) == 5
     state = daemon.daemon
     with trio.fail_after(10):
         while state.connections.count:  # noqa: ASYNC110 (another loop's state)
@@ -284,7 +294,7 @@ async def test_what_the_edge_keeps_of_a_call_ends_with_its_stream(daemon: Runnin
     assert state.server is not None
     state.server.__gc_collect__()  # grpclib's own sweep of closed connections' handlers
     gc.collect()
-    assert open_calls() == 0
+    assert [ref for ref in recorded if ref() is not None] == []
 
 
 async def test_the_wall_is_anchored_at_the_calls_arrival(daemon: RunningDaemon) -> None:

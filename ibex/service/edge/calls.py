@@ -110,8 +110,3 @@ def handler_started(stream: grpclib.server.Stream[Any, Any]) -> None:
     call = call_of(stream)
     if call is not None:
         call.handler_started()
-
-
-def open_calls() -> int:
-    """Entries in the side table (tests: they end with their streams)."""
-    return len(_CALLS)
