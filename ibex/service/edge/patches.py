@@ -44,6 +44,7 @@ import asyncio
 import heapq
 import logging
 import math
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -181,10 +182,15 @@ _original = _Loop._main_loop_one
 _NEEDS = frozenset({"_q_recv", "receive_nowait", "_timers", "_nursery", "_started"})
 
 
+#: Each loop's heap size that triggers a full sweep (`drop_cancelled_timers`), kept beside
+#: the loop rather than on it.
+_REBUILD_AT: weakref.WeakKeyDictionary[Any, list[int]] = weakref.WeakKeyDictionary()
+
+
 def _rebuild_at(loop: Any) -> list[int]:
-    state: list[int] | None = loop.__dict__.get("_ibex_timer_rebuild")
+    state = _REBUILD_AT.get(loop)
     if state is None:
-        state = loop._ibex_timer_rebuild = [REBUILD_MIN]
+        state = _REBUILD_AT[loop] = [REBUILD_MIN]
     return state
 
 

@@ -202,17 +202,17 @@ class _TlsAccept(asyncio.sslproto.SSLProtocol):
             ssl_handshake_timeout=handshake_timeout,  # type: ignore[arg-type]
         )
         self._tracked = tracked
-        self._ibex_refused = False
+        self._refused_at_accept = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         if not self._tracked.accept(transport):
-            self._ibex_refused = True
+            self._refused_at_accept = True
             return
         super().connection_made(transport)
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._tracked.forget()  # also when the handshake never finished
-        if not self._ibex_refused:
+        if not self._refused_at_accept:
             super().connection_lost(exc)
 
 
