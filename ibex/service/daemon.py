@@ -46,8 +46,8 @@ from ibex.service.edge.bounded import (
 from ibex.service.edge.connections import Connections, ConnectionsConfig, LoopErrorHandler
 from ibex.service.edge.deadline import CallDeadline
 from ibex.service.edge.flow import grpclib_configuration
+from ibex.service.edge.listeners import bound_port, listen_also, stop_accepting, track_connections
 from ibex.service.edge.patches import install_patches, precise_wakeups
-from ibex.service.edge.protocol import bound_port, listen_also, stop_accepting, track_connections
 from ibex.service.edge.reflection import with_reflection
 from ibex.service.handlers import ContextService, EdgeConfig, method_label
 from ibex.service.policies import AdmissionPolicy
