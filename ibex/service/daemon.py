@@ -135,11 +135,17 @@ class Daemon:
         health = BoundedReads(
             Health({service: [self.health_status]}),
             limit=HEALTH_MAX_MESSAGE_BYTES,
-            admission=self.admission,
+            reserve=self.admission.unauthenticated.reservation,
+            read_timeout=self.admission.config.read_timeout,
         )
         _, _, *reflection = with_reflection([service, health], self.auth)
         reflection = [
-            BoundedReads(r, limit=REFLECTION_MAX_MESSAGE_BYTES, admission=self.admission)
+            BoundedReads(
+                r,
+                limit=REFLECTION_MAX_MESSAGE_BYTES,
+                reserve=self.admission.unauthenticated.reservation,
+                read_timeout=self.admission.config.read_timeout,
+            )
             for r in reflection
         ]
         server = grpclib.server.Server(
