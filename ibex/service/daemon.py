@@ -47,9 +47,9 @@ from ibex.service.edge.connections import Connections, ConnectionsConfig, LoopEr
 from ibex.service.edge.deadline import CallDeadline
 from ibex.service.edge.flow import grpclib_configuration
 from ibex.service.edge.listeners import bound_port, listen_also, stop_accepting, track_connections
-from ibex.service.edge.patches import install_patches, precise_wakeups
 from ibex.service.edge.reflection import with_reflection
 from ibex.service.handlers import ContextService, EdgeConfig, method_label
+from ibex.service.patches import install_patches, precise_wakeups
 from ibex.service.policies import AdmissionPolicy
 from ibex.service.queues import share_the_gil
 from ibex.service.warmup import warm_pipeline

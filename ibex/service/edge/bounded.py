@@ -4,11 +4,11 @@ grpclib's Health and reflection services read a message with
 `Stream.recv_message`, which buffers whatever length the prefix declares (up
 to 4 GiB) for as long as the peer takes, before anyone has authenticated, and
 outside the in-flight bytes. `BoundedReads` hands every method of a servable a
-stream whose `recv_message` (and async iteration) refuses a declared length over its cap before reading the
-body, counts the bytes as they arrive toward the unauthenticated pool
-(`MAX_UNAUTHENTICATED_BYTES`, apart from `MAX_IN_FLIGHT_BYTES`), and
-gives up after the read timeout; the stream is then answered and reset, so the
-peer stops sending.
+stream whose `recv_message` (and async iteration) refuses a declared length
+over its cap before reading the body, counts the bytes as they arrive toward
+the unauthenticated pool (`MAX_UNAUTHENTICATED_BYTES`, apart from
+`MAX_IN_FLIGHT_BYTES`), and gives up after the read timeout; the stream is
+then answered and reset, so the peer stops sending.
 """
 
 from __future__ import annotations
