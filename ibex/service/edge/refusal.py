@@ -26,9 +26,9 @@ def refusal_headers(status: int, message: str) -> list[tuple[str, str]]:
 def send_refusal(h2: H2Connection, stream_id: int, status: int, message: str) -> None:
     """Answer a just-opened stream trailers-only (HEADERS with END_STREAM).
 
-    From `header_block` when it can: under overload h2's per-call header encoding
-    was a quarter of what a refusal cost. Raises h2's ProtocolError when the
-    stream is gone (e.g. reset by the caller).
+    From `header_block` when it can, so a refusal skips h2's general header encoder
+    (docs/performance.md). Raises h2's ProtocolError when the stream is gone (e.g.
+    reset by the caller).
     """
     headers = refusal_headers(status, message)
     if not send_headers_fast(h2, stream_id, headers, True):
