@@ -43,10 +43,11 @@ from ibex.service.edge.bounded import (
     REFLECTION_MAX_MESSAGE_BYTES,
     BoundedReads,
 )
-from ibex.service.edge.connections import Connections, ConnectionsConfig, LoopErrorHandler
+from ibex.service.edge.connections import Connections, ConnectionsConfig
 from ibex.service.edge.deadline import CallDeadline
 from ibex.service.edge.flow import grpclib_configuration
 from ibex.service.edge.listeners import bound_port, listen_also, stop_accepting, track_connections
+from ibex.service.edge.loop_errors import LoopErrorHandler
 from ibex.service.edge.reflection import with_reflection
 from ibex.service.handlers import ContextService, EdgeConfig, method_label
 from ibex.service.patches import install_patches, precise_wakeups

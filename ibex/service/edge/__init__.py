@@ -29,16 +29,12 @@ from ibex.service.edge.bounded import (
     BoundedReads,
 )
 from ibex.service.edge.calls import call_deadline, caller_authenticated, handler_started
-from ibex.service.edge.connections import (
-    Connections,
-    ConnectionsConfig,
-    LoopErrorHandler,
-    default_max_connections,
-)
+from ibex.service.edge.connections import Connections, ConnectionsConfig, default_max_connections
 from ibex.service.edge.crossing import in_trio
 from ibex.service.edge.deadline import CallDeadline
 from ibex.service.edge.flow import grpclib_configuration
 from ibex.service.edge.listeners import bound_port, listen_also, stop_accepting, track_connections
+from ibex.service.edge.loop_errors import LoopErrorHandler
 from ibex.service.edge.reflection import with_reflection
 from ibex.service.edge.status import grpc_error
 from ibex.service.edge.stream_reads import connection_of, recv_bounded, request_complete
