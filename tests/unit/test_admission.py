@@ -12,9 +12,10 @@ import trio.testing
 
 from ibex.errors import DeadlineError, Overloaded, Unavailable
 from ibex.ops.metrics import Metrics
-from ibex.service.admission import Admission, AdmissionConfig, CpuLoad, QueueDelay
+from ibex.service.admission import Admission, AdmissionConfig
 from ibex.service.edge.deadline import CallDeadline
 from ibex.service.handlers import METHODS, ContextService, method_label
+from ibex.service.load import CpuLoad, QueueDelay
 from ibex.service.policies import CallFacts, StandingQueue
 from ibex.service.queues import WorkerThreads
 
