@@ -6,7 +6,8 @@ release), so the protocol records them here as it reads the call's HEADERS,
 keyed weakly by grpclib's HTTP/2 stream: an entry ends with its stream.
 
 Nothing an entry holds may lead back to its stream, or the weak key would never
-die: `gate_left`'s callback closes over the entry, not the stream.
+die: `gate_left`'s callback closes over the entry, not the stream, and
+`authenticated` holds its connection's protocol (which holds the stream) weakly.
 """
 
 from __future__ import annotations
