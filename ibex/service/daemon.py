@@ -44,12 +44,14 @@ from ibex.service.edge.bounded import (
     REFLECTION_MAX_MESSAGE_BYTES,
     BoundedReads,
 )
-from ibex.service.edge.connections import Connections, ConnectionsConfig, LoopErrorHandler
+from ibex.service.edge.connections import Connections, ConnectionsConfig
+from ibex.service.edge.deadline import CallDeadline
 from ibex.service.edge.flow import grpclib_configuration
-from ibex.service.edge.patches import install_patches, precise_wakeups
-from ibex.service.edge.protocol import bound_port, listen_also, stop_accepting, track_connections
+from ibex.service.edge.listeners import bound_port, listen_also, stop_accepting, track_connections
+from ibex.service.edge.loop_errors import LoopErrorHandler
 from ibex.service.edge.reflection import with_reflection
 from ibex.service.handlers import ContextService, EdgeConfig, method_label
+from ibex.service.patches import install_patches, precise_wakeups
 from ibex.service.policies import AdmissionPolicy
 from ibex.service.queues import share_the_gil
 from ibex.service.warmup import warm_pipeline
@@ -135,11 +137,17 @@ class Daemon:
         health = BoundedReads(
             Health({service: [self.health_status]}),
             limit=HEALTH_MAX_MESSAGE_BYTES,
-            admission=self.admission,
+            reserve=self.admission.unauthenticated.reservation,
+            read_timeout=self.admission.config.read_timeout,
         )
         _, _, *reflection = with_reflection([service, health], self.auth)
         reflection = [
-            BoundedReads(r, limit=REFLECTION_MAX_MESSAGE_BYTES, admission=self.admission)
+            BoundedReads(
+                r,
+                limit=REFLECTION_MAX_MESSAGE_BYTES,
+                reserve=self.admission.unauthenticated.reservation,
+                read_timeout=self.admission.config.read_timeout,
+            )
             for r in reflection
         ]
         server = grpclib.server.Server(
@@ -296,15 +304,16 @@ class Daemon:
         """A call's answer left: its server-side time, HEADERS to last byte written."""
         self.metrics.observe_answer(method_label(path), seconds)
 
-    def _gate(self, path: str, remaining: float | None) -> str | None:
-        """Admission's HEADERS gate, for the service's own methods only.
+    def _gate(self, path: str, deadline: CallDeadline) -> str | None:
+        """Admission's HEADERS gate, for the service's own methods only; the call's time
+        left is its whole timeout (its HEADERS were read just now).
 
         Health checks and reflection cost next to nothing, and a probe refused under
         load would take a busy worker out of rotation or restart it; unknown paths
         are answered UNIMPLEMENTED by grpclib. All of them pass (still counted).
         """
         method = method_label(path)
-        return self.admission.gate(method, None if method == "other" else remaining)
+        return self.admission.gate(method, None if method == "other" else deadline.timeout)
 
     async def drain(self, server: grpclib.server.Server) -> None:
         """Stop listening, GOAWAY every connection, wait for in-flight calls, then close.

@@ -29,14 +29,12 @@ elsewhere); the connection closes when its last stream ends.
 
 from __future__ import annotations
 
-import asyncio
-import errno
 import logging
 import math
 import random
 import time
 from collections.abc import Callable
-from typing import Annotated, Any, Protocol
+from typing import Annotated, Protocol
 
 import msgspec
 import trio
@@ -63,51 +61,6 @@ def default_max_connections(soft_limit: int | None = None) -> int:
         if soft_limit == resource.RLIM_INFINITY:
             return MAX_CONNECTIONS_CEILING
     return max(1, min(MAX_CONNECTIONS_CEILING, soft_limit - NOFILE_HEADROOM))
-
-
-_RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
-
-
-class LoopErrorHandler:
-    """The asyncio loop's exception handler: log, never end the process.
-
-    trio-asyncio's default handler re-raises into the loop's nursery, so one
-    `accept()` failing with EMFILE took the daemon down. asyncio's accept loop
-    already stops reading the listener for a second after such an error and
-    then resumes; this handler only logs (at most once per `interval` for accept
-    errors, which come in floods).
-    """
-
-    def __init__(self, interval: float = REFUSAL_LOG_INTERVAL) -> None:
-        self.accept_errors = 0
-        self._interval = interval
-        self._logged_at = -interval
-        self._logged = 0
-
-    def __call__(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
-        exc = context.get("exception")
-        if isinstance(exc, OSError) and exc.errno in _RESOURCE_ERRNOS:
-            self.accept_errors += 1
-            now = time.monotonic()
-            if now - self._logged_at >= self._interval:
-                log.warning(
-                    "accept_failed",
-                    extra={
-                        "error": errno.errorcode.get(exc.errno or 0, str(exc.errno)),
-                        "count": self.accept_errors - self._logged,
-                        "detail": str(context.get("message", "")),
-                    },
-                )
-                self._logged_at = now
-                self._logged = self.accept_errors
-            return
-        log.error(
-            "loop_error",
-            extra={
-                "detail": str(context.get("message", "")),
-                "error": repr(exc) if exc is not None else None,
-            },
-        )
 
 
 class ConnectionsConfig(msgspec.Struct, frozen=True):
