@@ -103,11 +103,16 @@ def h2load_row(
     }
 
 
-async def measure_h2load(root: Path, rate: int, seconds: float, repeats: int) -> dict[str, Any]:
-    """`repeats` h2load runs at `rate` with the cold endpoint +100 ms and 1 s deadlines."""
+async def measure_h2load(
+    root: Path, rate: int, seconds: float, repeats: int, probe: bool = False
+) -> dict[str, Any]:
+    """`repeats` h2load runs at `rate` with the cold endpoint +100 ms and 1 s deadlines;
+    with `probe`, the step probe in the daemon too (its steps over all the runs)."""
+    out = Path(tempfile.mkdtemp(prefix="ibex-wall-")) / "steps.json"
+    probe_env = {"PYTHONPATH": f"{PROBE}:{root}", "IBEX_WALL_PROBE_OUT": str(out)} if probe else {}
     rows: list[dict[str, Any]] = []
     speed: list[float] = []
-    with Stack() as stack, stack_daemon(stack, 1, None, root) as target:
+    with Stack() as stack, stack_daemon(stack, 1, None, root, **probe_env) as target:
         wall_s = answer_wall(stack.env(target.daemon.port, root), LONG)
         messages = build_requests(stack.tenants, len(stack.tenants), 0, versions=True)
         load = h2load.Load(rate)
@@ -131,9 +136,12 @@ async def measure_h2load(root: Path, rate: int, seconds: float, repeats: int) ->
                 print(f"run {i + 1}: {json.dumps(row)}", flush=True)
         finally:
             stack.memory.set_latency("cold", stack.cold_ms)
+    steps = json.loads(out.read_text()) if out.exists() else {}
     return {
         "rate": rate,
         "seconds": seconds,
+        "probe": probe,
+        "steps": summary(steps),
         "wall_ms": round(wall_s * 1e3, 3),
         "runs": rows,
         "machine_speed": spread(speed),
@@ -180,7 +188,7 @@ def figures_of(res: dict[str, Any]) -> list[figures.Figure]:
 
 def main_h2load(args: argparse.Namespace, argv: list[str] | None) -> None:
     res = asyncio.run(
-        measure_h2load(args.root.resolve(), int(args.rate), args.seconds, args.repeats)
+        measure_h2load(args.root.resolve(), int(args.rate), args.seconds, args.repeats, args.probe)
     )
     print(
         f"cold +100 ms, 1 s deadlines, {args.rate:.0f} rps, h2load, wall {res['wall_ms']} ms, "
@@ -189,6 +197,10 @@ def main_h2load(args: argparse.Namespace, argv: list[str] | None) -> None:
         f"  daemon p99 past the wall {res['server_p99_after_wall_ms']} ms "
         f"(target <= {AFTER_WALL_P99_MS:g}); p50 {res['server_p50_after_wall_ms']} ms"
     )
+    if res["steps"]:
+        print(f"{'step (ms from the wall), all runs':40s} {'calls':>6s} {'p50':>7s} {'p90':>7s}")
+        for name, n, p50, p90 in res["steps"]:
+            print(f"{name:40s} {n:6d} {p50:7.3f} {p90:7.3f}")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(res, indent=1) + "\n")
     print(f"wrote {RESULTS}")
@@ -206,7 +218,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--client", choices=("grpcio", "h2load"), default="grpcio")
     p.add_argument("--repeats", type=int, default=5, help="h2load runs (with --client h2load)")
     p.add_argument("--no-figures", action="store_true", help="do not update figures.json")
+    p.add_argument("--probe", action="store_true", help="with --client h2load: the step probe too")
     args = p.parse_args(argv)
+    if args.probe and args.client != "h2load":
+        p.error("--probe goes with --client h2load (the grpcio run always has it)")
     if args.client == "h2load":
         main_h2load(args, argv if argv is not None else sys.argv[1:])
         return

@@ -137,12 +137,12 @@ def metered(daemon_cm: Any, metrics_port: int) -> Iterator[Metered]:
 
 @contextmanager
 def stack_daemon(
-    stack: Stack, workers: int, token: str | None, root: Path = ROOT
+    stack: Stack, workers: int, token: str | None, root: Path = ROOT, **extra: str
 ) -> Iterator[Metered]:
-    """A daemon (of checkout `root`) on the standard stack with /metrics (and auth when
-    `token` is given)."""
+    """A daemon (of checkout `root`, with `extra` settings) on the standard stack with
+    /metrics (and auth when `token` is given)."""
     port, metrics_port = free_port(), free_port()
-    env = stack.env(port, root)
+    env = stack.env(port, root, **extra)
     env["IBEX_CONTEXT_METRICS_ADDR"] = f"127.0.0.1:{metrics_port}"
     env.update(auth_env(token))
     d = Daemon(env, workers, port, root)
