@@ -121,19 +121,22 @@ def _spy_and_drive(
     return cpu, run.succeeded
 
 
-def versus_floor(rate: int, seconds: float) -> dict[str, object]:
+def versus_floor(rate: int, seconds: float, pythonpath: str = "") -> dict[str, object]:
+    """The daemon (with `pythonpath` in front of the checkout: a probe or an experiment
+    loaded from outside, as `benchmarks.load.after_wall` loads its probe) then the floor."""
     import tempfile
 
     from benchmarks.load import h2load
     from benchmarks.load.driver import build_requests
     from benchmarks.load.floor import _Bare
-    from benchmarks.load.stack import Stack
+    from benchmarks.load.stack import ROOT, Stack
 
     tmp = Path(tempfile.mkdtemp(prefix="ibex-versus-"))
     out: dict[str, object] = {"rate": rate, "seconds": seconds}
     with Stack() as stack:
         messages = build_requests(stack.tenants, len(stack.tenants), 0, versions=True)
-        with stack.daemon(1) as daemon:
+        extra = {"PYTHONPATH": f"{pythonpath}:{ROOT}"} if pythonpath else {}
+        with stack.daemon(1, ROOT, **extra) as daemon:
             h2load.run(daemon.addr, messages, h2load.Load(rate), 2.0)  # warm
             cpu, n = _spy_and_drive(daemon.root_pid, daemon.addr, messages, rate, seconds,
                                     tmp / "ibex.txt")  # fmt: skip
@@ -158,8 +161,9 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=USAGE.splitlines()[0])
     p.add_argument("--rate", type=int, default=100)
     p.add_argument("--seconds", type=float, default=20.0)
+    p.add_argument("--pythonpath", default="", help="a directory put before the checkout")
     args = p.parse_args(argv)
-    res = versus_floor(args.rate, args.seconds)
+    res = versus_floor(args.rate, args.seconds, args.pythonpath)
     ibex, floor = res["ibex"], res["floor"]
     assert isinstance(ibex, dict) and isinstance(floor, dict)
     ci, cf = ibex["cpu_ms_per_answer"], floor["cpu_ms_per_answer"]
