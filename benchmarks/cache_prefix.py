@@ -541,51 +541,33 @@ def figures_of(out: Mapping[str, Any]) -> list[figures.Figure]:
     """The cache order's coverage and cost, the seed order's beside them."""
     seed, cache = out["session_nonce"], out["session_nonce_cache_order"]
     n = f"{out['conversations']} x {out['turns_per_conversation']} turns"
+    # (key, label, field, unit, scale: 100 for a share as %, 1 else, None: no seed figure)
+    rows = (
+        ("coverage_min", f"cache order: min coverage of the previous turn's stable part, "
+         f"turns 2+ ({n}; seed beside)", "coverage_min_from_turn_2", "%", 100),
+        ("coverage_mean", "cache order: mean coverage of it, turns 2+ (seed beside)",
+         "coverage_mean_from_turn_2", "%", 100),
+        ("left_by_order_max", "cache order: stable tokens the assembly leaves out of the "
+         "prefix, max (seed beside)", "left_by_order_max_from_turn_2", "tokens", 1),
+        ("stable_needed", "stable tokens from which the 128-token step keeps every turn "
+         ">= 95 %", "stable_tokens_needed_for_95_percent", "tokens", None),
+        ("cost", f"cache order: input cost of the {n} contexts, USD (seed beside)",
+         "cost_usd_with_cache", "USD", 1),
+    )  # fmt: skip
 
-    def pct(v: float) -> float:
-        return round(100 * v, 1)
+    def value(run: Mapping[str, Any], field: str, scale: int | None) -> float:
+        return round((scale or 1) * run[field], 1 if scale == 100 else 2)
 
     return [
         figures.Figure(
-            "cache_prefix.coverage_min",
-            f"cache order: min coverage of the previous turn's stable part, turns 2+ ({n}; "
-            "seed beside)",
-            pct(cache["coverage_min_from_turn_2"]),
-            "%",
+            f"cache_prefix.{key}",
+            label,
+            value(cache, field, scale),
+            unit,
             "cache_prefix",
-            pct(seed["coverage_min_from_turn_2"]),
-        ),
-        figures.Figure(
-            "cache_prefix.coverage_mean",
-            "cache order: mean coverage of it, turns 2+ (seed beside)",
-            pct(cache["coverage_mean_from_turn_2"]),
-            "%",
-            "cache_prefix",
-            pct(seed["coverage_mean_from_turn_2"]),
-        ),
-        figures.Figure(
-            "cache_prefix.left_by_order_max",
-            "cache order: stable tokens the assembly leaves out of the prefix, max (seed beside)",
-            cache["left_by_order_max_from_turn_2"],
-            "tokens",
-            "cache_prefix",
-            seed["left_by_order_max_from_turn_2"],
-        ),
-        figures.Figure(
-            "cache_prefix.stable_needed",
-            "stable tokens from which the 128-token step keeps every turn >= 95 %",
-            cache["stable_tokens_needed_for_95_percent"],
-            "tokens",
-            "cache_prefix",
-        ),
-        figures.Figure(
-            "cache_prefix.cost",
-            f"cache order: input cost of the {n} contexts, USD (seed beside)",
-            round(cache["cost_usd_with_cache"], 2),
-            "USD",
-            "cache_prefix",
-            round(seed["cost_usd_with_cache"], 2),
-        ),
+            None if scale is None else value(seed, field, scale),
+        )
+        for key, label, field, unit, scale in rows
     ]
 
 

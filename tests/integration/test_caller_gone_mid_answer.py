@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import socket
-import struct
 import threading
 import unittest.mock
 from typing import Any
@@ -32,31 +31,10 @@ import trio
 
 from ibex.ops.metrics import Metrics
 from ibex.service.handlers import ContextService
-from ibex.testing.grpc_harness import AGENT, ORG, SERVICE, in_thread, running_daemon
-from ibex.testing.grpcio_stubs import context_pb2
+from ibex.testing.grpc_harness import in_thread, running_daemon
+from tests.integration.test_expired_deadline import _headers, _request_frame
 
 WAIT = 10.0  # seconds any one step may take on a loaded machine
-
-
-def _request(port: int, conn: h2.connection.H2Connection) -> int:
-    body = context_pb2.AssembleContextRequest(
-        org_id=ORG, agent_id=AGENT, model="gpt-4o", query="what now?"
-    ).SerializeToString()
-    stream = conn.get_next_available_stream_id()
-    conn.send_headers(
-        stream,
-        [
-            (":method", "POST"),
-            (":scheme", "http"),
-            (":path", f"/{SERVICE}/AssembleContext"),
-            (":authority", f"127.0.0.1:{port}"),
-            ("content-type", "application/grpc"),
-            ("te", "trailers"),
-            ("grpc-timeout", "5S"),
-        ],
-    )
-    conn.send_data(stream, struct.pack(">?I", False, len(body)) + body, end_stream=True)
-    return stream
 
 
 def call_then_leave(port: int, answering: threading.Event, finished: threading.Event) -> None:
@@ -65,7 +43,9 @@ def call_then_leave(port: int, answering: threading.Event, finished: threading.E
     conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
     conn.initiate_connection()
     with socket.create_connection(("127.0.0.1", port), timeout=WAIT) as sock:
-        _request(port, conn)
+        stream = conn.get_next_available_stream_id()
+        conn.send_headers(stream, _headers(port, "5S"))
+        conn.send_data(stream, _request_frame(), end_stream=True)
         sock.sendall(conn.data_to_send())
         if not answering.wait(WAIT):
             raise TimeoutError("the daemon never started the answer")
