@@ -18,7 +18,7 @@ import logging
 import time
 import weakref
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import grpclib.const
 import grpclib.server
@@ -59,6 +59,7 @@ if TYPE_CHECKING:
     from ibex.ops.otel_sdk import CallTrace, Tracing
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 SERVICE = "ibex.context.v1.ContextAssemblyService"
 _PREFIX = f"/{SERVICE}/"
@@ -281,7 +282,7 @@ class ContextService:
             key = caller.fairness_key(request.org_id)
             self.assembler.prefetch(request)
             traced = () if call is None else (trace_id, call)
-            result = await in_trio(self._assemble_in_trio, request, ticket, key, *traced)
+            result = await _cross(self._assemble_in_trio, request, ticket, key, *traced)
             await self._send_assembly(stream, result)
 
     async def _send_assembly(
@@ -331,9 +332,7 @@ class ContextService:
             flt = self.assembler.check_search(convert.search_from_proto(msg))
             self.auth.authorize(caller, flt.org_id, flt.agent_id, _principal(msg))
             t0 = time.perf_counter()
-            found = await in_trio(
-                self._search_in_trio, flt, ticket, caller.fairness_key(flt.org_id)
-            )
+            found = await _cross(self._search_in_trio, flt, ticket, caller.fairness_key(flt.org_id))
             elapsed_ms = int((time.perf_counter() - t0) * 1000)
             await stream.send_message(convert.search_to_proto(found, elapsed_ms))
 
@@ -367,7 +366,7 @@ class ContextService:
                     trace_id=msg.trace_id,
                 )
                 self.auth.authorize(_caller(stream), fb.org_id, None, _principal(msg))
-                sent = await in_trio(self._feedback_in_trio, fb, ticket)
+                sent = await _cross(self._feedback_in_trio, fb, ticket)
                 response = pb.RecordMemoryFeedbackResponse(success=True)
                 for u in sent.updates:
                     response.updates.add(
@@ -436,6 +435,23 @@ def _finish_trace(call: CallTrace, code: str) -> None:
         call.finish(code)
     except Exception:
         log.exception("trace_failed")
+
+
+async def _cross(proc: Callable[..., Awaitable[T]], *args: Any) -> T:
+    """`in_trio`, then the cancel it may have swallowed raised before anything is sent.
+
+    grpclib cancels every handler of a connection when the caller says GOAWAY
+    or the connection is lost. If the Trio side was past its last checkpoint,
+    trio-asyncio hands its result over and the cancel never surfaces
+    (`_cancel_swallowed`); sending the answer then meets h2's closed connection
+    and raises its ProtocolError (not StreamClosedError), which read as an
+    internal failure. The caller is gone: end cancelled instead, as `_wrap`
+    does for a cancel swallowed at the handler's end.
+    """
+    got = await in_trio(proc, *args)
+    if _cancel_swallowed():
+        raise asyncio.CancelledError
+    return got
 
 
 def _cancel_swallowed() -> bool:
