@@ -47,7 +47,13 @@ from ibex.service.edge.bounded import (
 from ibex.service.edge.connections import Connections, ConnectionsConfig
 from ibex.service.edge.deadline import CallDeadline
 from ibex.service.edge.flow import grpclib_configuration
-from ibex.service.edge.listeners import bound_port, listen_also, stop_accepting, track_connections
+from ibex.service.edge.listeners import (
+    TrackedServer,
+    bound_port,
+    listen_also,
+    stop_accepting,
+    track_connections,
+)
 from ibex.service.edge.loop_errors import LoopErrorHandler
 from ibex.service.edge.reflection import with_reflection
 from ibex.service.handlers import ContextService, EdgeConfig, method_label
@@ -117,12 +123,12 @@ class Daemon:
             config.connections, closed_for=self.metrics.connection_closed
         )
         self.loop_errors = LoopErrorHandler()
-        self.server: grpclib.server.Server | None = None
+        self.server: TrackedServer | None = None
         self.port: int | None = None
         self.dependencies = DependencyStates(self.metrics.set_dependency_up)
         self.branch_errors = BranchErrors(config.branch_errors_interval)
 
-    def build_server(self, assembler: Assembler) -> grpclib.server.Server:
+    def build_server(self, assembler: Assembler) -> TrackedServer:
         service = ContextService(
             assembler,
             admission=self.admission,
@@ -150,9 +156,7 @@ class Daemon:
             )
             for r in reflection
         ]
-        server = grpclib.server.Server(
-            [service, health, *reflection], config=grpclib_configuration()
-        )
+        server = TrackedServer([service, health, *reflection], config=grpclib_configuration())
         if self.config.worker is not None:
             listen(server, SendTrailingMetadata, _worker_trailer(str(self.config.worker)))
         return server

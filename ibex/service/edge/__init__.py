@@ -6,9 +6,9 @@ byte reservation, an authenticator protocol), and it reads no settings.
 
 What serving uses:
 
-- listening: `track_connections` (every accepted connection through the tracked
-  protocol, with the HEADERS gate), `bound_port`, `listen_also`, `stop_accepting`,
-  and `grpclib_configuration` (the receive windows);
+- listening: `TrackedServer` and `track_connections` (every accepted connection
+  through the tracked protocol, with the HEADERS gate), `bound_port`, `listen_also`,
+  `stop_accepting`, and `grpclib_configuration` (the receive windows);
 - connections: `Connections` and `ConnectionsConfig` (caps, idle close, age, the
   two-step GOAWAY), `default_max_connections`, `LoopErrorHandler`;
 - a call: `CallDeadline` (arrival and deadline, read once from its HEADERS),
@@ -33,7 +33,13 @@ from ibex.service.edge.connections import Connections, ConnectionsConfig, defaul
 from ibex.service.edge.crossing import in_trio
 from ibex.service.edge.deadline import CallDeadline
 from ibex.service.edge.flow import grpclib_configuration
-from ibex.service.edge.listeners import bound_port, listen_also, stop_accepting, track_connections
+from ibex.service.edge.listeners import (
+    TrackedServer,
+    bound_port,
+    listen_also,
+    stop_accepting,
+    track_connections,
+)
 from ibex.service.edge.loop_errors import LoopErrorHandler
 from ibex.service.edge.reflection import with_reflection
 from ibex.service.edge.status import grpc_error
@@ -49,6 +55,7 @@ __all__ = [
     "ConnectionsConfig",
     "LoopErrorHandler",
     "Rules",
+    "TrackedServer",
     "bound_port",
     "call_deadline",
     "caller_authenticated",

@@ -14,6 +14,7 @@ import asyncio
 import asyncio.sslproto
 import ssl as _ssl
 import weakref
+from typing import NamedTuple
 
 import grpclib.server
 
@@ -22,7 +23,7 @@ from ibex.service.edge.connections import Connections
 from ibex.service.edge.corked import Answered
 from ibex.service.edge.protocol import Gate, TrackedProtocol
 
-__all__ = ["bound_port", "listen_also", "stop_accepting", "track_connections"]
+__all__ = ["TrackedServer", "bound_port", "listen_also", "stop_accepting", "track_connections"]
 
 
 def bound_port(server: grpclib.server.Server) -> int:
@@ -68,8 +69,51 @@ def stop_accepting(server: grpclib.server.Server) -> None:
         listener.close()
 
 
+class TrackedServer(grpclib.server.Server):
+    """grpclib's server whose accepted connections go through `TrackedProtocol`.
+
+    `Server.start` builds each connection's protocol with `_protocol_factory`;
+    overriding it in a subclass (not on grpclib's object) keeps grpclib's own
+    handler bookkeeping and hands the handler to the tracked protocol. Until
+    `track_connections` is called it serves as grpclib's server does.
+    """
+
+    _tracking: _Tracking | None = None
+
+    def _protocol_factory(self) -> asyncio.BaseProtocol:  # type: ignore[override]
+        base = super()._protocol_factory()
+        tracking = self._tracking
+        if tracking is None:
+            return base
+        tracked = TrackedProtocol(
+            base.handler,
+            base.config,
+            base.h2_config,
+            tracking.connections,
+            tracking.gate,
+            tracking.gate_left,
+            tracking.answered,
+        )
+        if tracking.ssl is None:
+            return tracked
+        return _TlsAccept(
+            asyncio.get_running_loop(),
+            tracked,
+            tracking.ssl,
+            tracking.connections.config.tls_handshake_timeout,
+        )
+
+
+class _Tracking(NamedTuple):
+    connections: Connections
+    gate: Gate | None
+    gate_left: GateLeft | None
+    ssl: _ssl.SSLContext | None
+    answered: Answered | None
+
+
 def track_connections(
-    server: grpclib.server.Server,
+    server: TrackedServer,
     connections: Connections,
     gate: Gate | None = None,
     gate_left: GateLeft | None = None,
@@ -79,14 +123,11 @@ def track_connections(
 ) -> None:
     """Route every connection `server` accepts through `connections` (call before `start`).
 
-    `Server.start` builds protocols with `self._protocol_factory`; an instance
-    attribute of that name wins over the method, so each accepted socket gets a
-    `TrackedProtocol` carrying the same grpclib handler. `gate` is asked about
-    every new call before grpclib starts a task for it (see `_ask_gate`);
-    `gate_left` hears once for each call it let through, when the handler starts
-    (`handler_started`) or, if it never does, when the call's task ends.
-    `answered` hears how long each answered call took on the server, from its
-    HEADERS to its last byte written (see `CorkedTransport.answer_ends`).
+    `gate` is asked about every new call before grpclib starts a task for it
+    (see `_ask_gate`); `gate_left` hears once for each call it let through, when
+    the handler starts (`handler_started`) or, if it never does, when the call's
+    task ends. `answered` hears how long each answered call took on the server,
+    from its HEADERS to its last byte written (see `CorkedTransport.answer_ends`).
 
     With `ssl`, TLS is done here (start the server and `listen_also` without it):
     asyncio's own TLS calls the protocol only once the handshake is done, so a
@@ -94,23 +135,7 @@ def track_connections(
     connection counts from accept and the handshake has
     `connections.config.tls_handshake_timeout`.
     """
-    original = server._protocol_factory
-
-    def factory() -> asyncio.BaseProtocol:
-        base = original()
-        tracked = TrackedProtocol(
-            base.handler, base.config, base.h2_config, connections, gate, gate_left, answered
-        )
-        if ssl is None:
-            return tracked
-        return _TlsAccept(
-            asyncio.get_running_loop(),
-            tracked,
-            ssl,
-            connections.config.tls_handshake_timeout,
-        )
-
-    server._protocol_factory = factory  # type: ignore[method-assign,assignment]
+    server._tracking = _Tracking(connections, gate, gate_left, ssl, answered)
 
 
 class _TlsAccept(asyncio.sslproto.SSLProtocol):
