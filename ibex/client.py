@@ -42,7 +42,7 @@ from grpclib.metadata import Deadline
 
 from ibex.assembly.budget import context_ceiling
 from ibex.assembly.catalog import Catalog, load_catalog, resolve_model
-from ibex.assembly.history import Staged, fit_history
+from ibex.assembly.history import DeferredCache, fit_history
 from ibex.assembly.structs import Message
 from ibex.assembly.xml_format import XML_TAGS
 from ibex.netaddr import split_host_port
@@ -141,7 +141,7 @@ def fallback_history(
     cap = resolve_model(catalog, model, available_tokens)
     ceiling = context_ceiling(cap, catalog.family(cap.tokenizer_family), available_tokens)
     counter = _Utf8Bytes()
-    fit = fit_history(counter, messages, "", ceiling, Staged(counter, XML_TAGS))
+    fit = fit_history(counter, messages, "", ceiling, DeferredCache(counter, XML_TAGS))
     return "".join(XML_TAGS.history_section(fit.kept, "")), len(messages) - len(fit.kept)
 
 

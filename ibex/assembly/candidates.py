@@ -30,7 +30,11 @@ def is_own(hit: MemoryHit, org_id: str, agent_id: str) -> bool:
     return hit.org_id.lower() == org_id and hit.agent_id.lower() == agent_id
 
 
-def used(m: ScoredMemory, exclusion: Exclusion, *, unpriced: bool = False) -> MemoryUsed:
+def memory_used(m: ScoredMemory, exclusion: Exclusion, *, unpriced: bool = False) -> MemoryUsed:
+    """The report of a scored candidate: `included`, or why it was left out.
+
+    `unpriced`: report no token_estimate (a candidate cut before pricing would reach it).
+    """
     return MemoryUsed(
         memory_id=m.memory_id,
         composite_score=m.composite_score,
@@ -46,7 +50,8 @@ def used(m: ScoredMemory, exclusion: Exclusion, *, unpriced: bool = False) -> Me
     )
 
 
-def hit_used(hit: MemoryHit, exclusion: Exclusion) -> MemoryUsed:
+def excluded_hit(hit: MemoryHit, exclusion: Exclusion) -> MemoryUsed:
+    """The report of a hit left out before it was scored; non-finite numbers read 0."""
     finite = [
         v if v == v and abs(v) != float("inf") else 0.0 for v in (hit.similarity, hit.confidence)
     ]
@@ -135,10 +140,10 @@ def stream_candidates(
             tenant_filtered += 1
             continue
         if skip:
-            entries.append(hit_used(hit, "filter"))
+            entries.append(excluded_hit(hit, "filter"))
             continue
         if hit.oversized:  # content over the source's cap, dropped: never counted
-            entries.append(hit_used(hit, "failed"))
+            entries.append(excluded_hit(hit, "failed"))
             continue
         wanted += 1
         fallback = score_hit(hit, opts, now, fallback_schema)
@@ -177,7 +182,7 @@ def merge(request: AssemblyRequest, hot: Stream, cold: Stream) -> Selection:
                 continue
             scored = entry.composite if composite else entry.fallback
             if scored is None:
-                excluded.append(hit_used(entry.hit, "failed"))
+                excluded.append(excluded_hit(entry.hit, "failed"))
                 continue
             prev = best.get(scored.memory_id)
             if prev is None or _sort_key(scored) < _sort_key(prev):
@@ -195,7 +200,7 @@ def merge(request: AssemblyRequest, hot: Stream, cold: Stream) -> Selection:
                 once.append(m)
         excluded = once
     # A truncated candidate is reported unpriced, as when pricing followed the caps.
-    excluded += (used(m, "truncated", unpriced=True) for m in ranked[cap:])
+    excluded += (memory_used(m, "truncated", unpriced=True) for m in ranked[cap:])
     return Selection(
         ranked[:cap],
         excluded,

@@ -32,7 +32,7 @@ from ibex.assembly.candidates import (
     select,
     select_candidates,
     stream_candidates,
-    used,
+    memory_used,
 )
 from ibex.assembly.catalog import (
     Catalog,
@@ -40,7 +40,7 @@ from ibex.assembly.catalog import (
     ModelCapability,
     resolve_model,
 )
-from ibex.assembly.history import Counter, Staged, dropped_tokens, fit_history, without_empty
+from ibex.assembly.history import Counter, DeferredCache, dropped_tokens, fit_history, without_empty
 from ibex.assembly.output_format import Format, SectionOrder, safety_emitted
 from ibex.assembly.packer import DEFAULT_DP_CELL_CEILING, DEFAULT_MAX_CONSECUTIVE_SKIPS, pack
 from ibex.assembly.structs import (
@@ -63,7 +63,7 @@ from ibex.assembly.xml_format import XML_TAGS
 from ibex.errors import TooLargeError
 
 if TYPE_CHECKING:
-    from ibex.assembly.prepare import Prepared
+    from ibex.assembly.prepare import EarlyAssembly
 
 __all__ = [
     "AssemblyInputs",
@@ -215,28 +215,28 @@ def count_fixed_sections(
     order a kept history brings the safety sentence with it, so the history
     fits in what is left after it too.
     """
-    staged = Staged(counter, fmt)
+    deferred = DeferredCache(counter, fmt)
     # Pieces carrying the nonce: a decimal nonce costs what zeros of its width
     # cost, so those counts are cached once; any other nonce is new every
-    # request and counted uncached (see Staged.with_nonce).
-    safety_tokens = staged.with_nonce(fmt.safety_piece, nonce)
+    # request and counted uncached (see DeferredCache.with_nonce).
+    safety_tokens = deferred.with_nonce(fmt.safety_piece, nonce)
     directive_tokens = 0
     if directive is not None:
-        body = staged.body(directive.content)
+        body = deferred.body(directive.content)
         if body:
             directive_tokens = (
-                staged.with_nonce(functools.partial(fmt.directive_open, directive), nonce)
-                + staged.count(body)
-                + staged.count(fmt.directive_close)
+                deferred.with_nonce(functools.partial(fmt.directive_open, directive), nonce)
+                + deferred.count(body)
+                + deferred.count(fmt.directive_close)
             )
     tool_tokens = 0
     if request.tool_schemas:
-        per_tool = staged.count(fmt.tool_open) + staged.count(fmt.tool_close)
-        tool_tokens = staged.with_nonce(fmt.tools_open, nonce) + staged.count(fmt.tools_close)
+        per_tool = deferred.count(fmt.tool_open) + deferred.count(fmt.tool_close)
+        tool_tokens = deferred.with_nonce(fmt.tools_open, nonce) + deferred.count(fmt.tools_close)
         for schema in request.tool_schemas:
-            body = staged.body(schema)
-            tool_tokens += per_tool + (staged.count(body) if body else 0)
-    overhead = staged.with_nonce(fmt.memories_open, nonce) + staged.count(fmt.memories_close)
+            body = deferred.body(schema)
+            tool_tokens += per_tool + (deferred.count(body) if body else 0)
+    overhead = deferred.with_nonce(fmt.memories_open, nonce) + deferred.count(fmt.memories_close)
     ceiling = context_ceiling(cap, family, request.available_tokens)
     # What the history fits beside: the directive and tools, and in the `cache` order
     # the safety sentence, which any kept history brings (`safety_emitted`).
@@ -250,7 +250,7 @@ def count_fixed_sections(
         )
     room = ceiling - beside
     messages = without_empty(request.recent_messages)
-    fit = fit_history(counter, messages, nonce, room, staged)
+    fit = fit_history(counter, messages, nonce, room, deferred)
     safety_fixed = safety_emitted(
         order, memories=False, others=bool(directive_tokens or tool_tokens or fit.kept)
     )
@@ -280,7 +280,7 @@ def count_fixed_sections(
             f"take {fixed_tokens} tokens, more than the {ceiling} the model {model!r} leaves "
             "for context",
         )
-    staged.commit()
+    deferred.commit()
     budget = compute_budget(
         cap,
         family,
@@ -315,14 +315,14 @@ def pricer(
     The opening piece is priced as its two parts (see ibex.assembly.output_format);
     memory blocks carry no nonce, so every count is cacheable by text. `count`
     and `body` (the escaped body piece) are the counter's and the format's, or a
-    `Staged`'s, which keeps new entries out of the caches until committed.
+    `DeferredCache`'s, which keeps new entries out of the caches until committed.
     """
     fixed = count(fmt.memory_open_prefix) + count(fmt.memory_close)
     suffix = fmt.memory_open_suffix
     replace = msgspec.structs.replace
     # The previous candidate's content and its body's count: a hit's scored variants
     # (one per schema) share their content object, so its body is escaped and
-    # counted once; a `Staged` counts what is not cached yet every time it is asked.
+    # counted once; a `DeferredCache` counts what is not cached yet every time it is asked.
     last_content: str | None = None
     last_tokens = 0
 
@@ -407,8 +407,8 @@ def build_result(
     request = inputs.request
     ordered = rendered.ordered
     excluded = selection.excluded
-    excluded += (used(m, "budget") for m in packed.excluded)
-    excluded += (used(m, "budget") for m in rendered.dropped)
+    excluded += (memory_used(m, "budget") for m in packed.excluded)
+    excluded += (memory_used(m, "budget") for m in rendered.dropped)
     metrics = AssemblyMetrics(
         **{stage.field: timer.stage_ms(stage) for stage in Stage},
         directive_load_ms=_branch_ms(inputs.branches, "directive"),
@@ -421,7 +421,7 @@ def build_result(
     return AssemblyResult(
         assembled_context=rendered.text,
         tokens_used=rendered.tokens_used,
-        memories_used=tuple(used(m, "included") for m in ordered),
+        memories_used=tuple(memory_used(m, "included") for m in ordered),
         excluded=tuple(excluded),
         directive_tokens=fixed.directive_tokens
         + (fixed.safety_tokens if ordered or fixed.safety_fixed else 0),
@@ -449,12 +449,12 @@ def assemble_pure(
     tokenizers: CounterSource,
     config: PipelineConfig = DEFAULT_CONFIG,
     timer: StageTimer | None = None,
-    prepared: Prepared | None = None,
+    early: EarlyAssembly | None = None,
 ) -> AssemblyResult:
     """Count the fixed sections, select, price, pack, render within the ceiling, build.
 
     A `timer` handed in keeps the stage laps for the caller (a traced call's stage spans).
-    `prepared` holds stages done while retrieval waited (ibex.assembly.prepare); a part
+    `early` holds stages done while retrieval waited (ibex.assembly.prepare); a part
     is used only when it was made from these very inputs, so the answer is the same
     without it. The laps then time only the work left.
     """
@@ -467,7 +467,6 @@ def assemble_pure(
     family = catalog.family(cap.tokenizer_family)
     counter = tokenizers.counter(family.name, family.encoding)
     fmt = config.format
-    early = prepared
     order = config.section_order
     if early is not None and not early.fits(request, nonce, counter, fmt, order):
         early = None

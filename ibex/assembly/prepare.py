@@ -1,7 +1,7 @@
 """The pipeline's work that can be done while retrieval is still waiting.
 
 A call whose cold branch hangs waits at the wall with its directive and hot
-memories long in hand. `Prepared` lets the service do their share of
+memories long in hand. `EarlyAssembly` lets the service do their share of
 `assemble_pure` as each branch lands: the fixed sections (directive, history,
 tools, markup: the budget) once the directive branch has ended, and for each
 memory branch the tenant filter, both scores a hit may be ranked by, and the
@@ -17,7 +17,7 @@ timing changes:
   so every branch is scored against the same instant whenever it lands;
 - a refused request (TooLargeError counting the fixed sections) is refused
   where the pipeline would have refused it: the error is kept and raised there;
-- memory prices are counted into a `Staged` and cached only once the fixed
+- memory prices are counted into a `DeferredCache` and cached only once the fixed
   sections are known to fit, as `price` would have cached them.
 
 Pure and synchronous: the service decides when to call it and bounds how much
@@ -31,7 +31,7 @@ from typing import Literal
 
 from ibex.assembly.candidates import Stream, stream_candidates
 from ibex.assembly.catalog import Catalog, resolve_model
-from ibex.assembly.history import Counter, Staged
+from ibex.assembly.history import Counter, DeferredCache
 from ibex.assembly.output_format import Format, SectionOrder
 from ibex.assembly.pipeline import (
     DEFAULT_CONFIG,
@@ -44,12 +44,12 @@ from ibex.assembly.pipeline import (
 from ibex.assembly.structs import AssemblyRequest, Directive, MemoryHit
 from ibex.errors import TooLargeError
 
-__all__ = ["Prepared"]
+__all__ = ["EarlyAssembly"]
 
 MemoryBranch = Literal["hot", "cold"]
 
 
-class Prepared:
+class EarlyAssembly:
     """One request's pipeline work done early; filled by the service, read by `assemble_pure`.
 
     Not thread-safe while it is being filled: the service fills it from the
@@ -66,7 +66,7 @@ class Prepared:
         "now",
         "order",
         "request",
-        "staged",
+        "deferred",
         "streams",
     )
 
@@ -90,7 +90,7 @@ class Prepared:
         self.order = config.section_order
         self._fixed: tuple[Directive | None, FixedSections | TooLargeError] | None = None
         self.streams: dict[MemoryBranch, Stream] = {}
-        self.staged = Staged(self.counter, self.fmt)
+        self.deferred = DeferredCache(self.counter, self.fmt)
 
     # --- filled as branches land ------------------------------------------------
 
@@ -125,7 +125,7 @@ class Prepared:
             hits,
             self.now,
             skip,
-            pricer(self.staged.count, self.staged.body, self.fmt),
+            pricer(self.deferred.count, self.deferred.body, self.fmt),
         )
 
     # --- read by the pipeline -----------------------------------------------------
@@ -167,7 +167,7 @@ class Prepared:
 
     def commit(self) -> None:
         """The fixed sections fit: cache the memory prices' new counts and bodies."""
-        staged = self.staged
-        if staged.counts or staged.bodies:
-            staged.commit()
-            self.staged = Staged(self.counter, self.fmt)
+        deferred = self.deferred
+        if deferred.counts or deferred.bodies:
+            deferred.commit()
+            self.deferred = DeferredCache(self.counter, self.fmt)

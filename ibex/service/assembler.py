@@ -27,7 +27,7 @@ from ibex.assembly.pipeline import (
     assemble_pure,
     resolve_model,
 )
-from ibex.assembly.prepare import Prepared
+from ibex.assembly.prepare import EarlyAssembly
 from ibex.assembly.structs import (
     AssemblyRequest,
     AssemblyResult,
@@ -77,8 +77,8 @@ def _log_tenant_filtered(count: int, **ids: str) -> None:
         log.warning("tenant_filter_dropped", extra={"count": count, **ids})
 
 
-class _Early:
-    """Does a call's pipeline work as its branches land (the retrieval's `Landing`).
+class _EarlyAssemblyFeed:
+    """Hands each branch that lands to the call's `EarlyAssembly` (the retrieval's `Landing`).
 
     In the loop, synchronously, and bounded: the text handed to the early work
     stays within `budget` characters in all (what the loop may count for one
@@ -90,12 +90,13 @@ class _Early:
     a kept refusal drops the early work: the pipeline then does it all itself.
     """
 
-    __slots__ = ("budget", "directive", "directive_known", "prepared")
+    __slots__ = ("assembly", "budget", "directive", "directive_known")
 
-    def __init__(self, prepared: Prepared, budget: int) -> None:
-        self.prepared: Prepared | None = prepared
+    def __init__(self, assembly: EarlyAssembly, budget: int) -> None:
+        self.assembly: EarlyAssembly | None = assembly
         self.budget = budget
         self.directive: Directive | None = None
+        # The directive branch has answered and its fixed sections are not counted yet.
         self.directive_known = False
 
     def known(self, source: BranchSource, value: Any) -> None:
@@ -103,7 +104,7 @@ class _Early:
             self.directive, self.directive_known = value, True
 
     def landed(self, source: BranchSource, value: Any) -> None:
-        if self.prepared is None:
+        if self.assembly is None:
             return
         try:
             if source == "directive":
@@ -113,7 +114,7 @@ class _Early:
                 self._hits(source, value)
         except Exception:
             log.exception("early_assembly_failed")
-            self.prepared = None
+            self.assembly = None
 
     def _spend(self, chars: int) -> bool:
         if chars > self.budget:
@@ -123,20 +124,20 @@ class _Early:
         return True
 
     def _fixed(self) -> None:
-        prepared = self.prepared
-        if prepared is None or not self.directive_known:
+        assembly = self.assembly
+        if assembly is None or not self.directive_known:
             return
         self.directive_known = False  # once
         chars = len(self.directive.content) if self.directive is not None else 0
         if self._spend(chars):
-            prepared.directive(self.directive)
+            assembly.directive(self.directive)
 
     def _hits(self, source: BranchSource, hits: list[MemoryHit]) -> None:
-        prepared = self.prepared
-        if prepared is None or prepared.refused or source == "directive":
+        assembly = self.assembly
+        if assembly is None or assembly.refused or source == "directive":
             return
         if self._spend(sum(len(h.content) for h in hits)):
-            prepared.hits(source, hits)
+            assembly.hits(source, hits)
 
 
 class Assembler:
@@ -288,7 +289,7 @@ class Assembler:
             tokenizers=self.tokenizers,
             config=self.pipeline,
             timer=timer,
-            prepared=early.prepared if early is not None else None,
+            early=early.assembly if early is not None else None,
         )
         if thread_held:
             result = await self.threads.run_held(run)
@@ -312,14 +313,14 @@ class Assembler:
         )
         return result
 
-    def _early(self, request: AssemblyRequest, nonce: str, now: float) -> _Early | None:
+    def _early(self, request: AssemblyRequest, nonce: str, now: float) -> _EarlyAssemblyFeed | None:
         """The call's early work, or None when its own text already sends its pipeline
         to a worker thread (or the request is one the pipeline will refuse at once)."""
         budget = self.offload_chars - _request_chars(request)
         if budget < 0:
             return None
         try:
-            prepared = Prepared(
+            assembly = EarlyAssembly(
                 request,
                 nonce,
                 now,
@@ -329,7 +330,7 @@ class Assembler:
             )
         except Exception:
             return None  # an unchecked request: the pipeline raises it where it always has
-        return _Early(prepared, budget)
+        return _EarlyAssemblyFeed(assembly, budget)
 
     def check_search(self, request: SearchRequest) -> SearchFilter:
         """Validate a SearchMemories request before any I/O (and before it waits for a

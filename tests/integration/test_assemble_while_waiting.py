@@ -66,7 +66,7 @@ def after_wall(monkeypatch: pytest.MonkeyPatch) -> Iterator[AfterWall]:
             result = real_pure(*args, **kwargs)
         finally:
             watch.inside = False
-        watch.plain.append(real_pure(*args, **{**kwargs, "prepared": None, "timer": None}))
+        watch.plain.append(real_pure(*args, **{**kwargs, "early": None, "timer": None}))
         return result
 
     def counting(name: str) -> Any:

@@ -18,7 +18,7 @@ import pytest
 from ibex.assembly.candidates import (
     MAX_MEMORIES_HARD_CAP,
     SearchFilter,
-    hit_used,
+    excluded_hit,
     is_own,
     merge,
     rank_search,
@@ -113,10 +113,10 @@ def test_unusable_hits_fail_with_finite_reported_values() -> None:
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
 def test_hit_used_never_reports_a_non_finite_number(bad: float) -> None:
-    u = hit_used(hit("x", bad, confidence=bad, rank=7, category="episodic"), "failed")
+    u = excluded_hit(hit("x", bad, confidence=bad, rank=7, category="episodic"), "failed")
     assert (u.similarity, u.confidence) == (0.0, 0.0)
     assert (u.memory_id, u.rank, u.category, u.exclusion) == ("x", 7, "episodic", "failed")
-    ok = hit_used(hit("y", 0.25, confidence=0.75), "filter")
+    ok = excluded_hit(hit("y", 0.25, confidence=0.75), "filter")
     assert (ok.similarity, ok.confidence, ok.exclusion) == (0.25, 0.75, "filter")
 
 
