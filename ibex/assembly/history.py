@@ -151,7 +151,7 @@ def body_tokens(
     cached_count = n is not None
     if n is None:
         n = counter.count_uncached(piece)
-    if cache is not None and n <= limit:
+    if deferred is not None and n <= limit:
         if not cached_piece:
             deferred.bodies.append((content, piece))
         if not cached_count:

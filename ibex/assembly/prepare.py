@@ -33,14 +33,9 @@ from ibex.assembly.candidates import Stream, stream_candidates
 from ibex.assembly.catalog import Catalog, resolve_model
 from ibex.assembly.history import Counter, DeferredCache
 from ibex.assembly.output_format import Format, SectionOrder
-from ibex.assembly.pipeline import (
-    DEFAULT_CONFIG,
-    CounterSource,
-    FixedSections,
-    PipelineConfig,
-    count_fixed_sections,
-    pricer,
-)
+from ibex.assembly.fixed_sections import FixedSections, count_fixed_sections
+from ibex.assembly.pipeline import DEFAULT_CONFIG, CounterSource, PipelineConfig
+from ibex.assembly.pricing import pricer
 from ibex.assembly.structs import AssemblyRequest, Directive, MemoryHit
 from ibex.errors import TooLargeError
 
@@ -60,13 +55,13 @@ class EarlyAssembly:
         "_fixed",
         "cap",
         "counter",
+        "deferred",
         "family",
         "fmt",
         "nonce",
         "now",
         "order",
         "request",
-        "deferred",
         "streams",
     )
 

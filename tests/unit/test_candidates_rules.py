@@ -20,12 +20,12 @@ from ibex.assembly.candidates import (
     SearchFilter,
     excluded_hit,
     is_own,
+    memory_used,
     merge,
     rank_search,
     select,
     select_candidates,
     stream_candidates,
-    used,
 )
 from ibex.assembly.scoring import COMPOSITE
 from ibex.assembly.structs import AssemblyOptions, AssemblyRequest, MemoryHit, ScoredMemory
@@ -134,7 +134,7 @@ def test_used_copies_every_reported_field() -> None:
         usefulness_score=0.1,
         token_estimate=42,
     )
-    u = used(m, "budget")
+    u = memory_used(m, "budget")
     assert (u.memory_id, u.category, u.rank, u.exclusion, u.token_estimate) == (
         "m",
         "episodic",

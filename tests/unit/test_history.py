@@ -7,7 +7,13 @@ from __future__ import annotations
 import pytest
 
 from ibex.assembly import xml_format as fmt
-from ibex.assembly.history import HistoryFit, DeferredCache, body_tokens, dropped_tokens, fit_history
+from ibex.assembly.history import (
+    DeferredCache,
+    HistoryFit,
+    body_tokens,
+    dropped_tokens,
+    fit_history,
+)
 from ibex.assembly.structs import Message
 from ibex.assembly.tokens import TokenCounter, Tokenizers
 
@@ -183,7 +189,9 @@ def test_what_fits_is_staged_once_and_what_is_cached_is_not_staged_again(
     deferred = DeferredCache(counter, xml)
     assert body_tokens(counter, xml, content, n, deferred) == (n, True)  # fits exactly
     assert deferred.bodies == [(content, piece)] and deferred.counts == [(piece, n)]
-    assert deferred.body(content) == piece and deferred.count(piece) == n  # deferred again: uncached
+    assert (
+        deferred.body(content) == piece and deferred.count(piece) == n
+    )  # uncached still
     deferred.commit()
     again = DeferredCache(counter, xml)
     assert body_tokens(counter, xml, content, n, again) == (n, True)

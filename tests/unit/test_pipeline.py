@@ -23,7 +23,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ibex.assembly import pipeline
+from ibex.assembly import pipeline, stage_timer
 from ibex.assembly import xml_format as fmt
 from ibex.assembly.budget import compute_budget
 from ibex.assembly.catalog import Catalog, FamilyPolicy, ModelCapability, load_catalog
@@ -1692,7 +1692,7 @@ class _Clock:
 
 
 def test_stage_timings_are_whole_milliseconds_and_add_up(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(pipeline, "time", _Clock())
+    monkeypatch.setattr(stage_timer, "time", _Clock())
     r = stub_run(
         stub_request(messages=[Message("user", "hi")]), cold=[stub_hit("a")], retrieval_ms=250.0
     )
