@@ -53,6 +53,16 @@ class Counter(Protocol):
     def additive_cut(self, text: str) -> int: ...
 
 
+class Uncached:
+    """The cache half of `Counter` for a counter that keeps none: nothing is found or kept."""
+
+    def peek(self, text: str) -> int | None:
+        return None
+
+    def remember(self, items: Sequence[tuple[str, int]]) -> None:
+        pass
+
+
 class DeferredCache:
     """One request's reads of the token-count and escaped-body caches.
 

@@ -31,9 +31,9 @@ from typing import Literal
 
 from ibex.assembly.candidates import Stream, stream_candidates
 from ibex.assembly.catalog import Catalog, resolve_model
+from ibex.assembly.fixed_sections import FixedSections, count_fixed_sections
 from ibex.assembly.history import Counter, DeferredCache
 from ibex.assembly.output_format import Format, SectionOrder
-from ibex.assembly.fixed_sections import FixedSections, count_fixed_sections
 from ibex.assembly.pipeline import DEFAULT_CONFIG, CounterSource, PipelineConfig
 from ibex.assembly.pricing import pricer
 from ibex.assembly.structs import AssemblyRequest, Directive, MemoryHit

@@ -8,14 +8,13 @@ timings may differ, so they are left out of the comparison.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ibex.assembly.catalog import Catalog, load_catalog
+from ibex.assembly.history import Uncached
 from ibex.assembly.pipeline import AssemblyInputs, assemble_pure
 from ibex.assembly.prepare import EarlyAssembly
 from ibex.assembly.scoring import COMPOSITE, INTERIM, as_composite, score_hit
@@ -305,7 +304,7 @@ def test_as_composite_is_score_hit_under_the_composite_schema(
     assert as_composite(score_hit(h, options, NOW, INTERIM), h) == expected
 
 
-class _RecordingCounter:
+class _RecordingCounter(Uncached):
     """A counter without a cache that records every text it is asked to count."""
 
     def __init__(self, real: TokenCounter) -> None:
@@ -319,12 +318,6 @@ class _RecordingCounter:
         return self.real.count_uncached(text)
 
     count_uncached = count
-
-    def peek(self, text: str) -> int | None:
-        return None
-
-    def remember(self, items: Sequence[tuple[str, int]]) -> None:
-        pass
 
     def additive_cut(self, text: str) -> int:
         return self.real.additive_cut(text)
