@@ -189,9 +189,7 @@ def test_what_fits_is_staged_once_and_what_is_cached_is_not_staged_again(
     deferred = DeferredCache(counter, xml)
     assert body_tokens(counter, xml, content, n, deferred) == (n, True)  # fits exactly
     assert deferred.bodies == [(content, piece)] and deferred.counts == [(piece, n)]
-    assert (
-        deferred.body(content) == piece and deferred.count(piece) == n
-    )  # uncached still
+    assert deferred.body(content) == piece and deferred.count(piece) == n  # uncached still
     deferred.commit()
     again = DeferredCache(counter, xml)
     assert body_tokens(counter, xml, content, n, again) == (n, True)
