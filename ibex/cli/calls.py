@@ -76,27 +76,22 @@ def run_client(make_client: Callable[[], Any], send: Callable[[Any], Awaitable[A
     return asyncio.run(run())
 
 
-def call(
-    command: str,
-    make_client: Callable[[], Any],
-    send: Callable[[Any], Awaitable[Any]],
-    *,
-    addr: str = "",
-) -> tuple[bool, Any]:
-    """`run_client`, or (False, None) after printing one line on stderr: `ibex COMMAND:
-    STATUS: message` when the daemon answered an error, `ibex COMMAND: cannot reach
-    ADDR: reason` when it could not be reached."""
+def call(args: argparse.Namespace, send: Callable[[Any], Awaitable[Any]]) -> Any | None:
+    """`send` on a client made from the client flags (`run_client`): its answer, or None
+    after one line on stderr: `ibex COMMAND: STATUS: message` when the daemon answered an
+    error, `ibex COMMAND: cannot reach ADDR: reason` when it could not be reached."""
     from grpclib.exceptions import GRPCError, StreamTerminatedError
 
+    client_options(args)  # a bad --addr is a usage error before any connection
     try:
-        return True, run_client(make_client, send)
+        return run_client(lambda: _client(args), send)
     except GRPCError as exc:
-        print(f"ibex {command}: {exc.status.name}: {exc.message}", file=sys.stderr)
+        print(f"ibex {args.command}: {exc.status.name}: {exc.message}", file=sys.stderr)
     except TimeoutError:  # grpclib's deadline; an OSError, so caught first
-        print(f"ibex {command}: no answer from {addr or 'the daemon'} in time", file=sys.stderr)
+        print(f"ibex {args.command}: no answer from {args.addr} in time", file=sys.stderr)
     except (OSError, StreamTerminatedError) as exc:
-        print(f"ibex {command}: cannot reach {addr or 'the daemon'}: {exc}", file=sys.stderr)
-    return False, None
+        print(f"ibex {args.command}: cannot reach {args.addr}: {exc}", file=sys.stderr)
+    return None
 
 
 def _client(args: argparse.Namespace) -> Any:
@@ -106,10 +101,20 @@ def _client(args: argparse.Namespace) -> Any:
     return ContextClient(host, port, token=token, ssl_context=ssl_ctx, deadline=args.timeout)
 
 
-def _print_json(message: Any) -> None:
-    from google.protobuf.json_format import MessageToDict
+def _answer(
+    args: argparse.Namespace, send: Callable[[Any], Awaitable[Any]], text: Callable[[Any], str]
+) -> int:
+    """`call`, then print the answer as `text` has it, or as JSON with `--json`."""
+    response = call(args, send)
+    if response is None:
+        return EXIT_ERROR
+    if args.json:
+        from google.protobuf.json_format import MessageToDict
 
-    print(json.dumps(MessageToDict(message), indent=2))
+        print(json.dumps(MessageToDict(response), indent=2))
+    else:
+        print(text(response))
+    return EXIT_OK
 
 
 def _message(raw: str) -> tuple[str, str]:
@@ -121,7 +126,6 @@ def _message(raw: str) -> tuple[str, str]:
 
 def cmd_assemble(args: argparse.Namespace) -> int:
     """AssembleContext: the context and its budget report (or the response as JSON)."""
-    client_options(args)  # a bad --addr is a usage error before any connection
     fields: dict[str, Any] = dict(
         org_id=args.org,
         agent_id=args.agent,
@@ -135,8 +139,8 @@ def cmd_assemble(args: argparse.Namespace) -> int:
     if args.max_memories:
         fields["options"] = {"max_memories": args.max_memories}
 
-    ok, result = call("assemble", lambda: _client(args), lambda c: c.assemble(**fields))
-    if not ok:
+    result = call(args, lambda c: c.assemble(**fields))
+    if result is None:
         return EXIT_ERROR
     if args.json:
         from google.protobuf.json_format import MessageToDict
@@ -150,10 +154,8 @@ def cmd_assemble(args: argparse.Namespace) -> int:
 
 def cmd_feedback(args: argparse.Namespace) -> int:
     """Report which memories helped; prints each score the memory service moved."""
-    client_options(args)
-    ok, response = call(
-        "feedback",
-        lambda: _client(args),
+    return _answer(
+        args,
         lambda c: c.record_feedback(
             args.memory,
             args.feedback,
@@ -162,17 +164,15 @@ def cmd_feedback(args: argparse.Namespace) -> int:
             trace_id=args.trace,
             timeout=args.timeout,
         ),
-        addr=args.addr,
+        lambda response: _feedback_text(args, response),
     )
-    if not ok:
-        return EXIT_ERROR
-    if args.json:
-        _print_json(response)
-        return EXIT_OK
-    print(f"feedback {args.feedback}: recorded, {len(response.updates)} of {len(args.memory)} ids")
-    for u in response.updates:
-        print(f"  {u.memory_id:<40} {u.previous_score:.3f} -> {u.new_score:.3f}")
-    return EXIT_OK
+
+
+def _feedback_text(args: argparse.Namespace, response: Any) -> str:
+    updates = response.updates
+    out = [f"feedback {args.feedback}: recorded, {len(updates)} of {len(args.memory)} ids"]
+    out += (f"  {u.memory_id:<40} {u.previous_score:.3f} -> {u.new_score:.3f}" for u in updates)
+    return "\n".join(out)
 
 
 def render_report(result: Any) -> str:
@@ -272,9 +272,8 @@ def cmd_health(args: argparse.Namespace) -> int:
 
 def cmd_search(args: argparse.Namespace) -> int:
     """SearchMemories: a table of the memories found (or the response as JSON)."""
-    ok, response = call(
-        "search",
-        lambda: _client(args),
+    return _answer(
+        args,
         lambda c: c.search(
             org_id=args.org,
             agent_id=args.agent,
@@ -286,15 +285,8 @@ def cmd_search(args: argparse.Namespace) -> int:
             session_id=args.session,
             timeout=args.timeout,
         ),
-        addr=args.addr,
+        render_search,
     )
-    if not ok:
-        return EXIT_ERROR
-    if args.json:
-        _print_json(response)
-        return EXIT_OK
-    print(render_search(response))
-    return EXIT_OK
 
 
 def render_search(response: Any, width: int = 60) -> str:
