@@ -128,7 +128,7 @@ class Format(ABC):
         """`body_piece_uncached`, memoised for texts up to BODY_CACHE_MAX_CHARS.
 
         The same hot memories, directives and history turns come back request
-        after request, and escaping each was a tenth of the daemon's CPU per answer.
+        after request: each is escaped once, not on every answer.
         """
         if len(text) > BODY_CACHE_MAX_CHARS:
             return self.body_piece_uncached(text)

@@ -80,8 +80,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not args.worker:  # the supervisor already said it for its workers
         _warn_unknown_variables(env)
         _warn_config(settings)
-    # /metrics exposition is ~1.25 ms of pure Python per scrape: served by a supervisor
-    # process (multiprocess mode) whenever it is on, so a scrape never pauses calls.
+    # /metrics exposition is milliseconds of pure Python per scrape (benchmarks.code_costs):
+    # served by a supervisor process (multiprocess mode) whenever it is on, so a scrape
+    # never pauses calls.
     # An env file means reloads (SIGHUP), which only the supervisor does.
     supervised = settings.workers > 1 or settings.metrics_addr or args.env_file is not None
     try:

@@ -51,9 +51,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Text (characters) above which an assembly's counting runs in a worker thread:
-# uncached tiktoken counts run at roughly 8-10k CJK characters per millisecond,
-# so this keeps any one call's hold on the loop to a couple of milliseconds.
+# Text (characters) above which an assembly's counting runs in a worker thread, so
+# no one call holds the loop for more than a few milliseconds: uncached tiktoken
+# counts of CJK text run at thousands of characters per millisecond
+# (`python -m benchmarks.code_costs`, docs/performance.md).
 OFFLOAD_CHARS = 16 * 1024
 
 
@@ -296,8 +297,8 @@ class Assembler:
         elif _text_chars(inputs) <= self.offload_chars:
             result = run()
         else:
-            # Counting this much text would hold the loop (a 1 MB CJK text is ~130 ms of
-            # tiktoken): do it in a worker thread, where tiktoken releases the GIL, so
+            # Counting this much text would hold the loop (1 M CJK characters are hundreds
+            # of ms of tiktoken): do it in a worker thread, where tiktoken releases the GIL, so
             # other calls keep their deadlines. Only the retrieved memories made this
             # call large (a large request queued for its thread before its slot): it
             # waits in the urgent line, since it holds a slot while it waits.
