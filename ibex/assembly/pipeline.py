@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 
-from ibex.assembly.candidates import merge, select, select_candidates, stream_candidates
+from ibex.assembly.candidates import branch_candidates, merge, select, select_candidates
 from ibex.assembly.catalog import Catalog, resolve_model
 from ibex.assembly.fixed_sections import FixedSections, count_fixed_sections
 from ibex.assembly.history import Counter
@@ -132,7 +132,7 @@ def assemble_pure(
     counter = tokenizers.counter(family.name, family.encoding)
     fmt = config.format
     order = config.section_order
-    if early is not None and not early.fits(request, nonce, counter, fmt, order):
+    if early is not None and not early.made_for(request, nonce, counter, fmt, order):
         early = None
     fixed = early.fixed_for(inputs.directive) if early is not None else None
     if fixed is None:
@@ -147,10 +147,10 @@ def assemble_pure(
         opts, now = request.options, inputs.now
         selection = merge(
             request,
-            early.stream_for("hot", inputs.hot, now)
-            or stream_candidates(request, inputs.hot, now, opts.skip_hot_memories),
-            early.stream_for("cold", inputs.cold, now)
-            or stream_candidates(request, inputs.cold, now, opts.skip_cold_memories),
+            early.candidates_for("hot", inputs.hot, now)
+            or branch_candidates(request, inputs.hot, now, opts.skip_hot_memories),
+            early.candidates_for("cold", inputs.cold, now)
+            or branch_candidates(request, inputs.cold, now, opts.skip_cold_memories),
         )
     timer.lap("select")
     candidates = (

@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Literal
 
-from ibex.assembly.candidates import Stream, stream_candidates
+from ibex.assembly.candidates import BranchCandidates, branch_candidates
 from ibex.assembly.catalog import Catalog, resolve_model
 from ibex.assembly.fixed_sections import FixedSections, count_fixed_sections
 from ibex.assembly.history import Counter, DeferredCache
@@ -53,6 +53,7 @@ class EarlyAssembly:
 
     __slots__ = (
         "_fixed",
+        "candidates",
         "cap",
         "counter",
         "deferred",
@@ -62,7 +63,6 @@ class EarlyAssembly:
         "now",
         "order",
         "request",
-        "streams",
     )
 
     def __init__(
@@ -84,7 +84,7 @@ class EarlyAssembly:
         self.fmt = config.format
         self.order = config.section_order
         self._fixed: tuple[Directive | None, FixedSections | TooLargeError] | None = None
-        self.streams: dict[MemoryBranch, Stream] = {}
+        self.candidates: dict[MemoryBranch, BranchCandidates] = {}
         self.deferred = DeferredCache(self.counter, self.fmt)
 
     # --- filled as branches land ------------------------------------------------
@@ -115,7 +115,7 @@ class EarlyAssembly:
         """A memory branch has landed: its share of select and price."""
         opts = self.request.options
         skip = opts.skip_hot_memories if branch == "hot" else opts.skip_cold_memories
-        self.streams[branch] = stream_candidates(
+        self.candidates[branch] = branch_candidates(
             self.request,
             hits,
             self.now,
@@ -125,7 +125,7 @@ class EarlyAssembly:
 
     # --- read by the pipeline -----------------------------------------------------
 
-    def fits(
+    def made_for(
         self,
         request: AssemblyRequest,
         nonce: str,
@@ -151,14 +151,14 @@ class EarlyAssembly:
             raise fixed
         return fixed
 
-    def stream_for(
+    def candidates_for(
         self, branch: MemoryBranch, hits: Sequence[MemoryHit], now: float
-    ) -> Stream | None:
-        """The branch's prepared stream when made from these very hits at `now`, else None."""
-        stream = self.streams.get(branch)
-        if stream is None or stream.now != now or stream.hits != tuple(hits):
+    ) -> BranchCandidates | None:
+        """The branch's prepared candidates when made from these very hits at `now`, else None."""
+        found = self.candidates.get(branch)
+        if found is None or found.now != now or found.hits != tuple(hits):
             return None
-        return stream
+        return found
 
     def commit(self) -> None:
         """The fixed sections fit: cache the memory prices' new counts and bodies."""

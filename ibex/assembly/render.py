@@ -19,10 +19,10 @@ from ibex.assembly.output_format import Format, SectionOrder
 from ibex.assembly.structs import AssemblyRequest, Directive, ScoredMemory
 from ibex.errors import TooLargeError
 
-__all__ = ["Rendered", "render_within_ceiling"]
+__all__ = ["RenderedContext", "render_within_ceiling"]
 
 
-class Rendered(msgspec.Struct, frozen=True, gc=False):
+class RenderedContext(msgspec.Struct, frozen=True, gc=False):
     """The final text, its verified count, the memories it holds and those dropped to fit."""
 
     text: str
@@ -41,7 +41,7 @@ def render_within_ceiling(
     model: str,
     fmt: Format,
     order: SectionOrder = "seed",
-) -> Rendered:
+) -> RenderedContext:
     """Stage 5: format, verify the count, and drop the lowest-value memory while over."""
     ceiling = fixed.budget.ceiling
     kept = list(packed)
@@ -73,7 +73,7 @@ def render_within_ceiling(
         else:
             tokens_used = _exact_len(counter, text)
         if tokens_used <= ceiling:
-            return Rendered(text, tokens_used, ordered, dropped)
+            return RenderedContext(text, tokens_used, ordered, dropped)
         if not kept:
             raise TooLargeError(
                 "recent_messages",

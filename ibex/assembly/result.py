@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from ibex.assembly.candidates import Selection, memory_used
 from ibex.assembly.fixed_sections import FixedSections
-from ibex.assembly.render import Rendered
+from ibex.assembly.render import RenderedContext
 from ibex.assembly.stage_timer import StageTimer, whole_ms
 from ibex.assembly.structs import (
     AssemblyMetrics,
@@ -42,7 +42,7 @@ def build_result(
     inputs: AssemblyInputs,
     fixed: FixedSections,
     packed: PackResult,
-    rendered: Rendered,
+    rendered: RenderedContext,
     selection: Selection,
     timer: StageTimer,
 ) -> AssemblyResult:

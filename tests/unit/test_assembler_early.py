@@ -123,7 +123,7 @@ async def test_the_directive_and_hot_are_prepared_while_cold_hangs(
     prepared = handed[-1]
     assert prepared is not None
     assert prepared.fixed_for(DIRECTIVE) is not None
-    assert set(prepared.streams) == {"hot"}
+    assert set(prepared.candidates) == {"hot"}
 
 
 async def test_memories_past_the_loop_budget_are_left_to_the_pipeline(
@@ -139,7 +139,7 @@ async def test_memories_past_the_loop_budget_are_left_to_the_pipeline(
     prepared = handed[-1]
     assert prepared is not None
     assert prepared.fixed_for(DIRECTIVE) is not None
-    assert prepared.streams == {}
+    assert prepared.candidates == {}
 
 
 async def test_a_request_that_goes_to_a_thread_gets_no_early_work(

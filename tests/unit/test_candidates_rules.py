@@ -18,6 +18,7 @@ import pytest
 from ibex.assembly.candidates import (
     MAX_MEMORIES_HARD_CAP,
     SearchFilter,
+    branch_candidates,
     excluded_hit,
     is_own,
     memory_used,
@@ -25,7 +26,6 @@ from ibex.assembly.candidates import (
     rank_search,
     select,
     select_candidates,
-    stream_candidates,
 )
 from ibex.assembly.scoring import COMPOSITE
 from ibex.assembly.structs import AssemblyOptions, AssemblyRequest, MemoryHit, ScoredMemory
@@ -163,10 +163,10 @@ def test_a_truncated_candidate_is_reported_unpriced_even_when_priced_early() -> 
     cut: as when pricing follows the caps (candidates.merge)."""
     cold = [hit(f"m{i}", 0.1 * i) for i in range(3)]
     request = req(max_memories=1)
-    stream = stream_candidates(
+    stream = branch_candidates(
         request, cold, NOW, False, lambda m: msgspec.structs.replace(m, token_estimate=7)
     )
-    empty = stream_candidates(request, (), NOW, False, lambda m: m)
+    empty = branch_candidates(request, (), NOW, False, lambda m: m)
     selection = merge(request, empty, stream)
     assert [m.token_estimate for m in selection.candidates] == [7]
     assert [(m.exclusion, m.token_estimate) for m in selection.excluded] == [("truncated", 0)] * 2
