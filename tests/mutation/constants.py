@@ -56,7 +56,7 @@ MUTANTS: list[tuple[str, str, str]] = [
     (A + "xml_format.py", "\\x7f-\\x9f", "\\x80-\\x9f"),  # DEL passed raw
     (A + "xml_format.py", "\\u2028\\u2029", "\\u2028"),
     (A + "xml_format.py", "\\u202a-\\u202e", "\\u202a-\\u202d"),
-    (A + "xml_format.py", "\\u2066-\\u206f", "\\u2066-\\u206e"),
+    (A + "xml_format.py", "\\u2060-\\u206f", "\\u2061-\\u206f"),  # word joiner passed raw
     (A + "xml_format.py", "[^A-Za-z0-9_.:@+\\-]", "[^A-Za-z0-9_.:@+\\- ]"),  # space allowed
     (A + "xml_format.py", '"\'": "&#39;"', '"\'": "\'"'),
     (
