@@ -4,7 +4,7 @@ Subcommands, one module per kind:
 
 - `ibex.cli.serve`: serve, config, check (this host's daemon and its settings);
 - `ibex.cli.calls`: assemble, feedback, health, search (a running daemon, through
-  `ibex.client`, never loading the server);
+  `ibex.client`, never loading the server), printed by `ibex.cli.render`;
 - `ibex.cli.directive`: directive get|put (the directive cache in Redis, in the
   daemon's format).
 
