@@ -238,16 +238,26 @@ def cmd_search(args: argparse.Namespace) -> int:
 # -- the parsers -------------------------------------------------------------------------------
 
 
+def _daemon_command(
+    sub: Any, name: str, func: Callable[[argparse.Namespace], int], **parser: Any
+) -> argparse.ArgumentParser:
+    """A subcommand that calls the daemon: the client flags, then the command's own."""
+    p: argparse.ArgumentParser = sub.add_parser(name, formatter_class=DefaultsFormatter, **parser)
+    add_client_flags(p)
+    p.set_defaults(func=func)
+    return p
+
+
 def register(sub: Any) -> None:
     """Add assemble, feedback, health and search to the `ibex` subcommands."""
-    a = sub.add_parser(
+    a = _daemon_command(
+        sub,
         "assemble",
+        cmd_assemble,
         help="ask a running daemon for a context block",
         description="AssembleContext. Exit 0 when the daemon answered (degraded or not), "
         "3 when it did not (the history-only fallback is printed), 1 on an error status.",
-        formatter_class=DefaultsFormatter,
     )
-    add_client_flags(a)
     add_tenant_flags(a)
     a.add_argument(
         "--query", default="How should I deploy the service on Friday?", help="the user turn"
@@ -271,14 +281,13 @@ def register(sub: Any) -> None:
     a.add_argument("--tool", action="append", default=[], help="tool schema JSON (repeatable)")
     a.add_argument("--request-id", default="cli", help="correlation id, echoed")
     add_json_flag(a)
-    a.set_defaults(func=cmd_assemble)
 
-    f = sub.add_parser(
+    f = _daemon_command(
+        sub,
         "feedback",
+        cmd_feedback,
         help="tell a running daemon which memories helped",
-        formatter_class=DefaultsFormatter,
     )
-    add_client_flags(f)
     add_tenant_flags(f, agent=False)
     f.add_argument(
         "--memory", action="append", required=True, metavar="ID", help="memory id (repeatable)"
@@ -292,31 +301,29 @@ def register(sub: Any) -> None:
     f.add_argument("--session", default="", help="session id")
     f.add_argument("--trace", default="", help="trace id (part of the idempotency key)")
     add_json_flag(f)
-    f.set_defaults(func=cmd_feedback)
 
-    h = sub.add_parser(
+    h = _daemon_command(
+        sub,
         "health",
+        cmd_health,
         help="gRPC health of a running daemon (exit 0 only when SERVING)",
         description="The standard gRPC Health Check. Exit 0 when SERVING; 1 when the "
         "daemon answers anything else (e.g. NOT_SERVING while draining, or an "
         "unknown --service); 3 when it cannot be reached.",
-        formatter_class=DefaultsFormatter,
     )
-    add_client_flags(h)
     h.add_argument(
         "--service",
         default="",
         help=f"service to check: '' for the whole server, or {SERVICE_NAME} (default: '')",
     )
-    h.set_defaults(func=cmd_health)
 
-    s = sub.add_parser(
+    s = _daemon_command(
+        sub,
         "search",
+        cmd_search,
         help="SearchMemories on a running daemon",
         description="SearchMemories: the agent's memories that match a query, best first.",
-        formatter_class=DefaultsFormatter,
     )
-    add_client_flags(s)
     add_tenant_flags(s)
     s.add_argument("--query", required=True, help="search text (required)")
     s.add_argument(
@@ -329,4 +336,3 @@ def register(sub: Any) -> None:
     s.add_argument("--tag", action="append", default=[], help="keep this tag (repeatable)")
     s.add_argument("--session", default="", help="session id")
     add_json_flag(s)
-    s.set_defaults(func=cmd_search)
