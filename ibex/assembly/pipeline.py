@@ -17,7 +17,7 @@ ceiling (ibex.assembly.render), build the result (ibex.assembly.result). A
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Annotated, Protocol
 
 import msgspec
 
@@ -39,6 +39,7 @@ from ibex.assembly.structs import (
     MemoryHit,
 )
 from ibex.assembly.xml_format import XML_TAGS
+from ibex.envvar import env
 
 if TYPE_CHECKING:
     from ibex.assembly.prepare import EarlyAssembly
@@ -80,14 +81,20 @@ DEFAULT_NONCE_BYTES = 16
 class PipelineConfig(msgspec.Struct, frozen=True):
     """The pure core's knobs; the defaults are the packer's and the formatter's own."""
 
-    dp_cell_ceiling: int = DEFAULT_DP_CELL_CEILING
-    max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS
-    nonce_bytes: int = DEFAULT_NONCE_BYTES
+    dp_cell_ceiling: Annotated[
+        int, env("IBEX_CONTEXT_PACKER_DP_CELL_CEILING", bounds=(1, 50_000_000))
+    ] = DEFAULT_DP_CELL_CEILING
+    max_consecutive_skips: Annotated[
+        int, env("IBEX_CONTEXT_PACKER_MAX_CONSECUTIVE_SKIPS", bounds=(0, 1_000_000))
+    ] = DEFAULT_MAX_CONSECUTIVE_SKIPS
+    nonce_bytes: Annotated[int, env("IBEX_CONTEXT_FORMATTER_NONCE_BYTES", bounds=(8, 64))] = (
+        DEFAULT_NONCE_BYTES
+    )
     #: How the block is written and priced: both come from this one object.
     format: Format = XML_TAGS
     #: The order sections are written in (ibex.assembly.output_format.SectionOrder): `seed`, the
     #: design's fixed order, or `cache`, what changes least first for a provider's cache.
-    section_order: SectionOrder = "seed"
+    section_order: Annotated[SectionOrder, env("IBEX_CONTEXT_SECTION_ORDER")] = "seed"
 
 
 DEFAULT_CONFIG = PipelineConfig()

@@ -16,7 +16,7 @@ import json
 import sys
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -31,8 +31,11 @@ from ibex.cli.common import (
     printable,
     usage,
 )
-from ibex.config import ConfigError, Settings, load_settings
+from ibex.errors import ConfigError
 from ibex.netaddr import split_host_port
+
+if TYPE_CHECKING:
+    from ibex.config import Settings
 
 #: Seconds a Redis connect or command may take before `ibex directive` gives up.
 REDIS_TIMEOUT = 2.0
@@ -126,6 +129,8 @@ def _redis_call(
     """One Redis command on the directive cache: (its result, None), or (None, the exit
     status) after one line on stderr naming what failed."""
     try:
+        from ibex.config import load_settings  # the whole server's structs: only here
+
         redis = DirectiveRedis(load_settings())
     except ConfigError as exc:
         print(f"ibex directive {args.action}: configuration error: {exc}", file=sys.stderr)

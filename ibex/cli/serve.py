@@ -15,15 +15,22 @@ import os
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ibex.cli.common import EXIT_USAGE, DefaultsFormatter
-from ibex.config import ConfigError, Settings, load_settings, unknown_variables
+from ibex.errors import ConfigError
+
+if TYPE_CHECKING:
+    from ibex.config import Settings
 
 log = logging.getLogger(__name__)
 
 
 def _settings(env: Mapping[str, str] | None = None) -> Settings:
+    # Imported here: the settings table imports every layer's config struct (the whole
+    # server), which the client commands and `--help` do without.
+    from ibex.config import load_settings
+
     try:
         return load_settings(env)
     except ConfigError as exc:
@@ -135,6 +142,7 @@ def _reload_settings(
 ) -> tuple[Settings, float]:
     """The supervisor's check of a reload's settings, as a start checks them: ConfigError
     names the variable. The worker count stays the running one (a restart changes it)."""
+    from ibex.config import load_settings
     from ibex.service.root import check_bind_policy, drain_grace
 
     settings = load_settings(env)
@@ -148,6 +156,8 @@ def _reload_settings(
 
 def _warn_unknown_variables(env: Mapping[str, str] | None = None) -> None:
     """A typo in a setting's name would otherwise leave that setting at its default unseen."""
+    from ibex.config import unknown_variables
+
     for name, closest in unknown_variables(env):
         log.warning("unknown_setting", extra={"variable": name, "closest": closest})
 
@@ -226,6 +236,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     could) are printed but do not fail the check."""
     from ibex.assembly.catalog import CatalogError, load_catalog
     from ibex.assembly.tokens import TokenizerError, verify_files
+    from ibex.config import unknown_variables
     from ibex.service.root import (
         check_bind_policy,
         config_warnings,

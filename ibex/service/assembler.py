@@ -44,7 +44,7 @@ from ibex.service.dependencies import Dependency
 from ibex.service.queues import WorkerThreads, default_threads
 from ibex.sources.base import DirectiveSource, MemorySource, prefetch_directive
 from ibex.sources.feedback_sender import FeedbackSink
-from ibex.sources.retrieval import RetrievalConfig, Retrieved, retrieve, search
+from ibex.sources.retrieval import RetrievalConfig, Retrieved, cold_search, retrieve
 
 if TYPE_CHECKING:
     from ibex.ops.otel_sdk import CallTrace
@@ -79,7 +79,7 @@ def _log_tenant_filtered(count: int, **ids: str) -> None:
 
 
 class _EarlyAssemblyFeed:
-    """Hands each branch that lands to the call's `EarlyAssembly` (the retrieval's `Landing`).
+    """Hands each branch that ends to the call's `EarlyAssembly` (a `BranchListener`).
 
     In the loop, synchronously, and bounded: the text handed to the early work
     stays within `budget` characters in all (what the loop may count for one
@@ -87,7 +87,7 @@ class _EarlyAssemblyFeed:
     loop longer than a call whose whole pipeline runs on it. Past the budget,
     the rest is left to the pipeline (which then runs in a worker thread).
     An answer known before the branches started (a cached directive) is worked
-    on at the first landing, so no branch starts later for it. Any failure but
+    on when the first branch ends, so no branch starts later for it. Any failure but
     a kept refusal drops the early work: the pipeline then does it all itself.
     """
 
@@ -100,11 +100,11 @@ class _EarlyAssemblyFeed:
         # The directive branch has answered and its fixed sections are not counted yet.
         self.directive_known = False
 
-    def known(self, source: BranchSource, value: Any) -> None:
+    def answered_at_start(self, source: BranchSource, value: Any) -> None:
         if source == "directive":
             self.directive, self.directive_known = value, True
 
-    def landed(self, source: BranchSource, value: Any) -> None:
+    def branch_ended(self, source: BranchSource, value: Any) -> None:
         if self.assembly is None:
             return
         try:
@@ -271,7 +271,7 @@ class Assembler:
                 deadline=deadline,
                 arrived=arrived,
                 branch_starts=starts,
-                landing=early,
+                listener=early,
             )
         inputs = AssemblyInputs(
             request=request,
@@ -352,7 +352,7 @@ class Assembler:
         With filters that narrow after the fetch, the source is asked for the cap.
         """
         fetch = MAX_MEMORIES_HARD_CAP if flt.narrows else flt.limit
-        hits = await search(
+        hits = await cold_search(
             self._searchable(),
             flt.org_id,
             flt.agent_id,

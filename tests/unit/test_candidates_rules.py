@@ -112,7 +112,7 @@ def test_unusable_hits_fail_with_finite_reported_values() -> None:
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
-def test_hit_used_never_reports_a_non_finite_number(bad: float) -> None:
+def test_excluded_hit_never_reports_a_non_finite_number(bad: float) -> None:
     u = excluded_hit(hit("x", bad, confidence=bad, rank=7, category="episodic"), "failed")
     assert (u.similarity, u.confidence) == (0.0, 0.0)
     assert (u.memory_id, u.rank, u.category, u.exclusion) == ("x", 7, "episodic", "failed")

@@ -184,7 +184,7 @@ def _install() -> None:
 
     asyncio.StreamReader.feed_data = timed_feed  # type: ignore[method-assign]
 
-    landed = assembler_module._EarlyAssemblyFeed.landed
+    landed = assembler_module._EarlyAssemblyFeed.branch_ended
 
     def timed_landed(self: Any, source: str, value: Any) -> None:
         agent = self.assembly.request.agent_id if self.assembly is not None else "?"
@@ -192,7 +192,7 @@ def _install() -> None:
         landed(self, source, value)
         mark(agent, f"landed {source} done")
 
-    assembler_module._EarlyAssemblyFeed.landed = timed_landed  # type: ignore[method-assign]
+    assembler_module._EarlyAssemblyFeed.branch_ended = timed_landed  # type: ignore[method-assign]
 
     pure = assembler_module.assemble_pure
 

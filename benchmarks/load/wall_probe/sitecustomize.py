@@ -1,7 +1,7 @@
 """Loaded into `python -m ibex serve` by `benchmarks.load.after_wall` (via PYTHONPATH) only.
 
 Times each step of a call whose retrieval was cut by its wall, from the wall
-instant (the call's arrival on the Trio clock plus `RetrievalConfig.wall`):
+instant (the call's arrival on the Trio clock plus `RetrievalConfig.time_limit`):
 the first wake of the loop after it, the cold branch's cancellation reaching
 `MemoryHttpSource.cold`, retrieval's return, the pipeline, the crossing back
 to asyncio, and the send. It wraps the daemon's functions from outside;
@@ -53,7 +53,7 @@ def _install() -> None:
         cancel = cancelled.pop(task, None)
         if arrived is None or not any(b.status == "timeout" for b in got.branches):
             return got
-        wall_at = arrived + kw["config"].wall
+        wall_at = arrived + kw["config"].time_limit
         seen = list(wakes)
         i = bisect.bisect_left(seen, wall_at)
         if i < len(seen):
