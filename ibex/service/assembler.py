@@ -13,7 +13,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 
 import trio
 
@@ -141,6 +141,15 @@ class _EarlyAssemblyFeed:
             assembly.hits(source, hits)
 
 
+class CallOptions(TypedDict, total=False):
+    """What `Assembler.assemble` passes on to `Assembler.assemble_checked`."""
+
+    deadline: float | None
+    arrived: float | None
+    thread_held: bool
+    trace: CallTrace | None
+
+
 class Assembler:
     """Holds the process-wide pieces one assembly needs; safe to share across requests."""
 
@@ -216,22 +225,10 @@ class Assembler:
         return _request_chars(request) > self.offload_chars
 
     async def assemble(
-        self,
-        request: AssemblyRequest,
-        *,
-        deadline: float | None = None,
-        arrived: float | None = None,
-        thread_held: bool = False,
-        trace: CallTrace | None = None,
+        self, request: AssemblyRequest, **options: Unpack[CallOptions]
     ) -> AssemblyResult:
-        """Check the request (`check_request`), then `assemble_checked` it."""
-        return await self.assemble_checked(
-            self.check_request(request),
-            deadline=deadline,
-            arrived=arrived,
-            thread_held=thread_held,
-            trace=trace,
-        )
+        """Check the request (`check_request`), then `assemble_checked` it with `options`."""
+        return await self.assemble_checked(self.check_request(request), **options)
 
     async def assemble_checked(
         self,
