@@ -247,7 +247,7 @@ class TokenCounter:
 class Tokenizers:
     """Counters per family, with encodings loaded lazily once and caches shared per encoding.
 
-    Loading an encoding takes about 0.3 s and blocks: call `preload` at start-up
+    Loading an encoding takes a fraction of a second and blocks: call `preload` at start-up
     with the catalog's encodings so no request pays for it.
     """
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from ibex.cli_ops import printable, render_search
+from ibex.cli.render import render_search
+
+from ibex.cli.common import printable
 from ibex.wire import Memory, SearchMemoriesResponse
 
 
