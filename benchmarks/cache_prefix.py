@@ -23,6 +23,9 @@ For each turn from the second on it reports:
   order can reach, since its tools follow the memories); the prefix coverage
   is the share the common prefix covers before the provider's 128-token step
   (what the order makes cacheable; the step then leaves 0-127 tokens out);
+- that miss in tokens, split into what the assembly left out of the common
+  prefix and what the step left out of it, and the stable size from which the
+  step alone can no longer put a turn under 95 % (`step_bound_tokens`);
 - input cost at list prices with and without the cache (defaults: gpt-4o,
   $2.50 per million input tokens, $1.25 per million cached; `--price-input`,
   `--price-cached`). Only the context block is priced; the proxy's own
@@ -45,15 +48,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import statistics
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import trio
 
+from benchmarks import figures
 from ibex.assembly.catalog import Catalog, load_catalog
 from ibex.assembly.nonce import NonceKey
 from ibex.assembly.output_format import SECTION_ORDERS, SectionOrder
@@ -151,6 +157,17 @@ def cached_tokens(common_prefix_tokens: int) -> int:
     return common_prefix_tokens // CACHE_STEP_TOKENS * CACHE_STEP_TOKENS
 
 
+def step_bound_tokens(left_by_order: int, share: float) -> int:
+    """The stable part's size from which the step can never push coverage under `share`.
+
+    The step leaves at most CACHE_STEP_TOKENS - 1 of the common prefix uncached, so a
+    previous turn's stable part of S tokens is covered at least
+    (S - left_by_order - 127) / S; under the returned S it can fall below `share`.
+    """
+    worst = left_by_order + CACHE_STEP_TOKENS - 1
+    return math.ceil(round(worst / (1 - share), 6)) if share < 1 else 0
+
+
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
     i = 0
@@ -231,6 +248,13 @@ class Turn(msgspec.Struct, frozen=True):
     # cached / the previous turn's directive + safety + history (the stable part less
     # the tools: what the seed order, whose tools follow the memories, can reach)
     coverage_without_tools: float
+    # The previous turn's stable tokens the cache does not serve, in two parts: those
+    # the assembly left out of the common prefix (the order's share; in the cache order
+    # only the history's closing line, which the next turn's new messages precede), and
+    # those of the common prefix the provider's rule leaves out (1,024-token minimum,
+    # 128-token step: 0-127 once past the minimum; the provider's share).
+    left_by_order: int
+    left_by_step: int
     memories: int
     per_element_nonce_tokens: int  # what a nonce on every memory element would add
 
@@ -292,6 +316,8 @@ async def replay_conversation(
         assert len(tokens) == result.tokens_used  # the reported count is the provider's
         common = common_prefix(prev_tokens, tokens) if t else 0
         cached = cached_tokens(common)
+        stable_prev = _stable_tokens(prev) if prev else 0
+        shared = min(common, stable_prev)
         nonce_match = text[len('<directive nonce="') :].split('"', 1)[0]
         out.append(
             Turn(
@@ -303,6 +329,8 @@ async def replay_conversation(
                 coverage=_covered(cached, _stable_tokens(prev)) if prev else 0.0,
                 prefix_coverage=_covered(common, _stable_tokens(prev)) if prev else 0.0,
                 coverage_without_tools=_covered(cached, _without_tools(prev)) if prev else 0.0,
+                left_by_order=stable_prev - shared,
+                left_by_step=shared - min(cached, shared),
                 memories=result.memories_included,
                 per_element_nonce_tokens=_element_nonce_cost(
                     result, nonce_match, lambda s: len(enc.encode_ordinary(s))
@@ -370,6 +398,8 @@ def summarise(runs: list[list[Turn]], price_input: float, price_cached: float) -
                 ),
                 "coverage_min": round(min(t.coverage for t in at), 4),
                 "coverage_without_tools_min": round(min(t.coverage_without_tools for t in at), 4),
+                "left_by_order_max": max(t.left_by_order for t in at),
+                "left_by_step_max": max(t.left_by_step for t in at),
             }
         )
     return {
@@ -397,6 +427,16 @@ def summarise(runs: list[list[Turn]], price_input: float, price_cached: float) -
         )
         if later
         else 0.0,
+        "left_by_order_max_from_turn_2": max((t.left_by_order for t in later), default=0),
+        "left_by_step_max_from_turn_2": max((t.left_by_step for t in later), default=0),
+        "left_by_step_mean_from_turn_2": round(statistics.mean(t.left_by_step for t in later), 1)
+        if later
+        else 0.0,
+        # The smallest previous stable part whose coverage the step alone can put under
+        # 95 %: (S - left_by_order - 127) / S < 0.95 for every S under this.
+        "stable_tokens_needed_for_95_percent": step_bound_tokens(
+            max((t.left_by_order for t in later), default=0), 0.95
+        ),
         "cost_usd_without_cache": round(cost_without, 6),
         "cost_usd_with_cache": round(cost_with, 6),
         "saving": round(1 - cost_with / cost_without, 4) if cost_without else 0.0,
@@ -425,12 +465,16 @@ async def run(
 
 def _print(name: str, s: dict[str, object]) -> None:
     print(f"\n### {name}")
-    print("turn  context  cached  cached%  coverage(min)  without tools(min)")
+    print(
+        "turn  context  cached  cached%  coverage(min)  without tools(min)"
+        "  left by order(max)  left by step(max)"
+    )
     for row in s["by_turn"]:  # type: ignore[attr-defined]
         print(
             f"{row['turn']:>4}  {row['context_tokens']:>7}  {row['cached_tokens']:>6}  "
             f"{100 * row['cached_share']:>6.1f}%  {100 * row['coverage_min']:>12.1f}%  "
-            f"{100 * row['coverage_without_tools_min']:>17.1f}%"
+            f"{100 * row['coverage_without_tools_min']:>17.1f}%  "
+            f"{row['left_by_order_max']:>18}  {row['left_by_step_max']:>17}"
         )
     keys = [k for k in s if k != "by_turn"]
     for k in keys:
@@ -443,6 +487,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--turns", type=int, default=TURNS)
     parser.add_argument("--price-input", type=float, default=PRICE_INPUT, help="USD per M")
     parser.add_argument("--price-cached", type=float, default=PRICE_CACHED, help="USD per M")
+    parser.add_argument("--no-figures", action="store_true", help="do not update figures.json")
     args = parser.parse_args(argv)
     out: dict[str, object] = {
         "model": MODEL,
@@ -474,6 +519,8 @@ def main(argv: list[str] | None = None) -> int:
             "coverage_min_from_turn_2",
             "coverage_mean_from_turn_2",
             "prefix_coverage_min_from_turn_2",
+            "left_by_order_max_from_turn_2",
+            "left_by_step_max_from_turn_2",
             "cached_share",
             "cost_usd_with_cache",
         )
@@ -482,7 +529,46 @@ def main(argv: list[str] | None = None) -> int:
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(out, indent=1) + "\n")
     print(f"\nwrote {RESULTS}")
+    if not args.no_figures:
+        command = "python -m benchmarks.cache_prefix" + "".join(f" {a}" for a in argv or [])
+        # Token counts: no machine speed to record.
+        path = figures.record("cache_prefix", command, {}, figures_of(out))
+        print(f"recorded in {path}")
     return 0
+
+
+def figures_of(out: Mapping[str, Any]) -> list[figures.Figure]:
+    """The cache order's coverage and cost, the seed order's beside them."""
+    seed, cache = out["session_nonce"], out["session_nonce_cache_order"]
+    n = f"{out['conversations']} x {out['turns_per_conversation']} turns"
+    # (key, label, field, unit, scale: 100 for a share as %, 1 else, None: no seed figure)
+    rows = (
+        ("coverage_min", f"cache order: min coverage of the previous turn's stable part, "
+         f"turns 2+ ({n}; seed beside)", "coverage_min_from_turn_2", "%", 100),
+        ("coverage_mean", "cache order: mean coverage of it, turns 2+ (seed beside)",
+         "coverage_mean_from_turn_2", "%", 100),
+        ("left_by_order_max", "cache order: stable tokens the assembly leaves out of the "
+         "prefix, max (seed beside)", "left_by_order_max_from_turn_2", "tokens", 1),
+        ("stable_needed", "stable tokens from which the 128-token step keeps every turn "
+         ">= 95 %", "stable_tokens_needed_for_95_percent", "tokens", None),
+        ("cost", f"cache order: input cost of the {n} contexts, USD (seed beside)",
+         "cost_usd_with_cache", "USD", 1),
+    )  # fmt: skip
+
+    def value(run: Mapping[str, Any], field: str, scale: int | None) -> float:
+        return round((scale or 1) * run[field], 1 if scale == 100 else 2)
+
+    return [
+        figures.Figure(
+            f"cache_prefix.{key}",
+            label,
+            value(cache, field, scale),
+            unit,
+            "cache_prefix",
+            None if scale is None else value(seed, field, scale),
+        )
+        for key, label, field, unit, scale in rows
+    ]
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ messages, 2 tool schemas and a directive. The count cache is warm (memories
 recur across requests) but every iteration draws a fresh nonce as the daemon
 does (`formatter.new_nonce(16)`, fixed-width decimal), so no piece carrying the
 nonce can be served from the cache; only the count of its zeros-shaped twin,
-which every decimal nonce of that width matches (see history.Staged.with_nonce). The
+which every decimal nonce of that width matches (see history.DeferredCache.with_nonce). The
 stage table re-runs the pipeline's stages one by one with the same functions,
 and cProfile shows which functions the time goes to.
 

@@ -161,9 +161,9 @@ def answer_wall(env: Mapping[str, str], caller_deadline: float) -> float:
     """Seconds from a call's HEADERS to the wall at which the daemon stops waiting for
     branches, for a call that arrives with `caller_deadline` left.
 
-    `ibex.sources.retrieval.request_wall` counts from the call's arrival (the
+    `ibex.sources.retrieval.retrieval_time_left` counts from the call's arrival (the
     HEADERS read, the same origin as `ibex_answer_seconds`) and stops at
-    min(TIMEOUT, DEADLINE_MS) (`RetrievalConfig.wall`), but never past the caller's
+    min(TIMEOUT, DEADLINE_MS) (`RetrievalConfig.time_limit`), but never past the caller's
     deadline less PIPELINE_HEADROOM_MS, the time kept back to build and send the
     answer. The settings come from the daemon's own environment, read as the daemon
     reads them (defaults: min(45, 40, 1000 - 10) ms = 40 ms for a 1 s call). On
@@ -174,7 +174,7 @@ def answer_wall(env: Mapping[str, str], caller_deadline: float) -> float:
     from ibex.sources.retrieval import RetrievalConfig
 
     config = layer_config(RetrievalConfig, load_settings(env))
-    return min(config.wall, caller_deadline - config.pipeline_headroom)
+    return min(config.time_limit, caller_deadline - config.pipeline_headroom)
 
 
 def paired_ratio(runs: Sequence[float | None], base_runs: Sequence[float | None]) -> float | None:

@@ -8,13 +8,11 @@ only), so an asyncio proxy's loop and policy stay as it set them. Examples:
 docs/api.md. The default deadline is 45 ms. When the daemon is
 slow, down or shedding (DEADLINE_EXCEEDED, UNAVAILABLE, RESOURCE_EXHAUSTED
 "overloaded: ...") the client does not raise: it returns an `Assembled` marked
-degraded whose context is the history alone, so the proxy can go on with the
-call. That history is cut like the daemon cuts it (oldest messages left out,
-the newest kept) to the model's context ceiling counted in UTF-8 bytes, which
-no byte-level BPE tokenizer's count exceeds, so the fallback is never larger
-than the window. Input and auth errors still raise, including a
-RESOURCE_EXHAUSTED that names a field (an input that cannot fit): they are bugs
-to fix, not load to ride out.
+degraded whose context is the history alone (`fallback_history`, in
+ibex.client_fallback), so the proxy can go on with the call. Input and auth
+errors still raise, including a RESOURCE_EXHAUSTED that names a field (an
+input that cannot fit): they are bugs to fix, not load to ride out
+(`is_input_error`).
 
 Several addresses (`addresses=["10.0.0.5:9100", "10.0.0.5:9101", ...]`, e.g. one
 per worker port, see docs/operations.md "One host: workers and per-worker
@@ -40,11 +38,8 @@ from grpclib.const import Cardinality, Status
 from grpclib.exceptions import GRPCError, StreamTerminatedError
 from grpclib.metadata import Deadline
 
-from ibex.assembly.budget import context_ceiling
-from ibex.assembly.catalog import Catalog, load_catalog, resolve_model
-from ibex.assembly.history import Staged, fit_history
 from ibex.assembly.structs import Message
-from ibex.assembly.xml_format import XML_TAGS
+from ibex.client_fallback import fallback_history, history_only
 from ibex.netaddr import split_host_port
 from ibex.wire import (
     SERVICE,
@@ -55,6 +50,17 @@ from ibex.wire import (
     SearchMemoriesRequest,
     SearchMemoriesResponse,
 )
+
+__all__ = [
+    "DEFAULT_DEADLINE",
+    "DEFAULT_FEEDBACK_DEADLINE",
+    "Assembled",
+    "ContextClient",
+    "fallback_history",
+    "history_only",
+    "is_input_error",
+    "parse_address",
+]
 
 DEFAULT_DEADLINE = 0.045
 # Feedback is sent after the model answered, off the latency path: room for the
@@ -94,77 +100,6 @@ class Assembled(msgspec.Struct, frozen=True):
     response: Any = None
     branches: str = ""
     messages_dropped: int = 0  # fallback only: oldest messages left out to fit the window
-
-
-class _Utf8Bytes:
-    """Counts UTF-8 bytes: never fewer than the tokens of a byte-level BPE tokenizer."""
-
-    estimate_kind = "utf8_bytes"
-    max_token_bytes = 0  # a prefix never has more bytes than the whole
-
-    def count(self, text: str) -> int:
-        return len(text.encode("utf-8", "surrogatepass"))
-
-    count_uncached = count
-
-    def peek(self, text: str) -> int | None:
-        return None
-
-    def remember(self, items: Sequence[tuple[str, int]]) -> None:
-        pass
-
-    def additive_cut(self, text: str) -> int:
-        return len(text)
-
-
-def fallback_history(
-    messages: Sequence[Message],
-    *,
-    model: str = "",
-    available_tokens: int = 0,
-    catalog: Catalog | None = None,
-) -> tuple[str, int]:
-    """The fallback context and how many of the oldest messages it leaves out.
-
-    The history formatted as the daemon would (without a nonce: the daemon did
-    not write it), keeping the newest messages that fit the model's context
-    ceiling (window less response reserve and safety buffer, as the daemon
-    computes it) with every character's UTF-8 bytes counted as tokens. A model
-    the catalog does not know, without `available_tokens`, gets the smallest
-    window the catalog lists (the daemon would have refused the request).
-    """
-    if not messages:
-        return "", 0
-    catalog = catalog or _bundled_catalog()
-    if available_tokens <= 0 and catalog.resolve(model) is None:
-        available_tokens = min(m.context_window for m in catalog.models.values())
-    cap = resolve_model(catalog, model, available_tokens)
-    ceiling = context_ceiling(cap, catalog.family(cap.tokenizer_family), available_tokens)
-    counter = _Utf8Bytes()
-    fit = fit_history(counter, messages, "", ceiling, Staged(counter, XML_TAGS))
-    return "".join(XML_TAGS.history_section(fit.kept, "")), len(messages) - len(fit.kept)
-
-
-def history_only(
-    messages: Sequence[Message],
-    *,
-    model: str = "",
-    available_tokens: int = 0,
-    catalog: Catalog | None = None,
-) -> str:
-    """The fallback context alone (see `fallback_history`)."""
-    return fallback_history(
-        messages, model=model, available_tokens=available_tokens, catalog=catalog
-    )[0]
-
-
-_CATALOG: list[Catalog] = []
-
-
-def _bundled_catalog() -> Catalog:
-    if not _CATALOG:
-        _CATALOG.append(load_catalog())
-    return _CATALOG[0]
 
 
 def is_input_error(exc: GRPCError) -> bool:

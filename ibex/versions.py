@@ -1,8 +1,8 @@
 """The third-party versions whose private parts ibex patches, checked at start-up.
 
-Every patch of a private API lives in `ibex.service.edge.patches` (grpclib, h2, hpack,
-hyperframe, trio-asyncio) or, for redis-py's asyncio connection module, in
-`ibex.sources.redis_patches`, and is installed at start-up by `install_patches`.
+Every patch of a private API lives in the `ibex.service.patches` package, one module
+per patched library, and is installed at start-up by `install_patches` (Trio's,
+`precise_wakeups`, as the serving Trio run starts).
 A private API can change in any release, so each install function calls
 `require` first: an installed version outside the range the patch was written
 and tested for stops the daemon with a message naming the package, the
@@ -21,12 +21,13 @@ from importlib.metadata import PackageNotFoundError, version
 
 #: distribution -> (minimum, limit, who patches it)
 SUPPORTED: dict[str, tuple[str, str, str]] = {
-    "grpclib": ("0.4.7", "0.5", "ibex/service/edge/patches.py"),
-    "h2": ("4.1", "5", "ibex/service/edge/patches.py"),
-    "hpack": ("4.0", "5", "ibex/service/edge/patches.py"),
-    "hyperframe": ("6.0", "7", "ibex/service/edge/patches.py"),
-    "trio-asyncio": ("0.15", "0.17", "ibex/service/edge/patches.py"),
-    "redis": ("5.2", "9", "ibex/sources/redis_patches.py"),
+    "grpclib": ("0.4.7", "0.5", "ibex/service/patches/grpclib_h2.py"),
+    "h2": ("4.1", "5", "ibex/service/patches/grpclib_h2.py"),
+    "hpack": ("4.0", "5", "ibex/service/patches/grpclib_h2.py"),
+    "hyperframe": ("6.0", "7", "ibex/service/patches/grpclib_h2.py"),
+    "trio-asyncio": ("0.15", "0.17", "ibex/service/patches/trio_asyncio_loop.py"),
+    "redis": ("5.2", "9", "ibex/service/patches/redis_wait_for.py"),
+    "trio": ("0.27", "0.40", "ibex/service/patches/trio_epoll.py"),
 }
 
 

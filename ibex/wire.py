@@ -1,11 +1,11 @@
 """The wire messages of `ibex.context.v1`, shared by the server and the Python client.
 
-betterproto2's pure-Python codec costs about 1.1 ms to decode a request and
-encode a 30-memory response (benchmarks/codec.py); its Rust codec does not
-work with betterproto2 0.10. The descriptors betterproto2 generates are
-registered in their own pool, so the same schema is served here as upb-backed
-classes from `google.protobuf` (about 3.4 µs for the same work). One `just
-proto` run produces both; there is no second copy of the schema to drift.
+betterproto2's pure-Python codec costs hundreds of times what upb does per
+call (`python -m benchmarks.codec`, figures in docs/performance.md), and its
+Rust codec does not work with betterproto2 0.10. The descriptors betterproto2
+generates are registered in their own pool, so the same schema is served here
+as upb-backed classes from `google.protobuf`. One `just proto` run produces
+both; there is no second copy of the schema to drift.
 
 This module imports no server code (no `ibex.service`, no Trio), so a proxy
 that imports `ibex.client` loads only what a client needs. Every message of

@@ -12,7 +12,19 @@ cumulative up to "retrieval returns", then each its own.
 its parts. `--root` runs another checkout's daemon (e.g. a worktree of an
 older commit) with this benchmark's driver, for before/after figures.
 
+With ``--client h2load`` it measures issue 32's tail target instead, without
+the probe and without a Python client on the cores: h2load
+(`benchmarks.load.h2load`, 4 connections, open loop) at `--rate` against a
+daemon exporting /metrics, `--repeats` runs of `--seconds` each, and reports
+the client's p99 (target <= 45 ms) beside the daemon's own p99 from HEADERS
+to the last byte (`ibex_answer_seconds`, its 1 ms buckets from 38 to 50 ms,
+scraped before and after each run) less the wall (target <= 1.5 ms), the
+gRPC statuses from the daemon's counters, and the medians over the repeats.
+The figures go to the results file (`benchmarks.figures`, source
+``load.after_wall``) unless ``--no-figures``.
+
 Run: ``python -m benchmarks.load.after_wall [--rate 100] [--seconds 8] [--root DIR]``
+or ``python -m benchmarks.load.after_wall --client h2load [--repeats 5] [--seconds 8]``
 """
 
 from __future__ import annotations
@@ -21,15 +33,30 @@ import argparse
 import asyncio
 import json
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks.load.deadlines import warmed_run
-from benchmarks.load.driver import fixed_rate
+from benchmarks import figures
+from benchmarks.load import h2load
+from benchmarks.load.capacity import stack_daemon
+from benchmarks.load.deadlines import LONG, warmed_run
+from benchmarks.load.driver import build_requests, fixed_rate
+from benchmarks.load.report import percentile
+from benchmarks.load.speed import reference_cpu_ms, spread
 from benchmarks.load.stack import ROOT, Stack
+from benchmarks.targets import (
+    answer_buckets,
+    answer_wall,
+    bucket_deltas,
+    histogram_quantile,
+)
 
 PROBE = Path(__file__).resolve().parent / "wall_probe"
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "load.after_wall.json"
+CLIENT_P99_MS = 45.0  # issue 32, item 4: h2load's p99 at 100 rps
+AFTER_WALL_P99_MS = 1.5  # the daemon's p99 past the wall, from its own histogram
 
 
 def summary(steps: dict[str, list[float]]) -> list[tuple[str, int, float, float]]:
@@ -55,12 +82,149 @@ async def measure(root: Path, rate: float, seconds: float) -> dict[str, Any]:
     return {"client": row, "steps": summary(steps)}
 
 
+def h2load_row(
+    run: h2load.Run, codes: dict[str, float], buckets: dict[float, float], wall_s: float
+) -> dict[str, Any]:
+    """One h2load run's row: the client's percentiles, the daemon's statuses and its own
+    p99 (and p50) from HEADERS to the last byte, in ms past the wall."""
+    lat = sorted(run.latency_ms)
+    p99 = histogram_quantile(buckets, 0.99)
+    p50 = histogram_quantile(buckets, 0.50)
+    return {
+        "calls": run.done,
+        "http_failed": run.failed + run.errored + run.timeout,
+        "statuses": {k: int(v) for k, v in sorted(codes.items())},
+        "client_p50_ms": round(percentile(lat, 50), 2) if lat else None,
+        "client_p99_ms": round(percentile(lat, 99), 2) if lat else None,
+        "server_observed": int(buckets.get(float("inf"), 0.0)),
+        "server_p50_after_wall_ms": None if p50 is None else round((p50 - wall_s) * 1e3, 2),
+        "server_p99_after_wall_ms": None if p99 is None else round((p99 - wall_s) * 1e3, 2),
+        "client_cpu_cores": round(run.client_cpu_s / run.seconds, 3) if run.seconds else 0.0,
+    }
+
+
+async def measure_h2load(
+    root: Path, rate: int, seconds: float, repeats: int, probe: bool = False
+) -> dict[str, Any]:
+    """`repeats` h2load runs at `rate` with the cold endpoint +100 ms and 1 s deadlines;
+    with `probe`, the step probe in the daemon too (its steps over all the runs)."""
+    out = Path(tempfile.mkdtemp(prefix="ibex-wall-")) / "steps.json"
+    probe_env = {"PYTHONPATH": f"{PROBE}:{root}", "IBEX_WALL_PROBE_OUT": str(out)} if probe else {}
+    rows: list[dict[str, Any]] = []
+    speed: list[float] = []
+    with Stack() as stack, stack_daemon(stack, 1, None, root, **probe_env) as target:
+        wall_s = answer_wall(stack.env(target.daemon.port, root), LONG)
+        messages = build_requests(stack.tenants, len(stack.tenants), 0, versions=True)
+        load = h2load.Load(rate)
+        # Warm: connections, caches, first-call imports, and one cut call per tenant.
+        await asyncio.to_thread(h2load.run, target.addr, messages, load, 2.0, deadline_s=LONG)
+        stack.memory.set_latency("cold", stack.cold_ms + 100.0)
+        try:
+            await asyncio.to_thread(h2load.run, target.addr, messages, load, 1.0, deadline_s=LONG)
+            for i in range(repeats):
+                speed.append(reference_cpu_ms())
+                codes0 = await asyncio.to_thread(target.codes)
+                text0 = await asyncio.to_thread(h2load.scrape, target.metrics_port)
+                run = await asyncio.to_thread(
+                    h2load.run, target.addr, messages, load, seconds, deadline_s=LONG
+                )
+                text1 = await asyncio.to_thread(h2load.scrape, target.metrics_port)
+                codes = h2load.code_deltas(codes0, h2load.grpc_codes(text1))
+                buckets = bucket_deltas(answer_buckets(text0), answer_buckets(text1))
+                row = h2load_row(run, codes, buckets, wall_s)
+                rows.append(row)
+                print(f"run {i + 1}: {json.dumps(row)}", flush=True)
+        finally:
+            stack.memory.set_latency("cold", stack.cold_ms)
+    steps = json.loads(out.read_text()) if out.exists() else {}
+    return {
+        "rate": rate,
+        "seconds": seconds,
+        "probe": probe,
+        "steps": summary(steps),
+        "wall_ms": round(wall_s * 1e3, 3),
+        "runs": rows,
+        "machine_speed": spread(speed),
+        "client_p99_ms": _median(rows, "client_p99_ms"),
+        "server_p99_after_wall_ms": _median(rows, "server_p99_after_wall_ms"),
+        "server_p50_after_wall_ms": _median(rows, "server_p50_after_wall_ms"),
+    }
+
+
+def _median(rows: list[dict[str, Any]], key: str) -> float | None:
+    values = [r[key] for r in rows if r[key] is not None]
+    return round(statistics.median(values), 2) if values else None
+
+
+def figures_of(res: dict[str, Any]) -> list[figures.Figure]:
+    n, rate = len(res["runs"]), res["rate"]
+    where = f"cold +100 ms, 1 s deadlines, {rate} rps, h2load, median of {n}"
+    return [
+        figures.Figure(
+            "after_wall.h2load.client_p99_ms",
+            f"client p99 ms ({where}; target beside)",
+            res["client_p99_ms"],
+            "ms",
+            "load.after_wall",
+            CLIENT_P99_MS,
+        ),
+        figures.Figure(
+            "after_wall.h2load.server_p99_after_wall_ms",
+            f"daemon p99 ms past the wall, ibex_answer_seconds ({where}; target beside)",
+            res["server_p99_after_wall_ms"],
+            "ms",
+            "load.after_wall",
+            AFTER_WALL_P99_MS,
+        ),
+        figures.Figure(
+            "after_wall.h2load.server_p50_after_wall_ms",
+            f"daemon p50 ms past the wall ({where})",
+            res["server_p50_after_wall_ms"],
+            "ms",
+            "load.after_wall",
+        ),
+    ]
+
+
+def main_h2load(args: argparse.Namespace, argv: list[str] | None) -> None:
+    res = asyncio.run(
+        measure_h2load(args.root.resolve(), int(args.rate), args.seconds, args.repeats, args.probe)
+    )
+    print(
+        f"cold +100 ms, 1 s deadlines, {args.rate:.0f} rps, h2load, wall {res['wall_ms']} ms, "
+        f"median of {len(res['runs'])} runs of {args.seconds:g} s:\n"
+        f"  client p99 {res['client_p99_ms']} ms (target <= {CLIENT_P99_MS:g})\n"
+        f"  daemon p99 past the wall {res['server_p99_after_wall_ms']} ms "
+        f"(target <= {AFTER_WALL_P99_MS:g}); p50 {res['server_p50_after_wall_ms']} ms"
+    )
+    if res["steps"]:
+        print(f"{'step (ms from the wall), all runs':40s} {'calls':>6s} {'p50':>7s} {'p90':>7s}")
+        for name, n, p50, p90 in res["steps"]:
+            print(f"{name:40s} {n:6d} {p50:7.3f} {p90:7.3f}")
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(res, indent=1) + "\n")
+    print(f"wrote {RESULTS}")
+    if not args.no_figures:
+        command = " ".join(["python -m benchmarks.load.after_wall", *(argv or [])])
+        path = figures.record("load.after_wall", command, res["machine_speed"], figures_of(res))
+        print(f"recorded in {path}")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rate", type=float, default=100.0)
     p.add_argument("--seconds", type=float, default=8.0)
     p.add_argument("--root", type=Path, default=ROOT, help="checkout whose daemon runs")
+    p.add_argument("--client", choices=("grpcio", "h2load"), default="grpcio")
+    p.add_argument("--repeats", type=int, default=5, help="h2load runs (with --client h2load)")
+    p.add_argument("--no-figures", action="store_true", help="do not update figures.json")
+    p.add_argument("--probe", action="store_true", help="with --client h2load: the step probe too")
     args = p.parse_args(argv)
+    if args.probe and args.client != "h2load":
+        p.error("--probe goes with --client h2load (the grpcio run always has it)")
+    if args.client == "h2load":
+        main_h2load(args, argv if argv is not None else sys.argv[1:])
+        return
     res = asyncio.run(measure(args.root.resolve(), args.rate, args.seconds))
     client = res["client"]
     print(

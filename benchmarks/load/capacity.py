@@ -136,13 +136,16 @@ def metered(daemon_cm: Any, metrics_port: int) -> Iterator[Metered]:
 
 
 @contextmanager
-def stack_daemon(stack: Stack, workers: int, token: str | None) -> Iterator[Metered]:
-    """A daemon on the standard stack with /metrics (and auth when `token` is given)."""
+def stack_daemon(
+    stack: Stack, workers: int, token: str | None, root: Path = ROOT, **extra: str
+) -> Iterator[Metered]:
+    """A daemon (of checkout `root`, with `extra` settings) on the standard stack with
+    /metrics (and auth when `token` is given)."""
     port, metrics_port = free_port(), free_port()
-    env = stack.env(port)
+    env = stack.env(port, root, **extra)
     env["IBEX_CONTEXT_METRICS_ADDR"] = f"127.0.0.1:{metrics_port}"
     env.update(auth_env(token))
-    d = Daemon(env, workers, port)
+    d = Daemon(env, workers, port, root)
     try:
         if not wait_listening(d.proc, metrics_port):
             raise RuntimeError("the daemon's /metrics did not start")

@@ -70,3 +70,118 @@ def top_entries(raw: Path, n: int = 30) -> dict[str, list[tuple[str, float]]]:
         "total": [(f, round(c * pct, 2)) for f, c in total.most_common(n)],
         "groups": [(g, round(c * pct, 2)) for g, c in groups.most_common()],
     }
+
+
+# --- the daemon against the floor, under py-spy -------------------------------------------
+
+USAGE = """Where ibex's CPU per answer goes beyond the floor's, at one open-loop rate.
+
+The daemon (one worker, the standard stack: Redis, the memory stand-in hot 2 ms /
+cold 8 ms) and the trio-asyncio floor server (`benchmarks.load.floor`) are each
+driven by h2load at `--rate` for `--seconds` while py-spy samples them (200 Hz,
+idle samples dropped), one after the other. Each group's share of the samples
+times the process's CPU per answer (from /proc) gives milliseconds per answer;
+the difference is what ibex adds. py-spy counts a thread that is runnable but
+waiting for a core as busy where it last stopped (the epoll wait, a socket
+send), so on a loaded machine those groups read high.
+
+Run: ``python -m benchmarks.load.profile [--rate 100] [--seconds 20]``
+"""
+
+
+def _spy_and_drive(
+    pid: int, addr: str, messages: list[bytes], rate: int, seconds: float, raw: Path
+) -> tuple[float, int]:
+    """py-spy on `pid` while h2load drives `addr`: (CPU seconds of `pid`, answers)."""
+    import subprocess
+    import sys
+
+    from benchmarks.load import h2load
+    from benchmarks.load.stack import cpu_seconds
+
+    spy_bin = Path(sys.executable).parent / "py-spy"
+    if not spy_bin.exists():
+        raise SystemExit("needs py-spy: .venv/bin/pip install py-spy")
+    spy = subprocess.Popen(
+        [str(spy_bin), "record", "--pid", str(pid), "--rate", "200", "--format", "raw",
+         "--nonblocking", "--subprocesses", "--duration", str(int(seconds)),
+         "--output", str(raw)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        cpu0 = cpu_seconds(pid)
+        run = h2load.run(addr, messages, h2load.Load(rate), seconds)
+        cpu = cpu_seconds(pid) - cpu0
+    finally:
+        try:
+            spy.wait(timeout=seconds + 30)
+        except subprocess.TimeoutExpired:
+            spy.kill()
+            spy.wait()
+    return cpu, run.succeeded
+
+
+def versus_floor(rate: int, seconds: float, pythonpath: str = "") -> dict[str, object]:
+    """The daemon (with `pythonpath` in front of the checkout: a probe or an experiment
+    loaded from outside, as `benchmarks.load.after_wall` loads its probe) then the floor."""
+    import tempfile
+
+    from benchmarks.load import h2load
+    from benchmarks.load.driver import build_requests
+    from benchmarks.load.floor import _Bare
+    from benchmarks.load.stack import ROOT, Stack
+
+    tmp = Path(tempfile.mkdtemp(prefix="ibex-versus-"))
+    out: dict[str, object] = {"rate": rate, "seconds": seconds}
+    with Stack() as stack:
+        messages = build_requests(stack.tenants, len(stack.tenants), 0, versions=True)
+        extra = {"PYTHONPATH": f"{pythonpath}:{ROOT}"} if pythonpath else {}
+        with stack.daemon(1, ROOT, **extra) as daemon:
+            h2load.run(daemon.addr, messages, h2load.Load(rate), 2.0)  # warm
+            cpu, n = _spy_and_drive(daemon.root_pid, daemon.addr, messages, rate, seconds,
+                                    tmp / "ibex.txt")  # fmt: skip
+            out["ibex"] = {"cpu_ms_per_answer": round(1000 * cpu / max(1, n), 3), "answers": n,
+                           **top_entries(tmp / "ibex.txt")}  # fmt: skip
+        floor = _Bare("trio-asyncio")
+        try:
+            h2load.run(floor.addr, messages, h2load.Load(rate), 2.0)
+            cpu, n = _spy_and_drive(floor.proc.pid, floor.addr, messages, rate, seconds,
+                                    tmp / "floor.txt")  # fmt: skip
+            out["floor"] = {"cpu_ms_per_answer": round(1000 * cpu / max(1, n), 3), "answers": n,
+                            **top_entries(tmp / "floor.txt")}  # fmt: skip
+        finally:
+            floor.stop()
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(description=USAGE.splitlines()[0])
+    p.add_argument("--rate", type=int, default=100)
+    p.add_argument("--seconds", type=float, default=20.0)
+    p.add_argument("--pythonpath", default="", help="a directory put before the checkout")
+    args = p.parse_args(argv)
+    res = versus_floor(args.rate, args.seconds, args.pythonpath)
+    ibex, floor = res["ibex"], res["floor"]
+    assert isinstance(ibex, dict) and isinstance(floor, dict)
+    ci, cf = ibex["cpu_ms_per_answer"], floor["cpu_ms_per_answer"]
+    print(f"CPU ms/answer at {args.rate} rps (h2load): ibex {ci}, floor {cf}, "
+          f"ratio {ci / cf if cf else float('nan'):.2f}")  # fmt: skip
+    gi, gf = dict(ibex["groups"]), dict(floor["groups"])
+    print(f"{'group':34s} {'ibex ms':>8s} {'floor ms':>8s} {'added':>8s}")
+    for g in sorted(set(gi) | set(gf), key=lambda g: -(gi.get(g, 0) * ci - gf.get(g, 0) * cf)):
+        a, b = gi.get(g, 0.0) * ci / 100, gf.get(g, 0.0) * cf / 100
+        print(f"{g:34s} {a:8.3f} {b:8.3f} {a - b:8.3f}")
+    print("-- ibex, top by self time (% of samples)")
+    for name, pct in ibex["self"][:20]:
+        print(f"   {pct:6.2f}  {name}")
+    path = Path(__file__).resolve().parents[1] / "results" / "load.profile_versus_floor.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(res, indent=1) + "\n")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

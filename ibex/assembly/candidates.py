@@ -30,7 +30,11 @@ def is_own(hit: MemoryHit, org_id: str, agent_id: str) -> bool:
     return hit.org_id.lower() == org_id and hit.agent_id.lower() == agent_id
 
 
-def used(m: ScoredMemory, exclusion: Exclusion, *, unpriced: bool = False) -> MemoryUsed:
+def memory_used(m: ScoredMemory, exclusion: Exclusion, *, unpriced: bool = False) -> MemoryUsed:
+    """The report of a scored candidate: `included`, or why it was left out.
+
+    `unpriced`: report no token_estimate (a candidate cut before pricing would reach it).
+    """
     return MemoryUsed(
         memory_id=m.memory_id,
         composite_score=m.composite_score,
@@ -46,7 +50,8 @@ def used(m: ScoredMemory, exclusion: Exclusion, *, unpriced: bool = False) -> Me
     )
 
 
-def hit_used(hit: MemoryHit, exclusion: Exclusion) -> MemoryUsed:
+def excluded_hit(hit: MemoryHit, exclusion: Exclusion) -> MemoryUsed:
+    """The report of a hit left out before it was scored; non-finite numbers read 0."""
     finite = [
         v if v == v and abs(v) != float("inf") else 0.0 for v in (hit.similarity, hit.confidence)
     ]
@@ -65,9 +70,9 @@ def _sort_key(m: ScoredMemory) -> tuple[float, str]:
 
 
 class Selection(msgspec.Struct, frozen=True, gc=False):
-    """Scored candidates (best first), exclusions so far, and the other tenants' hit count.
+    """ScoredHit candidates (best first), exclusions so far, and the other tenants' hit count.
 
-    `priced`: the candidates carry their token_estimate already (both streams
+    `priced`: the candidates carry their token_estimate already (both branches
     were priced as they landed, see ibex.assembly.prepare).
     """
 
@@ -78,13 +83,13 @@ class Selection(msgspec.Struct, frozen=True, gc=False):
     priced: bool = False
 
 
-class Scored(msgspec.Struct, frozen=True, gc=False):
+class ScoredHit(msgspec.Struct, frozen=True, gc=False):
     """One own, wanted hit scored by every schema the whole assembly may choose.
 
     `fallback` is the options' own score (weighted_v1 or interim_v1) and
     `composite` memory_composite_v1's (only when the hit carries a composite and
     the options carry no weights); None means unusable under that schema
-    (exclusion `failed`). Both carry their token_estimate when the stream is priced.
+    (exclusion `failed`). Both carry their token_estimate when the branch is priced.
     """
 
     hit: MemoryHit
@@ -92,32 +97,32 @@ class Scored(msgspec.Struct, frozen=True, gc=False):
     composite: ScoredMemory | None
 
 
-class Stream(msgspec.Struct, frozen=True, gc=False):
+class BranchCandidates(msgspec.Struct, frozen=True, gc=False):
     """One branch's hits after the work that does not depend on the other branch.
 
-    Entries keep stream order: an exclusion decided by the hit alone (`filter`,
-    `failed` for oversized content) or a `Scored`. `wanted` counts the Scored
+    Entries keep the hits' order: an exclusion decided by the hit alone (`filter`,
+    `failed` for oversized content) or a `ScoredHit`. `wanted` counts the ScoredHit
     entries and `all_composite` says whether every one carries a composite: the
-    merge chooses the schema from both streams' (see `select`).
+    merge chooses the schema from both branches' (see `select`).
     """
 
     hits: tuple[MemoryHit, ...]
     now: float
-    entries: list[MemoryUsed | Scored]
+    entries: list[MemoryUsed | ScoredHit]
     tenant_filtered: int
     wanted: int
     all_composite: bool
     priced: bool = False
 
 
-def stream_candidates(
+def branch_candidates(
     request: AssemblyRequest,
     hits: Sequence[MemoryHit],
     now: float,
     skip: bool,
     price: Callable[[ScoredMemory], ScoredMemory] | None = None,
-) -> Stream:
-    """The per-hit work of `select` for one stream: tenant filter, skip, oversize, scores.
+) -> BranchCandidates:
+    """The per-hit work of `select` for one branch: tenant filter, skip, oversize, scores.
 
     Another tenant's hit is only counted. Each wanted hit is scored under both
     schemas it can be ranked by, so the choice between them waits for the merge.
@@ -127,7 +132,7 @@ def stream_candidates(
     org_id, agent_id = request.org_id, request.agent_id
     fallback_schema = score_schema(opts, False)
     composite_possible = fallback_schema == INTERIM
-    entries: list[MemoryUsed | Scored] = []
+    entries: list[MemoryUsed | ScoredHit] = []
     tenant_filtered = wanted = 0
     all_composite = True
     for hit in hits:
@@ -135,10 +140,10 @@ def stream_candidates(
             tenant_filtered += 1
             continue
         if skip:
-            entries.append(hit_used(hit, "filter"))
+            entries.append(excluded_hit(hit, "filter"))
             continue
         if hit.oversized:  # content over the source's cap, dropped: never counted
-            entries.append(hit_used(hit, "failed"))
+            entries.append(excluded_hit(hit, "failed"))
             continue
         wanted += 1
         fallback = score_hit(hit, opts, now, fallback_schema)
@@ -151,17 +156,19 @@ def stream_candidates(
             fallback = price(fallback)
             if composite is not None:
                 composite = price(composite)
-        entries.append(Scored(hit, fallback, composite))
+        entries.append(ScoredHit(hit, fallback, composite))
     priced = price is not None or not wanted
-    return Stream(tuple(hits), now, entries, tenant_filtered, wanted, all_composite, priced)
+    return BranchCandidates(
+        tuple(hits), now, entries, tenant_filtered, wanted, all_composite, priced
+    )
 
 
-def merge(request: AssemblyRequest, hot: Stream, cold: Stream) -> Selection:
-    """Schema, dedupe and caps over both streams (hot first): `select`'s second half.
+def merge(request: AssemblyRequest, hot: BranchCandidates, cold: BranchCandidates) -> Selection:
+    """Schema, dedupe and caps over both branches (hot first): `select`'s second half.
 
     The score schema is chosen once for all candidates (see ibex.assembly.scoring):
     the service's composite only when every candidate carries one. When both
-    streams were priced, the selection carries the candidates' prices.
+    branches were priced, the selection carries the candidates' prices.
     """
     opts = request.options
     wanted = hot.wanted + cold.wanted
@@ -170,14 +177,14 @@ def merge(request: AssemblyRequest, hot: Stream, cold: Stream) -> Selection:
     priced = hot.priced and cold.priced
     excluded: list[MemoryUsed] = []
     best: dict[str, ScoredMemory] = {}
-    for stream in (hot, cold):
-        for entry in stream.entries:
-            if not isinstance(entry, Scored):
+    for side in (hot, cold):
+        for entry in side.entries:
+            if not isinstance(entry, ScoredHit):
                 excluded.append(entry)
                 continue
             scored = entry.composite if composite else entry.fallback
             if scored is None:
-                excluded.append(hit_used(entry.hit, "failed"))
+                excluded.append(excluded_hit(entry.hit, "failed"))
                 continue
             prev = best.get(scored.memory_id)
             if prev is None or _sort_key(scored) < _sort_key(prev):
@@ -195,7 +202,7 @@ def merge(request: AssemblyRequest, hot: Stream, cold: Stream) -> Selection:
                 once.append(m)
         excluded = once
     # A truncated candidate is reported unpriced, as when pricing followed the caps.
-    excluded += (used(m, "truncated", unpriced=True) for m in ranked[cap:])
+    excluded += (memory_used(m, "truncated", unpriced=True) for m in ranked[cap:])
     return Selection(
         ranked[:cap],
         excluded,
@@ -214,14 +221,14 @@ def select(
     able to displace a legitimate duplicate or leak through degradation, and
     it is only counted (`tenant_filtered`), never named in `excluded`. A
     memory id appears in `excluded` at most once, and never when it was ranked.
-    The work splits into each stream's own (`stream_candidates`, which can run
+    The work splits into each branch's own (`branch_candidates`, which can run
     as soon as that branch lands) and the `merge`.
     """
     opts = request.options
     return merge(
         request,
-        stream_candidates(request, hot, now, opts.skip_hot_memories),
-        stream_candidates(request, cold, now, opts.skip_cold_memories),
+        branch_candidates(request, hot, now, opts.skip_hot_memories),
+        branch_candidates(request, cold, now, opts.skip_cold_memories),
     )
 
 

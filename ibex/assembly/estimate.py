@@ -5,27 +5,14 @@ It is a weighted sum of UTF-8 byte classes (ASCII letters, digits,
 punctuation, whitespace, and the script block named by each multi-byte lead
 byte: Latin, Greek, Cyrillic, Hebrew/Arabic, Indic/Thai, symbols, kana, CJK,
 Hangul, emoji) plus run features (words, digit runs, case and letter/digit
-switches, indentation). The weights were fitted to overestimate; measured by
-``python -m benchmarks.token_estimate`` against max(cl100k_base, o200k_base)
-exact counts on a hand-written corpus (whole samples and each line, 232 texts):
-
-===============  ===  ====  ====  ====  ================================
-category         n    mean  min   max   below exact
-===============  ===  ====  ====  ====  ================================
-english          54   1.36  0.96  2.00  1 (a line of 28-45 letter words)
-cjk              39   1.35  1.03  5.50  0
-code             84   1.55  1.00  2.33  0
-emoji            18   1.24  1.03  1.50  0
-other_scripts    28   1.18  1.04  1.78  0
-identifiers      9    1.19  1.06  1.76  0
-===============  ===  ====  ====  ====  ================================
-
-The worst undercount is 4.3 %; ``ESTIMATE_MAX_UNDERCOUNT`` = 0.05 covers it and
-the catalog turns it into the family's safety margin. Random text is not
-covered (random lowercase letters 0.48, random BMP characters 0.67): memories
-are natural text, and the benchmark reports these cases separately. The
-reference is OpenAI's vocabularies, not Claude's (not public), so the margin
-is a measured bound against those, not a guarantee for every vendor tokenizer.
+switches, indentation). The weights were fitted to overestimate, against
+max(cl100k_base, o200k_base) exact counts on a hand-written corpus:
+``python -m benchmarks.token_estimate`` measures it (per category in
+docs/performance.md). Its worst undercount there sets
+``ESTIMATE_MAX_UNDERCOUNT``, which the catalog turns into the family's safety
+margin. Random text is not covered: memories are natural text. The reference
+is OpenAI's vocabularies, not Claude's (not public), so the margin is a
+measured bound against those, not a guarantee for every vendor tokenizer.
 """
 
 from __future__ import annotations

@@ -53,8 +53,23 @@ class Counter(Protocol):
     def additive_cut(self, text: str) -> int: ...
 
 
-class Staged:
-    """Counts and `fmt`'s escaped bodies computed during a request, cached only if it fits."""
+class Uncached:
+    """The cache half of `Counter` for a counter that keeps none: nothing is found or kept."""
+
+    def peek(self, text: str) -> int | None:
+        return None
+
+    def remember(self, items: Sequence[tuple[str, int]]) -> None:
+        pass
+
+
+class DeferredCache:
+    """One request's reads of the token-count and escaped-body caches.
+
+    What is not cached yet is computed here and held (`counts`, `bodies`); the
+    entries reach the shared caches only at `commit`, once the request is known
+    to fit, so a refused request leaves every cache as it was.
+    """
 
     __slots__ = ("bodies", "counter", "counts", "fmt")
 
@@ -87,7 +102,7 @@ class Staged:
         return self.counter.count_uncached(piece(nonce))
 
     def body(self, text: str) -> str:
-        """The escaped body piece, staged for the cache when it was not cached."""
+        """The escaped body piece, held for the caches when it was not cached."""
         piece = self.fmt.cached_body_piece(text)
         if piece is None:
             piece = self.fmt.body_piece_uncached(text)
@@ -108,14 +123,14 @@ class HistoryFit(msgspec.Struct, frozen=True, gc=False):
 
 
 def body_tokens(
-    counter: Counter, fmt: Format, content: str, limit: int, staged: Staged | None = None
+    counter: Counter, fmt: Format, content: str, limit: int, deferred: DeferredCache | None = None
 ) -> tuple[int, bool]:
     """(n, exact) for `fmt`'s body piece of `content`: its count when it is at most `limit`.
 
     When the piece cannot fit, n > limit is its exact count or a proven lower
     bound (exact is False). The work is bounded by `limit`, not by the text:
     at most about 2 x limit x max_token_bytes characters are escaped and
-    counted, typically 6 x limit. A piece that fits is staged for the cache.
+    counted, typically 6 x limit. A piece that fits is held in `deferred` for the caches.
     """
     if limit < 0:
         return 0, False
@@ -146,11 +161,11 @@ def body_tokens(
     cached_count = n is not None
     if n is None:
         n = counter.count_uncached(piece)
-    if staged is not None and n <= limit:
+    if deferred is not None and n <= limit:
         if not cached_piece:
-            staged.bodies.append((content, piece))
+            deferred.bodies.append((content, piece))
         if not cached_count:
-            staged.counts.append((piece, n))
+            deferred.counts.append((piece, n))
     return n, True
 
 
@@ -173,9 +188,9 @@ def without_empty(messages: tuple[Message, ...]) -> tuple[Message, ...]:
 
 
 def fit_history(
-    counter: Counter, messages: Sequence[Message], nonce: str, room: int, staged: Staged
+    counter: Counter, messages: Sequence[Message], nonce: str, room: int, deferred: DeferredCache
 ) -> HistoryFit:
-    """The longest run of newest messages whose section (in `staged.fmt`) fits `room` tokens.
+    """The longest run of newest messages whose section (in `deferred.fmt`) fits `room` tokens.
 
     Counts newest first and stops at the first message that does not fit, so
     nothing older is ever counted. `kept` is empty when not even the newest
@@ -183,9 +198,9 @@ def fit_history(
     """
     if not messages:
         return HistoryFit((), 0, 0)
-    fmt = staged.fmt
-    section = staged.with_nonce(fmt.history_open, nonce) + staged.count(fmt.history_close)
-    close = staged.count(fmt.message_close)
+    fmt = deferred.fmt
+    section = deferred.with_nonce(fmt.history_open, nonce) + deferred.count(fmt.history_close)
+    close = deferred.count(fmt.message_close)
     message_open = fmt.message_open
     left = room - section
     used = 0
@@ -193,9 +208,9 @@ def fit_history(
     overflow = 0
     for i in range(len(messages) - 1, -1, -1):
         msg = messages[i]
-        markup = staged.count(message_open(msg.role)) + close
+        markup = deferred.count(message_open(msg.role)) + close
         limit = left - used - markup
-        n, _ = body_tokens(counter, fmt, msg.content, limit, staged)
+        n, _ = body_tokens(counter, fmt, msg.content, limit, deferred)
         if n > limit:
             overflow = markup + n
             break

@@ -34,7 +34,7 @@ history or memories that would have fit):
   (history proves a long message too long from a prefix of it), and a body
   piece starts with the escaped body;
 - a piece carrying the nonce has a non-digit on both sides of it, so a decimal
-  nonce costs what zeros of its width cost (see history.Staged.with_nonce);
+  nonce costs what zeros of its width cost (see history.DeferredCache.with_nonce);
 - a memory's opening piece is `memory_open_prefix + memory_open_suffix(m)`,
   priced as two parts: when `counts_add_up` can say yes, that join must be a
   split point of the tokeniser too.
@@ -128,7 +128,7 @@ class Format(ABC):
         """`body_piece_uncached`, memoised for texts up to BODY_CACHE_MAX_CHARS.
 
         The same hot memories, directives and history turns come back request
-        after request, and escaping each was a tenth of the daemon's CPU per answer.
+        after request: each is escaped once, not on every answer.
         """
         if len(text) > BODY_CACHE_MAX_CHARS:
             return self.body_piece_uncached(text)

@@ -6,9 +6,9 @@ cells fit under the ceiling and falls back to a bounded greedy scan otherwise.
 
 Rounding. Ceiling item weights with a floor budget would make every DP set fit
 in exact tokens, but each item then over-counts by up to ``bucket - 1`` tokens
-and the DP strands budget it cannot see ("floor-bucket stranding"); measured,
-that costs about three times the optimality gap. So item weights are rounded to
-the *nearest* bucket (at least one) and the budget down: the per-item error
+and the DP strands budget it cannot see ("floor-bucket stranding"), which widens
+the gap to the exact optimum severalfold. So item weights are rounded to the
+*nearest* bucket (at least one) and the budget down: the per-item error
 averages out, the DP picks sets close to the exact optimum, and the few that
 overshoot in exact tokens are trimmed by repair. Refill and 1-for-1 swaps then
 spend what repair or rounding left unused, in exact tokens. When every cost is

@@ -1,7 +1,7 @@
 """The pipeline's work that can be done while retrieval is still waiting.
 
 A call whose cold branch hangs waits at the wall with its directive and hot
-memories long in hand. `Prepared` lets the service do their share of
+memories long in hand. `EarlyAssembly` lets the service do their share of
 `assemble_pure` as each branch lands: the fixed sections (directive, history,
 tools, markup: the budget) once the directive branch has ended, and for each
 memory branch the tenant filter, both scores a hit may be ranked by, and the
@@ -17,7 +17,7 @@ timing changes:
   so every branch is scored against the same instant whenever it lands;
 - a refused request (TooLargeError counting the fixed sections) is refused
   where the pipeline would have refused it: the error is kept and raised there;
-- memory prices are counted into a `Staged` and cached only once the fixed
+- memory prices are counted into a `DeferredCache` and cached only once the fixed
   sections are known to fit, as `price` would have cached them.
 
 Pure and synchronous: the service decides when to call it and bounds how much
@@ -29,27 +29,22 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Literal
 
-from ibex.assembly.candidates import Stream, stream_candidates
+from ibex.assembly.candidates import BranchCandidates, branch_candidates
 from ibex.assembly.catalog import Catalog, resolve_model
-from ibex.assembly.history import Counter, Staged
+from ibex.assembly.fixed_sections import FixedSections, count_fixed_sections
+from ibex.assembly.history import Counter, DeferredCache
 from ibex.assembly.output_format import Format, SectionOrder
-from ibex.assembly.pipeline import (
-    DEFAULT_CONFIG,
-    CounterSource,
-    FixedSections,
-    PipelineConfig,
-    count_fixed_sections,
-    pricer,
-)
+from ibex.assembly.pipeline import DEFAULT_CONFIG, CounterSource, PipelineConfig
+from ibex.assembly.pricing import pricer
 from ibex.assembly.structs import AssemblyRequest, Directive, MemoryHit
 from ibex.errors import TooLargeError
 
-__all__ = ["Prepared"]
+__all__ = ["EarlyAssembly"]
 
 MemoryBranch = Literal["hot", "cold"]
 
 
-class Prepared:
+class EarlyAssembly:
     """One request's pipeline work done early; filled by the service, read by `assemble_pure`.
 
     Not thread-safe while it is being filled: the service fills it from the
@@ -58,16 +53,16 @@ class Prepared:
 
     __slots__ = (
         "_fixed",
+        "candidates",
         "cap",
         "counter",
+        "deferred",
         "family",
         "fmt",
         "nonce",
         "now",
         "order",
         "request",
-        "staged",
-        "streams",
     )
 
     def __init__(
@@ -89,8 +84,8 @@ class Prepared:
         self.fmt = config.format
         self.order = config.section_order
         self._fixed: tuple[Directive | None, FixedSections | TooLargeError] | None = None
-        self.streams: dict[MemoryBranch, Stream] = {}
-        self.staged = Staged(self.counter, self.fmt)
+        self.candidates: dict[MemoryBranch, BranchCandidates] = {}
+        self.deferred = DeferredCache(self.counter, self.fmt)
 
     # --- filled as branches land ------------------------------------------------
 
@@ -120,17 +115,17 @@ class Prepared:
         """A memory branch has landed: its share of select and price."""
         opts = self.request.options
         skip = opts.skip_hot_memories if branch == "hot" else opts.skip_cold_memories
-        self.streams[branch] = stream_candidates(
+        self.candidates[branch] = branch_candidates(
             self.request,
             hits,
             self.now,
             skip,
-            pricer(self.staged.count, self.staged.body, self.fmt),
+            pricer(self.deferred.count, self.deferred.body, self.fmt),
         )
 
     # --- read by the pipeline -----------------------------------------------------
 
-    def fits(
+    def made_for(
         self,
         request: AssemblyRequest,
         nonce: str,
@@ -156,18 +151,18 @@ class Prepared:
             raise fixed
         return fixed
 
-    def stream_for(
+    def candidates_for(
         self, branch: MemoryBranch, hits: Sequence[MemoryHit], now: float
-    ) -> Stream | None:
-        """The branch's prepared stream when made from these very hits at `now`, else None."""
-        stream = self.streams.get(branch)
-        if stream is None or stream.now != now or stream.hits != tuple(hits):
+    ) -> BranchCandidates | None:
+        """The branch's prepared candidates when made from these very hits at `now`, else None."""
+        found = self.candidates.get(branch)
+        if found is None or found.now != now or found.hits != tuple(hits):
             return None
-        return stream
+        return found
 
     def commit(self) -> None:
         """The fixed sections fit: cache the memory prices' new counts and bodies."""
-        staged = self.staged
-        if staged.counts or staged.bodies:
-            staged.commit()
-            self.staged = Staged(self.counter, self.fmt)
+        deferred = self.deferred
+        if deferred.counts or deferred.bodies:
+            deferred.commit()
+            self.deferred = DeferredCache(self.counter, self.fmt)

@@ -166,7 +166,8 @@ def parse_ranks(data: bytes, source: str) -> dict[bytes, int]:
 
 
 def load_encoding(name: str, tiktoken_dir: str | None = None) -> tiktoken.Encoding:
-    """Build a verified tiktoken Encoding from local files only (about 0.3 s)."""
+    """Build a verified tiktoken Encoding from local files only (a fraction of a second,
+    `python -m benchmarks.code_costs`: load it at start-up)."""
     spec = _spec(name)
     path = rank_file_path(name, tiktoken_dir)
     ranks = parse_ranks(read_verified(name, path), str(path))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 import sys
 from collections.abc import Callable, Iterable
-from typing import NamedTuple
+from typing import Annotated, NamedTuple
 
 import msgspec
 import tiktoken
@@ -32,6 +32,7 @@ from ibex.assembly.rank_files import (
     load_encoding,
     verify_files,
 )
+from ibex.envvar import env
 
 __all__ = [
     "ENCODINGS",
@@ -46,6 +47,7 @@ __all__ = [
     "CacheInfo",
     "Count",
     "EncodingSpec",
+    "TokenCacheConfig",
     "TokenCounter",
     "TokenizerError",
     "Tokenizers",
@@ -76,8 +78,18 @@ class CacheInfo(NamedTuple):
     max_bytes: int = 0
 
 
-#: Default byte budget of each count cache (IBEX_CONTEXT_TOKEN_CACHE_BYTES).
+#: Default byte budget of each count cache.
 DEFAULT_CACHE_BYTES = 32 * 1024 * 1024
+
+
+class TokenCacheConfig(msgspec.Struct, frozen=True):
+    """Bounds of each encoding's token-count cache (0 turns it off)."""
+
+    entries: Annotated[int, env("IBEX_CONTEXT_TOKEN_CACHE_ENTRIES", bounds=(0, 10_000_000))] = 65536
+    max_bytes: Annotated[int, env("IBEX_CONTEXT_TOKEN_CACHE_BYTES", bounds=(0, 4 * 1024**3))] = (
+        DEFAULT_CACHE_BYTES
+    )
+
 
 #: A cached count is a small int (its object counted once, shared or not).
 _COUNT_SIZE = 32
@@ -235,7 +247,7 @@ class TokenCounter:
 class Tokenizers:
     """Counters per family, with encodings loaded lazily once and caches shared per encoding.
 
-    Loading an encoding takes about 0.3 s and blocks: call `preload` at start-up
+    Loading an encoding takes a fraction of a second and blocks: call `preload` at start-up
     with the catalog's encodings so no request pays for it.
     """
 

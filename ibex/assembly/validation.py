@@ -9,12 +9,13 @@ from __future__ import annotations
 import math
 import re
 import uuid
-from typing import Final
+from typing import Annotated, Final
 
 import msgspec
 
 from ibex.assembly.candidates import MAX_MEMORIES_HARD_CAP, SearchFilter
 from ibex.assembly.structs import AssemblyRequest, SearchRequest
+from ibex.envvar import env
 from ibex.errors import InputError, OverLimitError
 
 MAX_ID_LENGTH = 256
@@ -28,12 +29,16 @@ MAX_LABEL_LENGTH = MAX_ID_LENGTH
 
 
 class RequestLimits(msgspec.Struct, frozen=True):
-    """Per-request input bounds (IBEX_CONTEXT_MAX_*); the defaults serve a core used alone,
-    the daemon's come from the settings table (pinned equal by test_config_table.py)."""
+    """Per-request input bounds; each field declares the variable that sets it, and its
+    default serves the daemon and a core used alone."""
 
-    max_history_messages: int = 512
-    max_text_bytes: int = 1024 * 1024
-    max_tool_schemas: int = 128
+    max_history_messages: Annotated[
+        int, env("IBEX_CONTEXT_MAX_HISTORY_MESSAGES", bounds=(0, 100_000))
+    ] = 512
+    max_text_bytes: Annotated[
+        int, env("IBEX_CONTEXT_MAX_TEXT_BYTES", bounds=(1, 64 * 1024 * 1024))
+    ] = 1024 * 1024
+    max_tool_schemas: Annotated[int, env("IBEX_CONTEXT_MAX_TOOL_SCHEMAS", bounds=(0, 10_000))] = 128
 
 
 # The contract's memory ids are UUIDs written 8-4-4-4-12 (hex digits of either case):

@@ -1,6 +1,8 @@
 """Prometheus metrics for the daemon: the definitions and the `Metrics` recording API.
 
-The ``/metrics`` listener that exposes them is `ibex.ops.metrics_http`.
+The ``/metrics`` listener that exposes them is `ibex.ops.metrics_http`; with
+several workers the supervisor serves every worker's values together
+(`ibex.ops.supervisor_metrics`, which also holds its own series).
 
 Metrics (all names carry the ``ibex_`` prefix; durations are in seconds):
 
@@ -60,23 +62,6 @@ rate(ibex_context_budget_utilization_ratio_bucket[5m]))``.
 Known label values are created at start-up so ``rate()`` sees a zero before the
 first event rather than a missing series.
 
-Multiple worker processes
--------------------------
-Each worker has its own registry; a scrape of one worker would see a fraction
-of the traffic. prometheus_client's multiprocess mode solves this with one
-mmap file per process and metric type in a shared directory:
-
-1. The supervisor sets ``PROMETHEUS_MULTIPROC_DIR`` (systemd: ``/run/ibex``
-   from ``RuntimeDirectory=ibex``) **before anything imports prometheus_client**
-   and passes it to the workers' environment; prometheus_client chooses its
-   value storage at import time. It calls `clear_multiprocess_dir` once before
-   starting workers (stale files from a previous run would be summed in).
-2. Workers create `Metrics()` and record as usual; they do not serve /metrics.
-3. The supervisor runs ``metrics_http.serve_metrics(exposition_registry(), host, port)``;
-   `exposition_registry` aggregates every worker's files at scrape time.
-4. When a worker exits, the supervisor calls ``mark_process_dead(pid)`` so
-   its in-flight gauge stops counting; its counters are kept (they are totals).
-
 With a single process and no ``PROMETHEUS_MULTIPROC_DIR`` the process serves
 its own ``Metrics().registry``. The token-cache counters read the tokenizer's
 own counters at scrape time in that mode; in multiprocess mode a collector
@@ -89,7 +74,6 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager
-from pathlib import Path
 from typing import Any, Final, get_args
 
 from prometheus_client import (
@@ -97,11 +81,9 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
-    multiprocess,
     values,
 )
 from prometheus_client.core import CounterMetricFamily, Metric
-from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
 from ibex.assembly.structs import (
@@ -142,8 +124,6 @@ CONNECTION_CLOSE_REASONS: Final = (
     "too_many_streams",
     "protocol_error",
 )
-RESTART_REASONS: Final = ("exited", "unresponsive")
-RELOAD_RESULTS: Final = ("done", "failed", "rejected")
 FEEDBACK_OUTCOMES: Final = (
     "recorded", "invalid", "denied", "rejected", "unavailable", "deadline", "shed", "error",
 )  # fmt: skip
@@ -198,118 +178,6 @@ def multiprocess_dir() -> str | None:
             "set it in the environment before the process starts"
         )
     return path
-
-
-def clear_multiprocess_dir(path: str | None = None) -> None:
-    """Remove the previous run's value files; the supervisor calls it before spawning workers."""
-    target = path or os.environ.get(MULTIPROC_ENV)
-    if not target:
-        return
-    for file in Path(target).glob("*.db"):
-        file.unlink(missing_ok=True)
-
-
-def mark_process_dead(pid: int, path: str | None = None) -> None:
-    """Forget a dead worker's live gauges (in-flight); its counters stay in the totals."""
-    target = path or os.environ.get(MULTIPROC_ENV)
-    if target:
-        multiprocess.mark_process_dead(pid, target)
-
-
-def exposition_registry(path: str | None = None) -> CollectorRegistry:
-    """A registry aggregating every worker's values, for the supervisor's /metrics."""
-    target = path or os.environ.get(MULTIPROC_ENV)
-    if not target:
-        raise RuntimeError(f"{MULTIPROC_ENV} is not set; serve Metrics().registry instead")
-    registry = CollectorRegistry()
-    multiprocess.MultiProcessCollector(registry, path=target)
-    return registry
-
-
-class WorkerRestarts(Collector):
-    """The supervisor's ``ibex_worker_restarts_total{reason}``, kept as plain counts.
-
-    A collector rather than a `Counter`: the supervisor may have imported
-    prometheus_client before choosing multiprocess mode, and its own value
-    must not also appear through the workers' files. Register it on the
-    exposition registry; `inc` counts one restart.
-    """
-
-    def __init__(self) -> None:
-        self.counts = dict.fromkeys(RESTART_REASONS, 0)
-
-    def inc(self, reason: str) -> None:
-        self.counts[reason] = self.counts.get(reason, 0) + 1
-
-    def describe(self) -> Iterable[Metric]:
-        return ()
-
-    def collect(self) -> Iterable[Metric]:
-        family = CounterMetricFamily(
-            "ibex_worker_restarts", "Workers restarted by the supervisor, by reason.",
-            labels=["reason"],
-        )  # fmt: skip
-        for reason, count in self.counts.items():
-            family.add_metric([reason], count)
-        yield family
-
-
-class WorkerReloads(Collector):
-    """The supervisor's ``ibex_worker_reloads_total{result}``, a collector like `WorkerRestarts`."""
-
-    def __init__(self) -> None:
-        self.counts = dict.fromkeys(RELOAD_RESULTS, 0)
-
-    def inc(self, result: str) -> None:
-        self.counts[result] = self.counts.get(result, 0) + 1
-
-    def describe(self) -> Iterable[Metric]:
-        return ()
-
-    def collect(self) -> Iterable[Metric]:
-        family = CounterMetricFamily(
-            "ibex_worker_reloads", "Reloads (SIGHUP) by the supervisor, by result.",
-            labels=["result"],
-        )  # fmt: skip
-        for result, count in self.counts.items():
-            family.add_metric([result], count)
-        yield family
-
-
-ProcessSource = Callable[[], Iterable[tuple[str, int]]]
-
-
-class ProcessMetrics(Collector):
-    """The standard ``process_*`` series of the supervisor and of every worker.
-
-    In multiprocess mode the scraped process is the supervisor, whose own CPU
-    says nothing about the workers that serve; and prometheus_client's
-    process collector reads one process only. This one reads ``/proc/<pid>``
-    of each process `processes` names (``(name, pid)`` pairs, read at every
-    scrape) through that collector, and labels each sample with ``process``
-    and ``pid``. A process that is gone by the time it is read is left out.
-    """
-
-    def __init__(self, processes: ProcessSource, proc: str = "/proc") -> None:
-        self.processes = processes
-        self._pid = 0
-        self._reader = ProcessCollector(pid=lambda: self._pid, proc=proc, registry=None)
-
-    def describe(self) -> Iterable[Metric]:
-        return ()
-
-    def collect(self) -> Iterable[Metric]:
-        families: dict[str, Metric] = {}
-        for name, pid in self.processes():
-            self._pid = pid
-            for family in self._reader.collect():
-                merged = families.get(family.name)
-                if merged is None:
-                    merged = Metric(family.name, family.documentation, family.type)
-                    families[family.name] = merged
-                for sample in family.samples:
-                    merged.add_sample(sample.name, {"process": name, "pid": str(pid)}, sample.value)
-        return list(families.values())
 
 
 class _TokenCacheCollector(Collector):
@@ -506,7 +374,7 @@ class Metrics:
 
         Retries are counted as they start (`feedback_retries.inc`), whatever follows.
         """
-        (self._feedback.get(outcome) or self.feedback.labels(outcome)).inc()
+        _child(self._feedback, self.feedback, outcome).inc()
 
     def set_dependency_up(self, dependency: str, up: bool) -> None:
         """A dependency's state changed (`ibex.service.dependencies`)."""
@@ -518,11 +386,11 @@ class Metrics:
 
     def connection_closed(self, reason: str) -> None:
         """One connection closed or refused; `reason` is one of `CONNECTION_CLOSE_REASONS`."""
-        (self._closed.get(reason) or self.connections_closed.labels(reason)).inc()
+        _child(self._closed, self.connections_closed, reason).inc()
 
     def shed(self, reason: str) -> None:
         """One request refused by admission; `reason` is one of `SHED_REASONS`."""
-        (self._shed.get(reason) or self.shed_requests.labels(reason)).inc()
+        _child(self._shed, self.shed_requests, reason).inc()
 
     def observe_assembly(
         self, result: AssemblyResult, *, stage_seconds: Mapping[str, float] | None = None
@@ -534,13 +402,8 @@ class Metrics:
         `stage_seconds` (keys from `STAGES`) to override any of them.
         """
         for branch in result.branches:
-            outcome = self._outcome.get((branch.source, branch.status))
-            if outcome is None:
-                outcome = self.branch_outcomes.labels(branch.source, branch.status)
-            outcome.inc()
-            latency = self._latency.get(branch.source)
-            if latency is None:
-                latency = self.branch_latency.labels(branch.source)
+            _child(self._outcome, self.branch_outcomes, branch.source, branch.status).inc()
+            latency = _child(self._latency, self.branch_latency, branch.source)
             latency.observe(max(0.0, branch.latency_ms) / 1000)
         precise = stage_seconds or {}
         if precise and not precise.keys() <= self._stage.keys():
@@ -552,11 +415,8 @@ class Metrics:
             if seconds is None:
                 seconds = getattr(timings, field) / 1000
             self._stage[stage].observe(max(0.0, seconds))
-        (
-            self._level.get(result.degradation_level)
-            or self.degradation.labels(result.degradation_level)
-        ).inc()
-        (self._path.get(result.pack.path) or self.pack_path.labels(result.pack.path)).inc()
+        _child(self._level, self.degradation, result.degradation_level).inc()
+        _child(self._path, self.pack_path, result.pack.path).inc()
         self.tokens_used.observe(result.tokens_used)
         ceiling = result.budget.ceiling
         if ceiling > 0:
@@ -594,3 +454,11 @@ class Metrics:
         self._token_hits.inc(hits - seen_hits if hits >= seen_hits else hits)
         self._token_misses.inc(misses - seen_misses if misses >= seen_misses else misses)
         self._token_seen = (hits, misses)
+
+
+def _child(children: Mapping[Any, Any], metric: Any, *labels: str) -> Any:
+    """The labelled child: the one made at start for a known value (a `labels()` call
+    takes a lock and validates, most of an observation's cost), else a lookup, so an
+    unexpected value is still counted."""
+    child = children.get(labels[0] if len(labels) == 1 else labels)
+    return metric.labels(*labels) if child is None else child

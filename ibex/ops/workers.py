@@ -165,7 +165,7 @@ class Supervisor:
         self._reload_send, self._reload_receive = trio.open_memory_channel[None](1)
         # Imported here, not at the top: supervise() may still have to choose
         # multiprocess mode before prometheus_client is first imported.
-        from ibex.ops.metrics import WorkerReloads, WorkerRestarts
+        from ibex.ops.supervisor_metrics import WorkerReloads, WorkerRestarts
 
         self.restart_metric = WorkerRestarts()
         self.reload_metric = WorkerReloads()
@@ -220,8 +220,8 @@ class Supervisor:
             shutil.rmtree(self._runtime, ignore_errors=True)
 
     async def _serve_metrics(self, nursery: trio.Nursery) -> None:
-        from ibex.ops.metrics import ProcessMetrics, exposition_registry
         from ibex.ops.metrics_http import serve_metrics
+        from ibex.ops.supervisor_metrics import ProcessMetrics, exposition_registry
 
         registry = exposition_registry()
         registry.register(self.restart_metric)
@@ -536,7 +536,7 @@ def _needs_restart(old: Settings, new: Settings) -> list[str]:
 
 def _forget(pid: int) -> None:
     if os.environ.get(MULTIPROC_ENV):
-        from ibex.ops.metrics import mark_process_dead
+        from ibex.ops.supervisor_metrics import mark_process_dead
 
         mark_process_dead(pid)
 
@@ -576,7 +576,7 @@ def supervise(
         own_dir = tempfile.mkdtemp(prefix="ibex-metrics-")
         os.environ[MULTIPROC_ENV] = own_dir  # before prometheus_client is imported anywhere
     if os.environ.get(MULTIPROC_ENV):
-        from ibex.ops.metrics import clear_multiprocess_dir
+        from ibex.ops.supervisor_metrics import clear_multiprocess_dir
 
         clear_multiprocess_dir()
     supervisor = Supervisor(

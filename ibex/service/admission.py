@@ -67,15 +67,18 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Hashable, Iterator, Sequence
+from collections.abc import AsyncIterator, Hashable, Iterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
-from typing import NoReturn
+from typing import Annotated, NoReturn
 
 import msgspec
 
+from ibex.envvar import env
 from ibex.errors import DeadlineError, IbexError, Overloaded, Unavailable
 from ibex.ops.metrics import Metrics
 from ibex.service.budgets import Reservation, Shares, UnauthenticatedBytes
+from ibex.service.edge.deadline import CallDeadline
+from ibex.service.load import CpuLoad, QueueDelay
 from ibex.service.policies import (
     GATE_CPU_MESSAGE as GATE_CPU_MESSAGE,  # re-exported: the gate's messages
 )
@@ -91,29 +94,30 @@ from ibex.service.policies import (
 )
 from ibex.service.queues import TIMED, UNTIMED, FairQueue, WorkerThreads
 
-_EWMA = 0.2  # weight of the newest sample in the wait and service estimates
-_CPU_WINDOW = 0.025  # seconds of loop-thread CPU accounting per utilisation sample
-_CPU_CALLS = 8  # finished calls a CPU-per-call sample spans at least
-_CPU_EWMA = 0.5  # weight of the newest window in the utilisation and CPU-per-call estimates
-
 
 class AdmissionConfig(msgspec.Struct, frozen=True):
-    """Admission limits (seconds). The daemon's values come from the settings table, whose
-    defaults equal these (pinned by test_config_table.py)."""
+    """Admission limits (seconds). A field an operator sets declares its variable
+    (`ibex.envvar.env`); its default here is the only one."""
 
-    max_in_flight: int = 256
-    max_in_flight_bytes: int = 64 * 1024 * 1024
+    max_in_flight: Annotated[int, env("IBEX_CONTEXT_MAX_IN_FLIGHT", bounds=(1, 100_000))] = 256
+    max_in_flight_bytes: Annotated[
+        int, env("IBEX_CONTEXT_MAX_IN_FLIGHT_BYTES", bounds=(1024, 64 * 1024**3))
+    ] = 64 * 1024 * 1024
     #: Request bytes one authenticated caller, and one connection, may hold in flight
     #: (`ibex.service.budgets`); the root derives it from `max_in_flight_bytes` (a quarter).
     max_caller_bytes: int = 16 * 1024 * 1024
     #: The separate pool for Health, reflection and reads before authentication.
-    max_unauthenticated_bytes: int = 1024 * 1024
-    max_concurrent: int = 16
-    min_answer: float = 0.002
-    min_useful: float = 0.020
-    queue_target: float = 0.005
-    queue_interval: float = 0.100
-    read_timeout: float = 5.0
+    max_unauthenticated_bytes: Annotated[
+        int, env("IBEX_CONTEXT_MAX_UNAUTHENTICATED_BYTES", bounds=(1024, 1024**3))
+    ] = 1024 * 1024
+    max_concurrent: Annotated[
+        int, env("IBEX_CONTEXT_MAX_CONCURRENT_ASSEMBLIES", bounds=(1, 100_000))
+    ] = 16
+    min_answer: Annotated[float, env("IBEX_CONTEXT_MIN_ANSWER_MS", unit="ms")] = 0.002
+    min_useful: Annotated[float, env("IBEX_CONTEXT_MIN_USEFUL_MS", unit="ms")] = 0.020
+    queue_target: Annotated[float, env("IBEX_CONTEXT_QUEUE_TARGET_MS", unit="ms")] = 0.005
+    queue_interval: Annotated[float, env("IBEX_CONTEXT_QUEUE_INTERVAL_MS", unit="ms")] = 0.100
+    read_timeout: Annotated[float, env("IBEX_CONTEXT_REQUEST_READ_TIMEOUT", unit="s")] = 5.0
     saturated: float = 0.5
     wait_margin: float = 0.015
     #: The share of an answer's loop CPU still ahead of a call whose branches are in
@@ -121,103 +125,37 @@ class AdmissionConfig(msgspec.Struct, frozen=True):
     #: pipeline and the send (about half an answer in `python -m benchmarks.load --profile`).
     retrieving_share: float = 0.5
     max_org_concurrent: int = 8  # assemblies one org may run at once
-    max_queue_wait: float = 1.0  # longest wait for a thread or a slot without a deadline
+    # the longest wait for a thread or a slot without a deadline
+    max_queue_wait: Annotated[float, env("IBEX_CONTEXT_MAX_QUEUE_WAIT", unit="s")] = 1.0
     max_thread_queue: int = 64  # calls waiting for a worker thread before the next is refused
 
 
-class QueueDelay:
-    """CoDel's standing-queue detector over sojourn times (monotonic seconds)."""
-
-    def __init__(self, target: float, interval: float) -> None:
-        self.target = target
-        self.interval = interval
-        self.standing = False
-        self.estimate = 0.0  # smoothed sojourn, the expected wait of a new call
-        self._above_since: float | None = None
-
-    def observe(self, sojourn: float, now: float) -> None:
-        self.estimate += _EWMA * (sojourn - self.estimate)
-        if sojourn < self.target:
-            self._above_since = None
-            self.standing = False
-        elif self._above_since is None:
-            self._above_since = now
-        elif now - self._above_since >= self.interval:
-            self.standing = True
-
-
-class CpuLoad:
-    """The loop thread's utilisation and CPU per finished call, over short windows.
-
-    `time.thread_time` counts this thread only: worker threads (large counts)
-    neither raise the estimate nor make the loop look busy, and neither does
-    another process taking the core. A CPU-per-call sample spans at least
-    `_CPU_CALLS` finished calls: one long stretch of work (a GC, a burst of
-    intake) ending in a single finished call would otherwise read as one very
-    expensive call, and the gate would turn away calls with plenty of time.
-    """
-
-    def __init__(
-        self,
-        window: float = _CPU_WINDOW,
-        cpu_clock: Callable[[], float] = time.thread_time,
-        now: float | None = None,
-    ) -> None:
-        self.window = window
-        self.utilisation = 0.0
-        self.per_call = 0.0
-        self._cpu_clock = cpu_clock
-        self._t0 = time.monotonic() if now is None else now
-        self._cpu0 = cpu_clock()
-        self._calls_cpu0 = self._cpu0
-        self._calls = 0
-
-    def finished(self, now: float) -> None:
-        """One call ended (any outcome after it passed the gate)."""
-        self._calls += 1
-        self.sample(now)
-
-    def sample(self, now: float) -> None:
-        elapsed = now - self._t0
-        if elapsed < self.window:
-            return
-        cpu = self._cpu_clock()
-        used = cpu - self._cpu0
-        self.utilisation += _CPU_EWMA * (min(1.0, used / elapsed) - self.utilisation)
-        self._t0, self._cpu0 = now, cpu
-        if self._calls >= _CPU_CALLS:
-            sample = (cpu - self._calls_cpu0) / self._calls
-            self.per_call += _CPU_EWMA * (sample - self.per_call)
-            self._calls_cpu0, self._calls = cpu, 0
-
-    def latency(self, ahead: float, saturated: float) -> float:
-        """A new call's expected time to finish behind `ahead` calls, when CPU-bound.
-
-        0 while the loop is less than `saturated` busy: then calls wait on I/O, not
-        on each other, and no estimate from CPU applies.
-        """
-        if self.utilisation < saturated:
-            return 0.0
-        return (ahead + 1) * self.per_call
-
-
 class Ticket:
-    """One admitted call: when it arrived and by when it must be answered (monotonic)."""
+    """One admitted call and its deadline (`CallDeadline`: arrival and due time, monotonic)."""
 
-    __slots__ = ("arrived", "deadline", "started")
+    __slots__ = ("deadline", "started")
 
-    def __init__(self, arrived: float, deadline: float | None) -> None:
-        self.arrived = arrived
+    def __init__(self, deadline: CallDeadline) -> None:
         self.deadline = deadline
         self.started = False
 
     @property
+    def arrived(self) -> float:
+        """When the call's HEADERS were read: the start of its sojourn."""
+        return self.deadline.arrived
+
+    @property
+    def timed(self) -> bool:
+        """The caller set a deadline."""
+        return self.deadline.at is not None
+
+    @property
     def line(self) -> int:
         """The queue line the call waits in: with a deadline, or behind them without one."""
-        return UNTIMED if self.deadline is None else TIMED
+        return TIMED if self.timed else UNTIMED
 
     def remaining(self, now: float) -> float | None:
-        return None if self.deadline is None else self.deadline - now
+        return self.deadline.remaining(now)
 
 
 class Admission:
@@ -364,22 +302,23 @@ class Admission:
         self.in_flight_bytes -= size
 
     @contextmanager
-    def admitted(self, arrived: float, remaining: float | None, size: int = 0) -> Iterator[Ticket]:
+    def admitted(self, deadline: CallDeadline, size: int = 0) -> Iterator[Ticket]:
         """The request has arrived: count it in flight until it ends; refuse what cannot fit.
 
-        `arrived` is when the call reached the process (`time.monotonic()`), the start
-        of its sojourn; `remaining` the caller's time left now (None without a deadline);
-        `size` the request message's bytes, unless `reserve_bytes` counted them already.
+        `deadline` is when the call reached the process, the start of its sojourn, and
+        when it is due; `size` the request message's bytes, unless `reserve_bytes`
+        counted them already.
         """
         now = time.monotonic()
         self.check_open(now)
+        remaining = deadline.remaining(now)
         self._ask(self._arrival, "arrival", remaining, size, now)
         self.in_flight += 1
         self.in_flight_bytes += size
         self.pending += 1
         self.untimed += remaining is None
         self.idle.clear()
-        ticket = Ticket(min(arrived, now), None if remaining is None else now + remaining)
+        ticket = Ticket(deadline)
         try:
             with self.metrics.in_flight():
                 yield ticket
@@ -402,7 +341,7 @@ class Admission:
         call until its wall) read as a full answer of CPU each, and the gate refused
         servable calls on a loop with room to spare.
         """
-        timed = ticket.deadline is not None
+        timed = ticket.timed
         self.retrieving += timed
         try:
             yield
@@ -509,7 +448,7 @@ class Admission:
                 "overloaded: this org already runs its limit of "
                 f"{self.config.max_org_concurrent} concurrent assemblies",
             )
-        if ticket.deadline is None:
+        if not ticket.timed:
             self._shed(
                 "queue",
                 "overloaded: no assembly slot within the "

@@ -13,7 +13,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 
 import trio
 
@@ -27,7 +27,7 @@ from ibex.assembly.pipeline import (
     assemble_pure,
     resolve_model,
 )
-from ibex.assembly.prepare import Prepared
+from ibex.assembly.prepare import EarlyAssembly
 from ibex.assembly.structs import (
     AssemblyRequest,
     AssemblyResult,
@@ -44,16 +44,17 @@ from ibex.service.dependencies import Dependency
 from ibex.service.queues import WorkerThreads, default_threads
 from ibex.sources.base import DirectiveSource, MemorySource, prefetch_directive
 from ibex.sources.feedback_sender import FeedbackSink
-from ibex.sources.retrieval import RetrievalConfig, Retrieved, retrieve, search
+from ibex.sources.retrieval import RetrievalConfig, Retrieved, cold_search, retrieve
 
 if TYPE_CHECKING:
     from ibex.ops.otel_sdk import CallTrace
 
 log = logging.getLogger(__name__)
 
-# Text (characters) above which an assembly's counting runs in a worker thread:
-# uncached tiktoken counts run at roughly 8-10k CJK characters per millisecond,
-# so this keeps any one call's hold on the loop to a couple of milliseconds.
+# Text (characters) above which an assembly's counting runs in a worker thread, so
+# no one call holds the loop for more than a few milliseconds: uncached tiktoken
+# counts of CJK text run at thousands of characters per millisecond
+# (`python -m benchmarks.code_costs`, docs/performance.md).
 OFFLOAD_CHARS = 16 * 1024
 
 
@@ -77,8 +78,8 @@ def _log_tenant_filtered(count: int, **ids: str) -> None:
         log.warning("tenant_filter_dropped", extra={"count": count, **ids})
 
 
-class _Early:
-    """Does a call's pipeline work as its branches land (the retrieval's `Landing`).
+class _EarlyAssemblyFeed:
+    """Hands each branch that ends to the call's `EarlyAssembly` (a `BranchListener`).
 
     In the loop, synchronously, and bounded: the text handed to the early work
     stays within `budget` characters in all (what the loop may count for one
@@ -86,24 +87,25 @@ class _Early:
     loop longer than a call whose whole pipeline runs on it. Past the budget,
     the rest is left to the pipeline (which then runs in a worker thread).
     An answer known before the branches started (a cached directive) is worked
-    on at the first landing, so no branch starts later for it. Any failure but
+    on when the first branch ends, so no branch starts later for it. Any failure but
     a kept refusal drops the early work: the pipeline then does it all itself.
     """
 
-    __slots__ = ("budget", "directive", "directive_known", "prepared")
+    __slots__ = ("assembly", "budget", "directive", "directive_known")
 
-    def __init__(self, prepared: Prepared, budget: int) -> None:
-        self.prepared: Prepared | None = prepared
+    def __init__(self, assembly: EarlyAssembly, budget: int) -> None:
+        self.assembly: EarlyAssembly | None = assembly
         self.budget = budget
         self.directive: Directive | None = None
+        # The directive branch has answered and its fixed sections are not counted yet.
         self.directive_known = False
 
-    def known(self, source: BranchSource, value: Any) -> None:
+    def answered_at_start(self, source: BranchSource, value: Any) -> None:
         if source == "directive":
             self.directive, self.directive_known = value, True
 
-    def landed(self, source: BranchSource, value: Any) -> None:
-        if self.prepared is None:
+    def branch_ended(self, source: BranchSource, value: Any) -> None:
+        if self.assembly is None:
             return
         try:
             if source == "directive":
@@ -113,7 +115,7 @@ class _Early:
                 self._hits(source, value)
         except Exception:
             log.exception("early_assembly_failed")
-            self.prepared = None
+            self.assembly = None
 
     def _spend(self, chars: int) -> bool:
         if chars > self.budget:
@@ -123,20 +125,29 @@ class _Early:
         return True
 
     def _fixed(self) -> None:
-        prepared = self.prepared
-        if prepared is None or not self.directive_known:
+        assembly = self.assembly
+        if assembly is None or not self.directive_known:
             return
         self.directive_known = False  # once
         chars = len(self.directive.content) if self.directive is not None else 0
         if self._spend(chars):
-            prepared.directive(self.directive)
+            assembly.directive(self.directive)
 
     def _hits(self, source: BranchSource, hits: list[MemoryHit]) -> None:
-        prepared = self.prepared
-        if prepared is None or prepared.refused or source == "directive":
+        assembly = self.assembly
+        if assembly is None or assembly.refused or source == "directive":
             return
         if self._spend(sum(len(h.content) for h in hits)):
-            prepared.hits(source, hits)
+            assembly.hits(source, hits)
+
+
+class CallOptions(TypedDict, total=False):
+    """What `Assembler.assemble` passes on to `Assembler.assemble_checked`."""
+
+    deadline: float | None
+    arrived: float | None
+    thread_held: bool
+    trace: CallTrace | None
 
 
 class Assembler:
@@ -214,22 +225,10 @@ class Assembler:
         return _request_chars(request) > self.offload_chars
 
     async def assemble(
-        self,
-        request: AssemblyRequest,
-        *,
-        deadline: float | None = None,
-        arrived: float | None = None,
-        thread_held: bool = False,
-        trace: CallTrace | None = None,
+        self, request: AssemblyRequest, **options: Unpack[CallOptions]
     ) -> AssemblyResult:
-        """Check the request (`check_request`), then `assemble_checked` it."""
-        return await self.assemble_checked(
-            self.check_request(request),
-            deadline=deadline,
-            arrived=arrived,
-            thread_held=thread_held,
-            trace=trace,
-        )
+        """Check the request (`check_request`), then `assemble_checked` it with `options`."""
+        return await self.assemble_checked(self.check_request(request), **options)
 
     async def assemble_checked(
         self,
@@ -269,7 +268,7 @@ class Assembler:
                 deadline=deadline,
                 arrived=arrived,
                 branch_starts=starts,
-                landing=early,
+                listener=early,
             )
         inputs = AssemblyInputs(
             request=request,
@@ -288,15 +287,15 @@ class Assembler:
             tokenizers=self.tokenizers,
             config=self.pipeline,
             timer=timer,
-            prepared=early.prepared if early is not None else None,
+            early=early.assembly if early is not None else None,
         )
         if thread_held:
             result = await self.threads.run_held(run)
         elif _text_chars(inputs) <= self.offload_chars:
             result = run()
         else:
-            # Counting this much text would hold the loop (a 1 MB CJK text is ~130 ms of
-            # tiktoken): do it in a worker thread, where tiktoken releases the GIL, so
+            # Counting this much text would hold the loop (1 M CJK characters are hundreds
+            # of ms of tiktoken): do it in a worker thread, where tiktoken releases the GIL, so
             # other calls keep their deadlines. Only the retrieved memories made this
             # call large (a large request queued for its thread before its slot): it
             # waits in the urgent line, since it holds a slot while it waits.
@@ -312,14 +311,14 @@ class Assembler:
         )
         return result
 
-    def _early(self, request: AssemblyRequest, nonce: str, now: float) -> _Early | None:
+    def _early(self, request: AssemblyRequest, nonce: str, now: float) -> _EarlyAssemblyFeed | None:
         """The call's early work, or None when its own text already sends its pipeline
         to a worker thread (or the request is one the pipeline will refuse at once)."""
         budget = self.offload_chars - _request_chars(request)
         if budget < 0:
             return None
         try:
-            prepared = Prepared(
+            assembly = EarlyAssembly(
                 request,
                 nonce,
                 now,
@@ -329,7 +328,7 @@ class Assembler:
             )
         except Exception:
             return None  # an unchecked request: the pipeline raises it where it always has
-        return _Early(prepared, budget)
+        return _EarlyAssemblyFeed(assembly, budget)
 
     def check_search(self, request: SearchRequest) -> SearchFilter:
         """Validate a SearchMemories request before any I/O (and before it waits for a
@@ -350,7 +349,7 @@ class Assembler:
         With filters that narrow after the fetch, the source is asked for the cap.
         """
         fetch = MAX_MEMORIES_HARD_CAP if flt.narrows else flt.limit
-        hits = await search(
+        hits = await cold_search(
             self._searchable(),
             flt.org_id,
             flt.agent_id,

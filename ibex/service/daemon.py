@@ -18,7 +18,7 @@ import signal
 import ssl
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractAsyncContextManager, contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import grpclib.server
 import msgspec
@@ -29,6 +29,7 @@ from grpclib.health.check import ServiceStatus
 from grpclib.health.service import Health
 
 from ibex.assembly.tokens import Tokenizers
+from ibex.envvar import env
 from ibex.errors import ListenError
 from ibex.netaddr import bind_problem, join_host_port
 from ibex.ops.branch_errors import BranchErrors
@@ -43,12 +44,20 @@ from ibex.service.edge.bounded import (
     REFLECTION_MAX_MESSAGE_BYTES,
     BoundedReads,
 )
-from ibex.service.edge.connections import Connections, ConnectionsConfig, LoopErrorHandler
+from ibex.service.edge.connections import Connections, ConnectionsConfig
+from ibex.service.edge.deadline import CallDeadline
 from ibex.service.edge.flow import grpclib_configuration
-from ibex.service.edge.patches import install_patches, precise_wakeups
-from ibex.service.edge.protocol import bound_port, listen_also, stop_accepting, track_connections
+from ibex.service.edge.listeners import (
+    TrackedServer,
+    bound_port,
+    listen_also,
+    stop_accepting,
+    track_connections,
+)
+from ibex.service.edge.loop_errors import LoopErrorHandler
 from ibex.service.edge.reflection import with_reflection
 from ibex.service.handlers import ContextService, EdgeConfig, method_label
+from ibex.service.patches import install_patches, precise_wakeups
 from ibex.service.policies import AdmissionPolicy
 from ibex.service.queues import share_the_gil
 from ibex.service.warmup import warm_pipeline
@@ -63,7 +72,7 @@ class DaemonConfig(msgspec.Struct, frozen=True):
     host: str = "127.0.0.1"
     port: int = 9092
     reuse_port: bool = False
-    drain_grace: float = 10.0
+    drain_grace: Annotated[float, env("IBEX_CONTEXT_DRAIN_GRACE", unit="s")] = 10.0
     connections: ConnectionsConfig = ConnectionsConfig()
     # This process's own ports besides `port` (a worker's WORKER_PORT_BASE + i), so a
     # client can balance calls over workers; and its worker slot, sent to callers
@@ -114,12 +123,12 @@ class Daemon:
             config.connections, closed_for=self.metrics.connection_closed
         )
         self.loop_errors = LoopErrorHandler()
-        self.server: grpclib.server.Server | None = None
+        self.server: TrackedServer | None = None
         self.port: int | None = None
         self.dependencies = DependencyStates(self.metrics.set_dependency_up)
         self.branch_errors = BranchErrors(config.branch_errors_interval)
 
-    def build_server(self, assembler: Assembler) -> grpclib.server.Server:
+    def build_server(self, assembler: Assembler) -> TrackedServer:
         service = ContextService(
             assembler,
             admission=self.admission,
@@ -134,16 +143,20 @@ class Daemon:
         health = BoundedReads(
             Health({service: [self.health_status]}),
             limit=HEALTH_MAX_MESSAGE_BYTES,
-            admission=self.admission,
+            reserve=self.admission.unauthenticated.reservation,
+            read_timeout=self.admission.config.read_timeout,
         )
         _, _, *reflection = with_reflection([service, health], self.auth)
         reflection = [
-            BoundedReads(r, limit=REFLECTION_MAX_MESSAGE_BYTES, admission=self.admission)
+            BoundedReads(
+                r,
+                limit=REFLECTION_MAX_MESSAGE_BYTES,
+                reserve=self.admission.unauthenticated.reservation,
+                read_timeout=self.admission.config.read_timeout,
+            )
             for r in reflection
         ]
-        server = grpclib.server.Server(
-            [service, health, *reflection], config=grpclib_configuration()
-        )
+        server = TrackedServer([service, health, *reflection], config=grpclib_configuration())
         if self.config.worker is not None:
             listen(server, SendTrailingMetadata, _worker_trailer(str(self.config.worker)))
         return server
@@ -295,15 +308,16 @@ class Daemon:
         """A call's answer left: its server-side time, HEADERS to last byte written."""
         self.metrics.observe_answer(method_label(path), seconds)
 
-    def _gate(self, path: str, remaining: float | None) -> str | None:
-        """Admission's HEADERS gate, for the service's own methods only.
+    def _gate(self, path: str, deadline: CallDeadline) -> str | None:
+        """Admission's HEADERS gate, for the service's own methods only; the call's time
+        left is its whole timeout (its HEADERS were read just now).
 
         Health checks and reflection cost next to nothing, and a probe refused under
         load would take a busy worker out of rotation or restart it; unknown paths
         are answered UNIMPLEMENTED by grpclib. All of them pass (still counted).
         """
         method = method_label(path)
-        return self.admission.gate(method, None if method == "other" else remaining)
+        return self.admission.gate(method, None if method == "other" else deadline.timeout)
 
     async def drain(self, server: grpclib.server.Server) -> None:
         """Stop listening, GOAWAY every connection, wait for in-flight calls, then close.

@@ -2,9 +2,12 @@
 
 Handlers are written against grpclib's `Stream` directly (not the generated
 service base) because they need metadata, the peer certificate and the
-caller's deadline. Each call crosses into Trio exactly once with
-`trio_as_aio`; retrieval runs there under a wall derived from the caller's
-remaining time, so the answer leaves before grpclib's own deadline. Errors
+caller's deadline. The deadline is the edge's `CallDeadline`, read once from
+the call's HEADERS; the admission ticket carries it, and the Trio side converts
+it to its clock once (`CallDeadline.on_trio_clock`). Each call crosses into
+Trio exactly once (`in_trio`); retrieval runs there under a wall derived from
+the caller's remaining time, so the answer leaves before grpclib's own
+deadline (which counts from the handler's start, later). Errors
 are `IbexError`s and become a gRPC status in one place (`_wrap`).
 """
 
@@ -15,12 +18,11 @@ import logging
 import time
 import weakref
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import grpclib.const
 import grpclib.server
 import msgspec
-import trio
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 from h2.exceptions import StreamClosedError
@@ -29,6 +31,7 @@ from ibex.assembly.candidates import SearchFilter, SearchResult
 from ibex.assembly.feedback_rules import MAX_FEEDBACK_IDS, Feedback, validate_feedback
 from ibex.assembly.structs import AssemblyRequest, AssemblyResult
 from ibex.assembly.validation import MAX_SEARCH_CATEGORIES, MAX_SEARCH_TAGS
+from ibex.envvar import env
 from ibex.errors import (
     DeadlineError,
     IbexError,
@@ -45,16 +48,10 @@ from ibex.service.admission import Admission, Ticket
 from ibex.service.assembler import Assembler
 from ibex.service.auth import Authenticator, Caller
 from ibex.service.budgets import Reservation
+from ibex.service.edge.calls import call_deadline, caller_authenticated, handler_started
 from ibex.service.edge.crossing import in_trio
 from ibex.service.edge.status import grpc_error
-from ibex.service.edge.stream_reads import (
-    arrival,
-    caller_authenticated,
-    connection_of,
-    handler_started,
-    recv_bounded,
-    request_complete,
-)
+from ibex.service.edge.stream_reads import connection_of, recv_bounded, request_complete
 from ibex.service.edge.wire_counts import Rules, check_counts, request_rules
 from ibex.sources.feedback_sender import FeedbackRejected, Sent, send_feedback
 
@@ -62,6 +59,7 @@ if TYPE_CHECKING:
     from ibex.ops.otel_sdk import CallTrace, Tracing
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 SERVICE = "ibex.context.v1.ContextAssemblyService"
 _PREFIX = f"/{SERVICE}/"
@@ -91,9 +89,11 @@ def method_label(path: str) -> str:
 
 
 class EdgeConfig(msgspec.Struct, frozen=True):
-    """What the handlers need beyond the assembler; the settings table's defaults equal these."""
+    """What the handlers need beyond the assembler; a setting's variable is on its field."""
 
-    max_message_bytes: int = 4 * 1024 * 1024
+    max_message_bytes: Annotated[
+        int, env("IBEX_CONTEXT_MAX_MESSAGE_BYTES", bounds=(1024, 256 * 1024 * 1024))
+    ] = 4 * 1024 * 1024
     # RecordMemoryFeedback's time for both attempts when the caller sets no deadline.
     feedback_timeout: float = 2.0
 
@@ -203,7 +203,7 @@ class ContextService:
                 # grpclib cancels the handler when the caller's deadline passes (or the
                 # caller cancels): a deadline miss is counted as such, not as an error.
                 code = "CANCELLED"
-                if stream.deadline is not None and stream.deadline.time_remaining() <= 0:
+                if call_deadline(stream).expired(time.monotonic()):
                     code = "DEADLINE_EXCEEDED"
                     log.info(
                         "deadline_missed",
@@ -276,13 +276,13 @@ class ContextService:
         # The trace the log lines carry: the RPC span's when traced, else the request's field.
         trace_id = "" if call is None else call.open(msg.trace_id, msg.span_id)
         caller = _caller(stream)
-        with self.admission.admitted(*_timing(stream)) as ticket:
+        with self.admission.admitted(call_deadline(stream)) as ticket:
             request = self.assembler.check_request(convert.request_from_proto(msg))
             self.auth.authorize(caller, request.org_id, request.agent_id, _principal(msg))
             key = caller.fairness_key(request.org_id)
             self.assembler.prefetch(request)
             traced = () if call is None else (trace_id, call)
-            result = await in_trio(self._assemble_in_trio, request, ticket, key, *traced)
+            result = await _cross(self._assemble_in_trio, request, ticket, key, *traced)
             await self._send_assembly(stream, result)
 
     async def _send_assembly(
@@ -310,10 +310,7 @@ class ContextService:
         """`key` is the call's share of the slots (`Caller.fairness_key`)."""
         threads = self.assembler.threads if self.assembler.needs_thread(request) else None
         async with self.admission.slot(ticket, key, threads) as thread_held:
-            now, trio_now = time.monotonic(), trio.current_time()
-            remaining = ticket.remaining(now)
-            deadline = None if remaining is None else trio_now + remaining
-            arrived = trio_now - (now - ticket.arrived)
+            arrived, deadline = ticket.deadline.on_trio_clock()
             with bind_request(request.request_id, trace_id or request.trace_id):
                 return await self.assembler.assemble_checked(
                     request,
@@ -331,19 +328,18 @@ class ContextService:
     ) -> None:
         msg, _ = await self._receive(stream, self._search_rules)  # bytes counted there
         caller = _caller(stream)
-        with self.admission.admitted(*_timing(stream)) as ticket:
+        with self.admission.admitted(call_deadline(stream)) as ticket:
             flt = self.assembler.check_search(convert.search_from_proto(msg))
             self.auth.authorize(caller, flt.org_id, flt.agent_id, _principal(msg))
             t0 = time.perf_counter()
-            found = await in_trio(
-                self._search_in_trio, flt, ticket, caller.fairness_key(flt.org_id)
-            )
+            found = await _cross(self._search_in_trio, flt, ticket, caller.fairness_key(flt.org_id))
             elapsed_ms = int((time.perf_counter() - t0) * 1000)
             await stream.send_message(convert.search_to_proto(found, elapsed_ms))
 
     async def _search_in_trio(self, flt: SearchFilter, ticket: Ticket, key: str) -> SearchResult:
         async with self.admission.slot(ticket, key):
-            return await self.assembler.search(flt, deadline=_trio_deadline(ticket))
+            _, deadline = ticket.deadline.on_trio_clock()
+            return await self.assembler.search(flt, deadline=deadline)
 
     # --- RecordMemoryFeedback ------------------------------------------------
 
@@ -361,7 +357,7 @@ class ContextService:
         outcome = "error"
         try:
             msg, _ = await self._receive(stream, self._feedback_rules)  # bytes counted there
-            with self.admission.admitted(*_timing(stream)) as ticket:
+            with self.admission.admitted(call_deadline(stream)) as ticket:
                 fb = validate_feedback(
                     org_id=msg.org_id,
                     memory_ids=msg.memory_ids,
@@ -370,7 +366,7 @@ class ContextService:
                     trace_id=msg.trace_id,
                 )
                 self.auth.authorize(_caller(stream), fb.org_id, None, _principal(msg))
-                sent = await in_trio(self._feedback_in_trio, fb, ticket)
+                sent = await _cross(self._feedback_in_trio, fb, ticket)
                 response = pb.RecordMemoryFeedbackResponse(success=True)
                 for u in sent.updates:
                     response.updates.add(
@@ -405,11 +401,12 @@ class ContextService:
         sink = self.assembler.feedback_sink
         if sink is None:
             raise Unavailable("feedback: no memory service configured")
+        _, deadline = ticket.deadline.on_trio_clock()
         with bind_request(trace_id=fb.trace_id):
             return await send_feedback(
                 sink,
                 fb,
-                deadline=_trio_deadline(ticket),
+                deadline=deadline,
                 default_timeout=self.config.feedback_timeout,
                 headroom=FEEDBACK_HEADROOM,
                 on_retry=self.metrics.feedback_retries.inc,
@@ -440,6 +437,23 @@ def _finish_trace(call: CallTrace, code: str) -> None:
         log.exception("trace_failed")
 
 
+async def _cross(proc: Callable[..., Awaitable[T]], *args: Any) -> T:
+    """`in_trio`, then the cancel it may have swallowed raised before anything is sent.
+
+    grpclib cancels every handler of a connection when the caller says GOAWAY
+    or the connection is lost. If the Trio side was past its last checkpoint,
+    trio-asyncio hands its result over and the cancel never surfaces
+    (`_cancel_swallowed`); sending the answer then meets h2's closed connection
+    and raises its ProtocolError (not StreamClosedError), which read as an
+    internal failure. The caller is gone: end cancelled instead, as `_wrap`
+    does for a cancel swallowed at the handler's end.
+    """
+    got = await in_trio(proc, *args)
+    if _cancel_swallowed():
+        raise asyncio.CancelledError
+    return got
+
+
 def _cancel_swallowed() -> bool:
     """True when grpclib cancelled this handler's task but the cancel never surfaced.
 
@@ -451,24 +465,3 @@ def _cancel_swallowed() -> bool:
     """
     task = asyncio.current_task()
     return task is not None and task.cancelling() > 0
-
-
-def _trio_deadline(ticket: Ticket) -> float | None:
-    """The caller's deadline on the Trio clock (None without one)."""
-    remaining = ticket.remaining(time.monotonic())
-    return None if remaining is None else trio.current_time() + remaining
-
-
-def _timing(stream: grpclib.server.Stream[Any, Any]) -> tuple[float, float | None]:
-    """When the call arrived and how much of the caller's deadline is left now.
-
-    grpclib's deadline counts from when the handler started; the caller's counts
-    from when it sent the call, so the wait before the handler ran is taken off.
-    """
-    now = time.monotonic()
-    arrived = arrival(stream)
-    if arrived is None or arrived > now:
-        arrived = now
-    if stream.deadline is None:
-        return arrived, None
-    return arrived, stream.deadline.time_remaining() - (now - arrived)

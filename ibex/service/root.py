@@ -3,12 +3,11 @@
 This module, the CLI and the worker supervisor are the only readers of
 `Settings`. Each layer gets a small frozen config of its own (retrieval
 limits, request limits, pipeline knobs, admission, the edge), so no layer
-sees a secret it does not need. `layer_config` fills each one from the
-settings table (`ibex.config.Settings`, whose rows name the layer fields they
-set), passing only the settings that are set, so each struct's own field
-default is the one default; `effective_settings` reads those defaults back for
-`ibex config`. The few values derived from others are computed here by hand,
-from the built structs. `config_warnings` names the settings that make the
+sees a secret it does not need: `Settings` holds them built, each field's
+variable declared beside its default (`ibex.envvar.env`), and
+`effective_settings` reads every variable's value back for `ibex config`. The
+few values derived from others are computed here by hand, from the built
+structs. `config_warnings` names the settings that make the
 daemon serve less than it could (said at start and by `ibex check`), and
 `listen_problems` tries the addresses it will listen on (for `ibex check`).
 
@@ -33,19 +32,8 @@ import trio
 
 from ibex.assembly.catalog import Catalog, load_catalog
 from ibex.assembly.nonce import NonceKey
-from ibex.assembly.pipeline import PipelineConfig
 from ibex.assembly.tokens import TokenizerError, Tokenizers
-from ibex.assembly.validation import RequestLimits
-from ibex.config import (
-    DURATIONS,
-    PREFIX,
-    TABLE,
-    UNSET,
-    Settings,
-    format_duration,
-    layer_fields,
-    redact_url,
-)
+from ibex.config import DURATIONS, LAYERS, PREFIX, TABLE, Settings, format_duration, redact_url
 from ibex.errors import ConfigError, ConfigFileError
 from ibex.netaddr import bind_problem, join_host_port, split_host_port
 from ibex.ops.metrics import Metrics
@@ -53,12 +41,11 @@ from ibex.ops.tracing import setup_tracing
 from ibex.service.admission import AdmissionConfig
 from ibex.service.assembler import Assembler
 from ibex.service.auth import Authenticator, is_loopback
-from ibex.service.daemon import Daemon, DaemonConfig
+from ibex.service.daemon import Daemon
 from ibex.service.dependencies import Dependency
 from ibex.service.edge.connections import ConnectionsConfig, default_max_connections
-from ibex.service.handlers import EdgeConfig
 from ibex.sources.base import DirectiveSource, MemorySource
-from ibex.sources.directive_cache import DirectiveCache, DirectiveCacheConfig
+from ibex.sources.directive_cache import DirectiveCache
 from ibex.sources.feedback_sender import FeedbackSink
 from ibex.sources.local_file import LocalFileSource
 from ibex.sources.memory_http import MemoryHttpSource
@@ -66,7 +53,6 @@ from ibex.sources.redis_directive import RedisDirectiveSource
 from ibex.sources.retrieval import RetrievalConfig
 
 __all__ = [
-    "LAYERS",
     "Assembler",
     "admission_config",
     "check_bind_policy",
@@ -75,7 +61,6 @@ __all__ = [
     "drain_grace",
     "effective_settings",
     "layer_config",
-    "layer_defaults",
     "listen_problems",
     "listen_variable",
     "load_static",
@@ -87,47 +72,14 @@ __all__ = [
 
 T = TypeVar("T", bound=msgspec.Struct)
 
-#: The layer config structs the settings table targets (`Var.to`), by class name.
-LAYERS: dict[str, type[msgspec.Struct]] = {
-    c.__name__: c
-    for c in (
-        RetrievalConfig,
-        RequestLimits,
-        PipelineConfig,
-        AdmissionConfig,
-        EdgeConfig,
-        DirectiveCacheConfig,
-        ConnectionsConfig,
-        DaemonConfig,
-    )
-}
 
-
-def layer_config(struct: type[T], settings: Settings, **computed: Any) -> T:
-    """`struct` with every field the settings table targets (`Var.to`) taken from `settings`
-    when set (an unset one keeps the struct's default); `computed` gives the fields whose
-    value the root derives (a default from another value)."""
-    fields = {
-        f: value
-        for f, s in layer_fields(struct.__name__).items()
-        if (value := getattr(settings, s)) is not UNSET
-    }
-    return struct(**fields, **computed)
-
-
-def layer_defaults() -> dict[str, Any]:
-    """Each targeted setting -> the default of the layer field it sets (the one place the
-    default is written). KeyError/TypeError name a target that is not a defaulted field."""
-    out: dict[str, Any] = {}
-    for setting, row in TABLE.items():
-        for target in row.to:
-            struct, _, name = target.partition(".")
-            field = {f.name: f for f in msgspec.structs.fields(LAYERS[struct])}[name]
-            if field.default is msgspec.NODEFAULT:
-                raise TypeError(f"{target} (set by {setting}) has no default")
-            if out.setdefault(setting, field.default) != field.default:
-                raise TypeError(f"{setting}'s targets disagree on the default")
-    return out
+def layer_config(struct: type[T], settings: Settings) -> T:
+    """The `struct` that `settings` holds (each field set from its variable, or its default)."""
+    for name, held in LAYERS.items():
+        if held is struct:
+            value: T = getattr(settings, name)
+            return value
+    raise KeyError(f"Settings holds no {struct.__name__}")
 
 
 def effective_settings(settings: Settings) -> dict[str, Any]:
@@ -138,10 +90,10 @@ def effective_settings(settings: Settings) -> dict[str, Any]:
     value computed now; durations carry a unit (`45ms`, `5s`), secrets are
     redacted. None is a setting that is off (no URL, no age limit).
     """
-    values: dict[str, Any] = {**layer_defaults(), **settings.redacted()}
+    own = settings.redacted()
     connections = connections_config(settings)
     admission = admission_config(settings)
-    values.update(
+    own.update(
         max_org_assemblies=admission.max_org_concurrent,
         max_caller_in_flight_bytes=admission.max_caller_bytes,
         max_connections=connections.max_connections,
@@ -149,13 +101,13 @@ def effective_settings(settings: Settings) -> dict[str, Any]:
         max_connection_age_grace=connections.age_grace,
     )
     out: dict[str, Any] = {}
-    for field, row in TABLE.items():
-        value = values.get(field)
-        if field in DURATIONS and value is not None:
+    for name, row in TABLE.items():
+        value = row.value(settings) if row.layer else own[row.field]
+        if name in DURATIONS and value is not None:
             value = format_duration(value)
         elif isinstance(value, tuple):
             value = list(value)
-        out[PREFIX + row.suffix] = value
+        out[name] = value
     return out
 
 
@@ -170,13 +122,17 @@ def config_warnings(settings: Settings) -> list[str]:
     to Redis or a sentinel off loopback without TLS.
     """
     out: list[str] = []
-    retrieval = layer_config(RetrievalConfig, settings)
-    wall = format_duration(retrieval.wall)
-    for field in ("directive_timeout", "hot_timeout", "cold_timeout"):
-        value = getattr(settings, field)
-        if value is not UNSET and value > retrieval.wall:
+    retrieval = settings.retrieval
+    wall = format_duration(retrieval.time_limit)
+    # A branch timeout at its default is bounded by the wall by design (cold's 45 ms).
+    branches = ("directive_timeout", "hot_timeout", "cold_timeout")
+    for row in TABLE.values():
+        if row.owner is not RetrievalConfig or row.field not in branches:
+            continue
+        value = row.value(settings)
+        if value != row.default and value > retrieval.time_limit:
             out.append(
-                f"{PREFIX}{TABLE[field].suffix}: {format_duration(value)} is above the retrieval "
+                f"{row.variable}: {format_duration(value)} is above the retrieval "
                 f"wall of {wall} (min({PREFIX}TIMEOUT, {PREFIX}DEADLINE_MS)), which cuts "
                 "the branch first"
             )
@@ -305,7 +261,7 @@ def try_bind(host: str, port: int) -> str | None:
 def admission_config(settings: Settings) -> AdmissionConfig:
     """Admission; the per-org, per-caller and worker-thread queue defaults derive from the
     global caps."""
-    built = layer_config(AdmissionConfig, settings)
+    built = settings.admission
     return msgspec.structs.replace(
         built,
         max_org_concurrent=settings.max_org_assemblies or max(1, built.max_concurrent // 2),
@@ -319,9 +275,8 @@ def connections_config(settings: Settings) -> ConnectionsConfig:
     per-peer cap's from the cap, the age grace's from the daemon's drain grace."""
     cap = settings.max_connections or default_max_connections()
     grace = settings.max_connection_age_grace
-    return layer_config(
-        ConnectionsConfig,
-        settings,
+    return msgspec.structs.replace(
+        settings.connections,
         max_connections=cap,
         max_per_peer=settings.max_connections_per_peer or max(1, cap // 4),
         age_grace=grace if grace is not None else drain_grace(settings),
@@ -330,7 +285,7 @@ def connections_config(settings: Settings) -> ConnectionsConfig:
 
 def drain_grace(settings: Settings) -> float:
     """How long in-flight calls may finish on SIGTERM (the supervisor waits for it too)."""
-    return layer_config(DaemonConfig, settings).drain_grace
+    return settings.daemon.drain_grace
 
 
 def authenticator(settings: Settings) -> Authenticator:
@@ -347,7 +302,7 @@ def load_static(settings: Settings) -> tuple[Catalog, Tokenizers]:
     """Catalog and tokenizers, loaded and verified once at start-up."""
     catalog = load_catalog(settings.catalog_path)
     tokenizers = Tokenizers(
-        settings.tiktoken_dir, settings.token_cache_entries, settings.token_cache_bytes
+        settings.tiktoken_dir, settings.token_cache.entries, settings.token_cache.max_bytes
     )
     try:
         tokenizers.preload(sorted(catalog.encodings()))
@@ -363,9 +318,9 @@ def memory_http_source(settings: Settings) -> MemoryHttpSource:
     return MemoryHttpSource(
         settings.memory_base_url,
         settings.memory_api_token,
-        pool_size=settings.memory_pool_size,
-        max_response_bytes=settings.memory_max_response_bytes,
-        max_content_bytes=settings.memory_max_content_bytes,
+        pool_size=settings.memory.pool_size,
+        max_response_bytes=settings.memory.max_response_bytes,
+        max_content_bytes=settings.memory.max_content_bytes,
     )
 
 
@@ -427,7 +382,7 @@ async def open_assembler(
     dependencies: list[Dependency] = []
     if uses_local_sample(settings):
         local = LocalFileSource.load(
-            settings.local_source_path, max_content_bytes=settings.memory_max_content_bytes
+            settings.local_source_path, max_content_bytes=settings.memory.max_content_bytes
         )
         directive_source = memory_source = feedback_sink = local
         backend.append(f"local:{local.origin}")
@@ -441,7 +396,7 @@ async def open_assembler(
             dependencies.append(
                 Dependency("redis", redis_target(settings), functools.partial(redis.warm, 2))
             )
-            cache_config = layer_config(DirectiveCacheConfig, settings)
+            cache_config = settings.directive_cache
             if cache_config.max_entries > 0:
                 cache = DirectiveCache(redis, cache_config)
                 directive_source = await background.enter_async_context(cache)
@@ -458,9 +413,9 @@ async def open_assembler(
             tokenizers=tokenizers,
             directive_source=directive_source,
             memory_source=memory_source,
-            limits=layer_config(RequestLimits, settings),
-            retrieval=layer_config(RetrievalConfig, settings),
-            pipeline=layer_config(PipelineConfig, settings),
+            limits=settings.limits,
+            retrieval=settings.retrieval,
+            pipeline=settings.pipeline,
             backend="+".join(backend),
             feedback_sink=feedback_sink,
             nonce_key=(
@@ -555,9 +510,8 @@ def make_daemon(
     """
     host, port = split_host_port(settings.grpc_addr)
     own = settings.worker_port(worker_index or 0)
-    config = layer_config(
-        DaemonConfig,
-        settings,
+    config = msgspec.structs.replace(
+        settings.daemon,
         host=host,
         port=port,
         reuse_port=reuse_port,
@@ -570,7 +524,7 @@ def make_daemon(
         open_assembler=lambda: open_assembler(settings),
         authenticator=authenticator(settings),
         admission=admission_config(settings),
-        edge=layer_config(EdgeConfig, settings),
+        edge=settings.edge,
         metrics=metrics,
         ssl_context=lambda: server_ssl_context(settings),
         startup_warning=lambda: check_bind_policy(settings),

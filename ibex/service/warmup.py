@@ -81,7 +81,7 @@ def _answer(branch: Literal["hot", "cold"], n: int) -> bytes:
     return json.dumps({"data": {"results": results}}, ensure_ascii=False).encode()
 
 
-class _Stand:
+class _SyntheticSources:
     """Directive and memory source answering the synthetic tenant from memory, via the
     real decoders; each answer yields once, as a network answer would."""
 
@@ -150,14 +150,14 @@ async def warm_pipeline(assembler: Assembler) -> float:
     (a failure is logged and the daemon serves anyway: it costs the first call's speed,
     never an answer)."""
     t0 = time.perf_counter()
-    stand = _Stand()
-    twin = copy.copy(assembler)
-    twin.directive_source = twin.memory_source = stand
-    twin.feedback_sink = None
+    sources = _SyntheticSources()
+    offline = copy.copy(assembler)
+    offline.directive_source = offline.memory_source = sources
+    offline.feedback_sink = None
     try:
         for n, model in enumerate(_models(assembler)):
             request = assembler.check_request(convert.request_from_proto(_request(model, n)))
-            result = await twin.assemble_checked(request)
+            result = await offline.assemble_checked(request)
             convert.branches_header(result)
             convert.response_to_proto(result).SerializeToString()
     except Exception:

@@ -1,8 +1,9 @@
 """HTTP/1.1 response framing, sans-IO, by llhttp (`httptools`, Node's parser, as in uvicorn).
 
-The pool (`ibex.sources.http_pool`) owns sockets, slots and cancellation; this
-module owns bytes: feed it what the connection delivered and it says when the
-answer is complete, what it was, and whether the connection may carry another
+The exchange (`ibex.sources.http_exchange`) and the pool around it
+(`ibex.sources.http_pool`) own sockets, slots and cancellation; this module
+owns bytes: feed it what the connection delivered and it says when the answer
+is complete, what it was, and whether the connection may carry another
 request. It never reads or writes; tests drive it with plain bytes and with
 in-memory streams.
 

@@ -44,7 +44,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from importlib import resources
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Literal, TypeVar
 
 import msgspec
 import trio
@@ -76,6 +76,8 @@ a an and are as at be by can could did do does for from has have how i in is it 
 on or should that the their this to was what when where which who why will with would you your
 """
 _STOPWORDS = frozenset(_STOPWORD_TEXT.split())
+
+_T = TypeVar("_T")
 
 
 class LocalFileError(ConfigFileError):
@@ -327,14 +329,7 @@ def _hit(
 
 
 def _parse_json(name: str, data: bytes) -> list[LocalAgent]:
-    try:
-        return msgspec.json.decode(data, type=LocalFile).agents
-    except msgspec.ValidationError as exc:
-        raise LocalFileError(f"{name}: {_where(exc)}") from None
-    except msgspec.DecodeError as exc:
-        raise LocalFileError(f"{name}: not valid JSON: {exc}") from None
-    except RecursionError:
-        raise LocalFileError(f"{name}: not valid JSON: nested too deeply") from None
+    return _decode(msgspec.json.Decoder(LocalFile), data, name).agents
 
 
 def _parse_jsonl(name: str, data: bytes) -> list[LocalAgent]:
@@ -344,15 +339,20 @@ def _parse_jsonl(name: str, data: bytes) -> list[LocalAgent]:
         stripped = line.strip()
         if not stripped or stripped.startswith(b"#"):
             continue
-        try:
-            agents.append(decoder.decode(stripped))
-        except msgspec.ValidationError as exc:
-            raise LocalFileError(f"{name}:{lineno}: {_where(exc)}") from None
-        except msgspec.DecodeError as exc:
-            raise LocalFileError(f"{name}:{lineno}: not valid JSON: {exc}") from None
-        except RecursionError:
-            raise LocalFileError(f"{name}:{lineno}: not valid JSON: nested too deeply") from None
+        agents.append(_decode(decoder, stripped, f"{name}:{lineno}"))
     return agents
+
+
+def _decode(decoder: msgspec.json.Decoder[_T], data: bytes, where: str) -> _T:
+    """Decode, or LocalFileError naming `where` (the file, and the line of a JSONL file)."""
+    try:
+        return decoder.decode(data)
+    except msgspec.ValidationError as exc:
+        raise LocalFileError(f"{where}: {_where(exc)}") from None
+    except msgspec.DecodeError as exc:
+        raise LocalFileError(f"{where}: not valid JSON: {exc}") from None
+    except RecursionError:
+        raise LocalFileError(f"{where}: not valid JSON: nested too deeply") from None
 
 
 def _where(exc: msgspec.ValidationError) -> str:

@@ -1,36 +1,19 @@
 """Memory service HTTP source (contract section 2) on our own HTTP/1.1 pool, native Trio.
 
 Lifecycle: the pools are created by `open()` (or `async with`) inside the Trio
-run and closed by `aclose()` in the same run. One instance per process. Hot
-and cold calls have a keep-alive pool each: a cold call cut at the wall (the
-common case when the search is slow) leaves its connection waiting for an
-answer, which then must be drained or closed; with one shared pool hot calls
-often found no idle connection and connected anew (40 % of them at 200 rps
-with the search at +100 ms), paying the memory service's accept latency
-against their 15 ms. The drain (`ibex.sources.http_pool`) runs in a nursery
-the source's owner gives `open()`; `async with` opens one for the block.
-Without it every cut call costs a new connection.
+run and closed by `aclose()` in the same run. One instance per process.
 
 The client is `ibex.sources.http_pool`, not httpx2: the daemon cancels
-in-flight calls by design (branch timeouts, the wall), so the pool must never
-leak a slot or reuse a half-read connection when a call is cancelled
-(encode/httpcore#1093), and it must be cheap, because it runs twice per
-answer. tests/chaos/test_http_cancel_storm.py holds it to the first;
-benchmarks/memory_client.py measures the second.
+in-flight calls by design (branch timeouts, the retrieval wall), so the pool
+must never leak a slot or reuse a half-read connection when a call is
+cancelled (encode/httpcore#1093), and it must be cheap, because it runs twice
+per answer. tests/chaos/test_http_cancel_storm.py holds it to the first;
+`python -m benchmarks.memory_client` measures the second (docs/performance.md).
 
 Timeouts: the caller's cancel scope is the real timer; the pool's timeout is
 only a safety net for callers that set none. No retries, no redirects: a
-failed call is a failed branch (the pool's one re-send, when a pooled
-keep-alive connection turns out to have been closed by the server before any
-answer byte, is connection housekeeping, not a retry).
-
-Feedback (`feedback`, the write surface) has a third pool, so a slow write
-never holds a read's connection; it makes one attempt per call, and
-`ibex.sources.feedback_sender.send_feedback` decides on the one retry.
-
-Trio only: the pool's sockets belong to the Trio run, so the same source used
-from an asyncio task (e.g. under trio-asyncio) would fail deep inside Trio.
-Every call checks and raises RuntimeError instead.
+failed call is a failed branch (the pool's one re-send on a pooled connection
+the server had closed is connection housekeeping, not a retry).
 """
 
 from __future__ import annotations
@@ -39,7 +22,7 @@ import functools
 import ssl
 import types
 from contextlib import AsyncExitStack
-from typing import Final, Literal, Self
+from typing import Annotated, Final, Literal, Self
 from urllib.parse import quote
 
 import msgspec
@@ -48,6 +31,7 @@ import trio
 
 from ibex.assembly.feedback_rules import Feedback, ScoreUpdate
 from ibex.assembly.structs import MemoryHit
+from ibex.envvar import env
 from ibex.sources.base import SourceError
 from ibex.sources.cpu import niced
 from ibex.sources.feedback_sender import (
@@ -57,20 +41,39 @@ from ibex.sources.feedback_sender import (
     FeedbackRetryable,
     decode_updates,
 )
-from ibex.sources.http_pool import HttpPool, PoolStats, TransportError, split_base_url
+from ibex.sources.http_exchange import split_base_url
+from ibex.sources.http_framing import TransportError
+from ibex.sources.http_pool import HttpPool, PoolStats
 from ibex.sources.memory_schema import DEFAULT_MAX_CONTENT_BYTES, DecodedAnswers, decode_hits
 
 HOT_PATH = "/v1/memories/hot"
 SEARCH_PATH = "/v1/memories/search"
-# A whole answer of the contract's largest page (100 memories at the 32 KiB
-# content cap) is about 3.3 MiB; anything longer is not an answer to our request.
-DEFAULT_MAX_RESPONSE_BYTES = 4 * 1024 * 1024
+
+
+class MemoryServiceConfig(msgspec.Struct, frozen=True):
+    """Bounds of the memory-service client: its pools, a whole answer, one memory."""
+
+    #: Keep-alive connections per branch (hot and cold have a pool each).
+    pool_size: Annotated[int, env("IBEX_CONTEXT_MEMORY_POOL_SIZE", bounds=(1, 4096))] = 32
+    #: A whole answer of the contract's largest page (100 memories at the 32 KiB content
+    #: cap) is about 3.3 MiB; anything longer is not an answer to our request.
+    max_response_bytes: Annotated[
+        int, env("IBEX_CONTEXT_MEMORY_MAX_RESPONSE_BYTES", bounds=(1024, 1024**3))
+    ] = 4 * 1024 * 1024
+    #: One memory's content (the local source reads it too).
+    max_content_bytes: Annotated[
+        int, env("IBEX_CONTEXT_MEMORY_MAX_CONTENT_BYTES", bounds=(1, 64 * 1024 * 1024))
+    ] = DEFAULT_MAX_CONTENT_BYTES
+
+
+_DEFAULTS = MemoryServiceConfig()
+DEFAULT_MAX_RESPONSE_BYTES = _DEFAULTS.max_response_bytes
 USER_AGENT = "ibex-context"
 # Answers longer than this are decoded in a worker thread. msgspec holds the GIL
 # while it runs, so the thread does not make one decode call interruptible; but a
 # large answer is decoded result by result (sources.memory_schema), and between two results
 # the loop gets the GIL back (within the switch interval) instead of waiting for
-# the whole answer: a 4 MB answer of `\u4e2d` escapes held the loop about 20 ms.
+# the whole answer (what that costs the loop: docs/performance.md, the memory client).
 OFF_LOOP_BYTES: Final = 64 * 1024
 DECODE_THREADS: Final = 2  # large answers decoded at once per process
 
@@ -109,7 +112,7 @@ class MemoryHttpSource:
         base_url: str,
         token: str,
         *,
-        pool_size: int = 32,
+        pool_size: int = _DEFAULTS.pool_size,
         transport_timeout: float = 2.0,
         keepalive_expiry: float = 5.0,
         max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
@@ -156,16 +159,22 @@ class MemoryHttpSource:
         """Create the connection pools. Must run inside Trio.
 
         `nursery` (which must outlive `aclose()`) runs the drains that keep a
-        cancelled read's connection open; without it such connections are closed.
+        cancelled read's connection open; without it every cut call costs a new
+        connection. `async with` opens one for the block.
         """
         _require_trio()
         if self._pools:
             raise RuntimeError("MemoryHttpSource is already open")
+        # A pool per branch: a cold call cut at the wall (the common case when the
+        # search is slow) leaves its connection busy until its drain ends, and with
+        # one shared pool the hot calls then find no idle connection and pay a new
+        # connection against their shorter timeout (docs/performance.md).
         self._pools = {
             branch: self._new_pool(self._max_response_bytes, nursery) for branch in BRANCHES
         }
         # Feedback has a pool of its own: a slow write never holds a read's connection.
-        # It is not drained: its calls are cut only when the write itself is late.
+        # It makes one attempt per call (`feedback_sender.send_feedback` decides on the
+        # one retry) and is not drained: its calls are cut only when the write itself is late.
         self._feedback_pool = self._new_pool(FEEDBACK_MAX_RESPONSE_BYTES, None)
 
     def _new_pool(self, max_response_bytes: int, nursery: trio.Nursery | None) -> HttpPool:
@@ -279,15 +288,8 @@ class MemoryHttpSource:
         pool = self._feedback_pool
         if pool is None:
             raise RuntimeError("MemoryHttpSource is not open")
-        body = _ENCODER.encode(
-            _FeedbackBody(
-                org_id=fb.org_id,
-                session_id=fb.session_id,
-                trace_id=fb.trace_id,
-                feedback=fb.feedback,
-                memory_ids=fb.memory_ids,
-            )
-        )
+        # The body is exactly the validated feedback's fields, in the wire's order.
+        body = _ENCODER.encode(_FeedbackBody(**msgspec.structs.asdict(fb)))
         try:
             response = await pool.request(
                 "POST", FEEDBACK_PATH, body, "application/json", {"Idempotency-Key": key}
@@ -354,6 +356,8 @@ class MemoryHttpSource:
 
 
 def _require_trio() -> None:
+    """The pools' sockets belong to the Trio run: used from an asyncio task (e.g. under
+    trio-asyncio) a call would fail deep inside Trio, so it raises RuntimeError here."""
     try:
         library = sniffio.current_async_library()
     except sniffio.AsyncLibraryNotFoundError:

@@ -204,9 +204,9 @@ class _GetKeys:
     """The key of a GET, in place of redis-py's `AsyncCommandsParser`.
 
     That parser learns key positions from `COMMAND`, whose reply (a few hundred
-    commands with nested maps) redis-py decodes in pure Python on the loop:
-    60-90 ms on a 2-core machine at load 5, far more when busier, on the first
-    GET and again at every full topology re-read. This source only routes GETs.
+    commands with nested maps) redis-py decodes in pure Python on the loop, tens
+    of milliseconds of CPU (docs/performance.md), on the first GET and again at
+    every full topology re-read. This source only routes GETs.
     """
 
     async def initialize(self, node: Any = None) -> None:

@@ -3,10 +3,11 @@
 Each branch runs under its own `move_on_after`, created when the branch
 starts so its clock starts when the branch does (the last branch runs in the
 request's own task, the others in tasks of their own); the nursery itself
-runs under the request's wall. A branch never raises: it ends as success,
-timeout, error or skipped, and whatever finished before the wall is kept.
-When this function returns, every task it started has ended and every
-socket lease is returned.
+runs under the call's retrieval time limit, the contract's retrieval wall
+(`retrieval_time_left`). A branch never raises: it ends as success, timeout,
+error or skipped, and whatever finished within the limit is kept. When
+`retrieve` returns, every task it started has ended and every socket lease is
+returned.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import asyncio
 import logging
 import math
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import Annotated, Any, Protocol
 
 import msgspec
 import trio
@@ -28,6 +29,7 @@ from ibex.assembly.structs import (
     Directive,
     MemoryHit,
 )
+from ibex.envvar import env
 from ibex.errors import SourceError
 from ibex.sources.base import (
     Answer,
@@ -44,22 +46,23 @@ _DETAIL_MAX = 200
 
 
 class RetrievalConfig(msgspec.Struct, frozen=True):
-    """Time and size limits of the retrieval layer (seconds). The daemon's values come from
-    the settings table, whose defaults equal these (pinned by test_config_table.py)."""
+    """Time and size limits of the retrieval layer (seconds). Each field declares the
+    variable that sets it (`ibex.envvar.env`); its default here is the only one."""
 
-    timeout: float = 0.045
-    deadline: float = 0.040
-    directive_timeout: float = 0.005
-    hot_timeout: float = 0.015
-    cold_timeout: float = 0.045
-    pipeline_headroom: float = 0.010
-    hot_limit: int = 20
-    cold_limit: int = 20
-    min_confidence: float = 0.0
+    timeout: Annotated[float, env("IBEX_CONTEXT_TIMEOUT", unit="ms")] = 0.045
+    deadline: Annotated[float, env("IBEX_CONTEXT_DEADLINE_MS", unit="ms")] = 0.040
+    directive_timeout: Annotated[float, env("IBEX_CONTEXT_DIRECTIVE_TIMEOUT_MS", unit="ms")] = 0.005
+    hot_timeout: Annotated[float, env("IBEX_CONTEXT_HOT_TIMEOUT_MS", unit="ms")] = 0.015
+    cold_timeout: Annotated[float, env("IBEX_CONTEXT_COLD_TIMEOUT_MS", unit="ms")] = 0.045
+    pipeline_headroom: Annotated[float, env("IBEX_CONTEXT_PIPELINE_HEADROOM_MS", unit="ms")] = 0.010
+    hot_limit: Annotated[int, env("IBEX_CONTEXT_HOT_LIMIT", bounds=(1, 100))] = 20
+    cold_limit: Annotated[int, env("IBEX_CONTEXT_COLD_LIMIT", bounds=(1, 100))] = 20
+    min_confidence: Annotated[float, env("IBEX_CONTEXT_MIN_CONFIDENCE", bounds=(0.0, 1.0))] = 0.0
 
     @property
-    def wall(self) -> float:
-        """The server-side retrieval wall: min(TIMEOUT, DEADLINE_MS)."""
+    def time_limit(self) -> float:
+        """Seconds a call's retrieval may take at most, min(TIMEOUT, DEADLINE_MS): the
+        contract's server-side retrieval wall."""
         return min(self.timeout, self.deadline)
 
 
@@ -72,18 +75,19 @@ class Retrieved(msgspec.Struct, frozen=True):
     started: float = 0.0  # when retrieval began, on the Trio clock (for trace spans)
 
 
-class Landing(Protocol):
-    """Told each branch's answer as soon as it is known, so work can start before the wall.
+class BranchListener(Protocol):
+    """Told each branch's answer as soon as it is known, so the pipeline's work can
+    start before the last branch ends.
 
     Both methods run synchronously in the loop, inside retrieval, and must not
     raise. `value` is the branch's answer when it succeeded, else None.
     """
 
-    def known(self, source: BranchSource, value: Any) -> None:
+    def answered_at_start(self, source: BranchSource, value: Any) -> None:
         """Known before any branch started (an in-memory answer, a skipped branch):
         nothing has been sent yet, so record it and do no work now."""
 
-    def landed(self, source: BranchSource, value: Any) -> None:
+    def branch_ended(self, source: BranchSource, value: Any) -> None:
         """A running branch has ended; the others may still be in flight."""
 
 
@@ -97,23 +101,23 @@ class _Branch(msgspec.Struct, frozen=True):
     ready: DirectiveAnswer | None = None  # answered already (a source's `cached`): no task to run
 
 
-def request_wall(
+def retrieval_time_left(
     config: RetrievalConfig, deadline: float | None, arrived: float | None = None
 ) -> float:
     """Seconds of retrieval left now, >= 0.
 
-    min(TIMEOUT, DEADLINE_MS) counted from the call's arrival, not from when its
-    retrieval started: time it waited before (reading, admission, a slot) is time
-    the caller waited too, so the answer still leaves at the wall. A call that
-    waited that long still gets the hot branch's own timeout, so a congested
+    The time limit (min(TIMEOUT, DEADLINE_MS)) counted from the call's arrival, not
+    from when its retrieval started: time it waited before (reading, admission, a
+    slot) is time the caller waited too, so the answer still leaves on time. A call
+    that waited that long still gets the hot branch's own timeout, so a congested
     moment does not turn answers memory-less. Never past the caller's deadline
     less the pipeline headroom. `deadline` and `arrived` are on the Trio clock.
     """
     now = trio.current_time()
-    wall = config.wall
+    left = config.time_limit
     if arrived is not None and arrived < now:
-        wall = max(wall - (now - arrived), min(wall, config.hot_timeout))
-    return max(0.0, min(wall, before_deadline(config, deadline, now)))
+        left = max(left - (now - arrived), min(left, config.hot_timeout))
+    return max(0.0, min(left, before_deadline(config, deadline, now)))
 
 
 def before_deadline(config: RetrievalConfig, deadline: float | None, now: float) -> float:
@@ -124,7 +128,7 @@ def before_deadline(config: RetrievalConfig, deadline: float | None, now: float)
     return deadline - now - config.pipeline_headroom
 
 
-async def search(
+async def cold_search(
     memory_source: MemorySource,
     org_id: str,
     agent_id: str,
@@ -134,7 +138,9 @@ async def search(
     config: RetrievalConfig,
     deadline: float | None = None,
 ) -> list[MemoryHit]:
-    """SearchMemories' one semantic search, within the cold timeout and the deadline.
+    """The cold branch's call alone, for SearchMemories: one semantic search of the
+    memory source within the cold timeout and the deadline, the hits as the source
+    gave them (`Assembler.search` filters and ranks them).
 
     Unlike a branch, a failure is the call's failure: SourceError names why.
     `deadline` is on the Trio clock.
@@ -212,7 +218,7 @@ async def _run_branch(
     outcomes: dict[BranchSource, BranchOutcome],
     values: dict[BranchSource, Any],
     starts: dict[BranchSource, float] | None = None,
-    landing: Landing | None = None,
+    listener: BranchListener | None = None,
 ) -> None:
     assert row.call is not None
     t0 = trio.current_time()
@@ -238,8 +244,8 @@ async def _run_branch(
         status, detail = "timeout", f"no answer within {row.timeout * 1000:.0f}ms"
     latency = (trio.current_time() - t0) * 1000.0
     outcomes[row.source] = BranchOutcome(row.source, status, latency, detail)
-    if landing is not None:
-        landing.landed(row.source, values.get(row.source) if status == "success" else None)
+    if listener is not None:
+        listener.branch_ended(row.source, values.get(row.source) if status == "success" else None)
 
 
 async def retrieve(
@@ -251,48 +257,50 @@ async def retrieve(
     deadline: float | None = None,
     arrived: float | None = None,
     branch_starts: dict[BranchSource, float] | None = None,
-    landing: Landing | None = None,
+    listener: BranchListener | None = None,
 ) -> Retrieved:
-    """Run the branch table concurrently within the request's wall (see `request_wall`).
+    """Run the branch table concurrently within the call's retrieval time
+    (`retrieval_time_left`).
 
     `branch_starts`, when given (a traced call), receives each started branch's start
-    time on the Trio clock. `landing`, when given, is told each branch's answer as
-    soon as it is known (a branch cut by the wall is never reported).
+    time on the Trio clock. `listener`, when given, is told each branch's answer as
+    soon as it is known (a branch cut by the time limit is never reported).
     """
     outcomes: dict[BranchSource, BranchOutcome] = {}
     values: dict[BranchSource, Any] = {}
     started = trio.current_time()
-    wall = request_wall(config, deadline, arrived)
+    time_left = retrieval_time_left(config, deadline, arrived)
     rows = _branches(request, directive_source, memory_source, config)
     calls = []
     for row in rows:
         if row.ready is not None:
             values[row.source] = row.ready.value
             outcomes[row.source] = BranchOutcome(row.source, "success", 0.0, row.ready.detail)
-            if landing is not None:
-                landing.known(row.source, row.ready.value)
+            if listener is not None:
+                listener.answered_at_start(row.source, row.ready.value)
         elif row.call is None:
             outcomes[row.source] = BranchOutcome(row.source, "skipped", 0.0, row.skipped)
-            if landing is not None:
-                landing.known(row.source, None)
+            if listener is not None:
+                listener.answered_at_start(row.source, None)
         else:
             calls.append(row)
-    with trio.move_on_after(wall):
+    with trio.move_on_after(time_left):
         async with trio.open_nursery() as nursery:
             for row in calls[:-1]:
-                nursery.start_soon(_run_branch, row, outcomes, values, branch_starts, landing)
+                nursery.start_soon(_run_branch, row, outcomes, values, branch_starts, listener)
             if calls:
                 # The last branch (cold, usually the slowest) runs in this task: its answer
                 # then wakes the request directly instead of a branch task that wakes the
                 # request, one task and one task step less per answer.
-                await _run_branch(calls[-1], outcomes, values, branch_starts, landing)
+                await _run_branch(calls[-1], outcomes, values, branch_starts, listener)
 
     elapsed = (trio.current_time() - started) * 1000.0
     for source in BRANCH_ORDER:
         if source not in outcomes:
-            # Cancelled by the request wall rather than by its own timeout.
+            # Cancelled at the call's time limit (the retrieval wall) rather than by
+            # its own timeout.
             outcomes[source] = BranchOutcome(
-                source, "timeout", elapsed, f"request wall of {wall * 1000:.0f}ms reached"
+                source, "timeout", elapsed, f"request wall of {time_left * 1000:.0f}ms reached"
             )
         if outcomes[source].status != "success":
             values.pop(source, None)

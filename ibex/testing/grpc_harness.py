@@ -26,13 +26,12 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
-import msgspec
 import trio
 
 import ibex.service.root
 from ibex.assembly.catalog import Catalog
 from ibex.assembly.tokens import Tokenizers
-from ibex.config import Settings
+from ibex.config import Settings, replace_settings
 from ibex.service.daemon import Daemon
 from ibex.service.root import load_static, make_daemon
 from ibex.testing.samples import AGENT, ORG  # noqa: F401  (re-exported for the gRPC tests)
@@ -76,8 +75,8 @@ class RunningDaemon:
 
 def test_settings(**overrides: Any) -> Settings:
     """Defaults suited to loopback tests: port 0, short drain, bundled sample source."""
-    base = Settings(grpc_addr="127.0.0.1:0", drain_grace=5.0)
-    return msgspec.structs.replace(base, **overrides)
+    base = replace_settings(Settings(), grpc_addr="127.0.0.1:0", drain_grace=5.0)
+    return replace_settings(base, **overrides)
 
 
 test_settings.__test__ = False  # type: ignore[attr-defined]  # not a pytest test
@@ -88,7 +87,7 @@ _STATIC: dict[tuple[str | None, str | None, int], tuple[Catalog, Tokenizers]] = 
 
 def _cached_static(settings: Settings) -> tuple[Catalog, Tokenizers]:
     """`load_static` once per test session: preloading the encodings takes ~0.5 s."""
-    key = (settings.catalog_path, settings.tiktoken_dir, settings.token_cache_entries)
+    key = (settings.catalog_path, settings.tiktoken_dir, settings.token_cache.entries)
     if key not in _STATIC:
         _STATIC[key] = load_static(settings)
     return _STATIC[key]

@@ -467,16 +467,10 @@ class _Handler(BaseHTTPRequestHandler):
             self._serve_feedback(owner, body)
             return
         ep = owner._step(owner.hot if name == "hot" else owner.cold)
-        if not self._wait(owner._delay(ep)):
+        if not self._delayed(owner, ep):
             return
-        if ep.fault == "hang":
-            self._wait(None)
-            return
-        if ep.body is not None:
-            payload = ep.body
-        elif ep.fault == "malformed":
-            payload = b'{"data": {"results": [{"memory": '
-        else:
+        payload = self._injected(ep, b'{"data": {"results": [{"memory": ')
+        if payload is None:
             try:
                 if name == "hot":
                     agent = query["agent_id"][0]
@@ -489,13 +483,7 @@ class _Handler(BaseHTTPRequestHandler):
                 self._send(400, b'{"error": "bad request"}')
                 return
             payload = owner._results(name, agent, int(limit), float(min_conf))
-        if ep.fault == "reset":
-            self._reset(payload)
-            return
-        if ep.stray is not None:
-            self._send_with_stray(ep.status, payload, ep.stray)
-            return
-        self._send(ep.status, payload)
+        self._reply(ep, ep.status, payload)
 
     def _serve_feedback(self, owner: FakeMemoryServer, body: bytes) -> None:
         """Record first, then the fault: a reset or a hang loses an answer, not the write."""
@@ -504,20 +492,36 @@ class _Handler(BaseHTTPRequestHandler):
             if self._wait(owner._delay(ep)):
                 self._send(ep.status, ep.body or b'{"error": "injected"}')
             return
-        status, payload = owner._record_feedback(self.headers.get("Idempotency-Key"), body)
-        if not self._wait(owner._delay(ep)):
+        status, recorded = owner._record_feedback(self.headers.get("Idempotency-Key"), body)
+        if not self._delayed(owner, ep):
             return
+        payload = self._injected(ep, b'{"data": {"updates": [{"memory_id": ')
+        self._reply(ep, status, recorded if payload is None else payload)
+
+    def _delayed(self, owner: FakeMemoryServer, ep: Endpoint) -> bool:
+        """Wait the endpoint's delay, then hang if told to: False when no answer follows."""
+        if not self._wait(owner._delay(ep)):
+            return False
         if ep.fault == "hang":
             self._wait(None)
-            return
+            return False
+        return True
+
+    @staticmethod
+    def _injected(ep: Endpoint, malformed: bytes) -> bytes | None:
+        """The endpoint's own body, or a truncated JSON answer for `malformed`, else None."""
         if ep.body is not None:
-            payload = ep.body
-        elif ep.fault == "malformed":
-            payload = b'{"data": {"updates": [{"memory_id": '
+            return ep.body
+        return malformed if ep.fault == "malformed" else None
+
+    def _reply(self, ep: Endpoint, status: int, payload: bytes) -> None:
+        """Send the answer, or reset the connection after part of it, as the endpoint says."""
         if ep.fault == "reset":
             self._reset(payload)
-            return
-        self._send(status, payload)
+        elif ep.stray is not None:
+            self._send_with_stray(status, payload, ep.stray)
+        else:
+            self._send(status, payload)
 
     def _head(self, status: int, length: int) -> bytes:
         reason = self.responses.get(status, ("",))[0]

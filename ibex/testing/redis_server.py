@@ -216,26 +216,24 @@ def find_redis_server() -> str:
     return path
 
 
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    """A fresh redis-server per test, always killed in teardown."""
-    server = RedisServer(find_redis_server(), tmp_path)
+def _started(server: RedisServer) -> Iterator[RedisServer]:
     try:
         server.start()
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A fresh redis-server per test, always killed in teardown."""
+    yield from _started(RedisServer(find_redis_server(), tmp_path))
 
 
 @pytest.fixture
 def redis_tls_server(tmp_path: Path) -> Iterator[RedisServer]:
     """Like redis_server, plus a TLS port (`tls_url`, `ca_path`)."""
-    server = RedisServer(find_redis_server(), tmp_path, tls=True)
-    try:
-        server.start()
-        yield server
-    finally:
-        server.stop()
+    yield from _started(RedisServer(find_redis_server(), tmp_path, tls=True))
 
 
 @pytest.fixture

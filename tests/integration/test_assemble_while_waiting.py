@@ -66,7 +66,7 @@ def after_wall(monkeypatch: pytest.MonkeyPatch) -> Iterator[AfterWall]:
             result = real_pure(*args, **kwargs)
         finally:
             watch.inside = False
-        watch.plain.append(real_pure(*args, **{**kwargs, "prepared": None, "timer": None}))
+        watch.plain.append(real_pure(*args, **{**kwargs, "early": None, "timer": None}))
         return result
 
     def counting(name: str) -> Any:
@@ -95,8 +95,8 @@ def after_wall(monkeypatch: pytest.MonkeyPatch) -> Iterator[AfterWall]:
     monkeypatch.setattr(pipeline, "price", stage("price", pipeline.price))
     monkeypatch.setattr(
         pipeline,
-        "stream_candidates",
-        stage("score", pipeline.stream_candidates, when_non_empty=1),
+        "branch_candidates",
+        stage("score", pipeline.branch_candidates, when_non_empty=1),
     )
     monkeypatch.setattr(pipeline, "select", stage("select", pipeline.select))
     yield watch

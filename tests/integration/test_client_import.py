@@ -27,7 +27,7 @@ functions = (asyncio.get_event_loop_policy, asyncio.set_event_loop_policy, async
 
 def server_modules():
     roots = {"trio", "trio_asyncio", "redis", "httptools", "prometheus_client"}
-    ours = {"ibex.service", "ibex.sources", "ibex.ops", "ibex.cli", "ibex.cli_ops", "ibex.config"}
+    ours = {"ibex.service", "ibex.sources", "ibex.ops", "ibex.cli", "ibex.config"}
     return sorted(
         m for m in sys.modules
         if m.split(".")[0] in roots or ".".join(m.split(".")[:2]) in ours

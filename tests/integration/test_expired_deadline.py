@@ -14,11 +14,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import gc
 import logging
 import socket
 import struct
 import time
 import unittest.mock
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -29,6 +31,7 @@ import pytest
 import trio
 from h2.exceptions import StreamClosedError
 
+import ibex.service.edge.protocol as protocol_module
 import ibex.service.handlers as handlers_module
 from ibex.service.admission import GATE_CPU_MESSAGE
 from ibex.service.assembler import Assembler
@@ -267,6 +270,33 @@ async def test_every_call_the_gate_lets_through_is_released(daemon: RunningDaemo
     assert state.gated == 0 and state.in_flight == 0
 
 
+async def test_what_the_edge_keeps_of_a_call_ends_with_its_stream(daemon: RunningDaemon) -> None:
+    """The edge's facts about a call (path, deadline, the gate's release) live in a side
+    table keyed weakly by grpclib's stream, never on grpclib's objects: whatever becomes of
+    a call (served, expired, reset, refused), its entry goes once grpclib lets go of it."""
+    recorded: list[weakref.ref[Any]] = []
+    real = protocol_module.record
+
+    def spy(stream: Any, call: Any) -> None:
+        recorded.append(weakref.ref(stream))
+        real(stream, call)
+
+    with unittest.mock.patch.object(protocol_module, "record", spy):
+        await in_thread(raw_call, daemon.port, "5S")
+        await in_thread(raw_call, daemon.port, "1n")
+        await in_thread(reset_then_call, daemon.port)
+        await in_thread(functools.partial(raw_call, send_body=False), daemon.port, "45m")
+    assert len(recorded) == 5
+    state = daemon.daemon
+    with trio.fail_after(10):
+        while state.connections.count:  # noqa: ASYNC110 (another loop's state)
+            await trio.sleep(0.01)
+    assert state.server is not None
+    state.server.__gc_collect__()  # grpclib's own sweep of closed connections' handlers
+    gc.collect()
+    assert [ref for ref in recorded if ref() is not None] == []
+
+
 async def test_the_wall_is_anchored_at_the_calls_arrival(daemon: RunningDaemon) -> None:
     """The handler hands the assembly when the call's HEADERS were read (on the Trio
     clock), so the retrieval wall counts from there, not from when retrieval began."""
@@ -282,6 +312,24 @@ async def test_the_wall_is_anchored_at_the_calls_arrival(daemon: RunningDaemon) 
     assert answer["grpc-status"] == "0"
     assert seen["arrived"] is not None
     assert 0.0 <= seen["now"] - seen["arrived"] < 5.0
+    # The deadline is the caller's grpc-timeout counted from that same arrival: one value
+    # read from the HEADERS, not grpclib's (which counts from the handler's start).
+    assert seen["deadline"] - seen["arrived"] == pytest.approx(5.0, abs=1e-6)
+
+
+async def test_a_timeout_the_spec_does_not_allow_is_refused_from_its_headers(
+    daemon: RunningDaemon,
+) -> None:
+    """grpc-timeout takes at most 8 digits: a 9-digit value is answered as grpclib answers
+    any malformed timeout (UNKNOWN), trailers only, and never served on a deadline the
+    gate did not read."""
+    state = daemon.daemon.admission
+    served = state.metrics.requests.labels("AssembleContext", "OK")._value.get()
+    answer = await in_thread(raw_call, daemon.port, "123456789m")
+    assert answer["grpc-status"] == "2"  # UNKNOWN
+    assert answer["grpc-message"] == "Invalid grpc-timeout header"
+    assert state.metrics.requests.labels("AssembleContext", "OK")._value.get() == served
+    assert state.gated == 0
 
 
 async def test_a_saturated_loop_refuses_assembly_but_never_health_or_reflection(

@@ -20,7 +20,8 @@ import pytest
 import trio
 import trustme
 
-from ibex.sources.http_pool import HttpPool, ResponseTooLarge, TransportError, TransportTimeout
+from ibex.sources.http_framing import ResponseTooLarge, TransportError, TransportTimeout
+from ibex.sources.http_pool import HttpPool
 from ibex.sources.memory_http import MemoryHttpSource
 
 CAP = 10.0

@@ -13,7 +13,7 @@ import pytest
 import trio
 import trio_asyncio
 
-from ibex.config import Settings
+from ibex.config import Settings, replace_settings
 from ibex.service.root import memory_http_source
 from ibex.sources.base import SourceError
 from ibex.sources.memory_http import MemoryHttpSource
@@ -343,8 +343,11 @@ async def test_base_url_path_prefix_is_kept(memory_server: FakeMemoryServer) -> 
 
 
 async def test_lifecycle_and_settings() -> None:
-    settings = Settings(
-        memory_base_url="http://127.0.0.1:1", memory_api_token="s3cr3t", memory_pool_size=3
+    settings = replace_settings(
+        Settings(),
+        memory_base_url="http://127.0.0.1:1",
+        memory_api_token="s3cr3t",
+        memory_pool_size=3,
     )
     source = memory_http_source(settings)
     assert "s3cr3t" not in repr(source)

@@ -23,13 +23,13 @@ from ibex.assembly.structs import (
     PackSummary,
     TokenBudget,
 )
-from ibex.ops.metrics import (
-    Metrics,
+from ibex.ops.metrics import Metrics
+from ibex.ops.metrics_http import serve_metrics, token_digest
+from ibex.ops.supervisor_metrics import (
     clear_multiprocess_dir,
     exposition_registry,
     mark_process_dead,
 )
-from ibex.ops.metrics_http import serve_metrics, token_digest
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 

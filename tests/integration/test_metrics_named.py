@@ -17,7 +17,7 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from ibex.ops.metrics import ProcessMetrics
+from ibex.ops.supervisor_metrics import ProcessMetrics
 from ibex.testing.memory_server import FakeMemoryServer
 from ibex.testing.redis_server import RedisServer
 from tests.integration.test_workers import assemble, children, free_port, scrape, wait_for

@@ -47,16 +47,16 @@ MUTANTS: list[tuple[str, str, str]] = [
     (A + "scoring.py", "DEFAULT_HALF_LIFE_DAYS = 30.0", "DEFAULT_HALF_LIFE_DAYS = 31.0"),
     (A + "validation.py", "MAX_ID_LENGTH = 256", "MAX_ID_LENGTH = 257"),
     (A + "validation.py", "MAX_ROLE_LENGTH = 64", "MAX_ROLE_LENGTH = 65"),
-    (A + "validation.py", "max_history_messages: int = 512", "max_history_messages: int = 513"),
-    (A + "validation.py", "max_text_bytes: int = 1024 * 1024", "max_text_bytes: int = 1024 * 1025"),
-    (A + "validation.py", "max_tool_schemas: int = 128", "max_tool_schemas: int = 129"),
+    (A + "validation.py", "] = 512\n", "] = 513\n"),  # max_history_messages
+    (A + "validation.py", "] = 1024 * 1024\n", "] = 1024 * 1025\n"),  # max_text_bytes
+    (A + "validation.py", "10_000))] = 128\n", "10_000))] = 129\n"),  # max_tool_schemas
     (A + "candidates.py", "MAX_MEMORIES_HARD_CAP = 100", "MAX_MEMORIES_HARD_CAP = 101"),
     (A + "xml_format.py", '    "&<>"\n', '    "<>"\n'),  # & no longer escaped in bodies
     (A + "xml_format.py", "\\x0b-\\x1f", "\\x0e-\\x1f"),  # VT, FF, CR passed raw
     (A + "xml_format.py", "\\x7f-\\x9f", "\\x80-\\x9f"),  # DEL passed raw
     (A + "xml_format.py", "\\u2028\\u2029", "\\u2028"),
     (A + "xml_format.py", "\\u202a-\\u202e", "\\u202a-\\u202d"),
-    (A + "xml_format.py", "\\u2066-\\u206f", "\\u2066-\\u206e"),
+    (A + "xml_format.py", "\\u2060-\\u206f", "\\u2061-\\u206f"),  # word joiner passed raw
     (A + "xml_format.py", "[^A-Za-z0-9_.:@+\\-]", "[^A-Za-z0-9_.:@+\\- ]"),  # space allowed
     (A + "xml_format.py", '"\'": "&#39;"', '"\'": "\'"'),
     (

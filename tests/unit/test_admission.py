@@ -12,8 +12,10 @@ import trio.testing
 
 from ibex.errors import DeadlineError, Overloaded, Unavailable
 from ibex.ops.metrics import Metrics
-from ibex.service.admission import Admission, AdmissionConfig, CpuLoad, QueueDelay
+from ibex.service.admission import Admission, AdmissionConfig
+from ibex.service.edge.deadline import CallDeadline
 from ibex.service.handlers import METHODS, ContextService, method_label
+from ibex.service.load import CpuLoad, QueueDelay
 from ibex.service.policies import CallFacts, StandingQueue
 from ibex.service.queues import WorkerThreads
 
@@ -72,30 +74,30 @@ def test_the_wait_estimate_follows_the_sojourns() -> None:
 
 def test_too_little_deadline_is_deadline_exceeded_even_when_idle() -> None:
     a = admission()
-    with pytest.raises(DeadlineError), a.admitted(time.monotonic(), 0.0019):
+    with pytest.raises(DeadlineError), a.admitted(CallDeadline.after(0.0019)):
         pass
     assert a.in_flight == 0 and a.pending == 0
     assert shed(a, "deadline") == 0 and shed(a, "queue") == 0
-    with a.admitted(time.monotonic(), 0.0021):  # just enough for a degraded answer: admitted
+    with a.admitted(CallDeadline.after(0.0021)):  # just enough for a degraded answer: admitted
         assert a.in_flight == 1
 
 
 def test_no_deadline_is_always_admitted_below_the_cap() -> None:
     a = admission()
-    with a.admitted(time.monotonic(), None) as ticket:
+    with a.admitted(CallDeadline.after(None)) as ticket:
         assert ticket.remaining(123.0) is None
 
 
 def test_the_hard_cap_refuses_as_overload() -> None:
     a = admission()
     with (
-        a.admitted(time.monotonic(), 1.0),
-        a.admitted(time.monotonic(), 1.0),
-        a.admitted(time.monotonic(), 1.0),
-        a.admitted(time.monotonic(), 1.0),
+        a.admitted(CallDeadline.after(1.0)),
+        a.admitted(CallDeadline.after(1.0)),
+        a.admitted(CallDeadline.after(1.0)),
+        a.admitted(CallDeadline.after(1.0)),
     ):
         assert a.in_flight == 4
-        with pytest.raises(Overloaded) as info, a.admitted(time.monotonic(), 1.0):
+        with pytest.raises(Overloaded) as info, a.admitted(CallDeadline.after(1.0)):
             pass
         assert info.value.reason == "in_flight" and info.value.status == "RESOURCE_EXHAUSTED"
     assert a.in_flight == 0 and a.idle.is_set()
@@ -118,15 +120,15 @@ def _standing(a: Admission, wait: float) -> None:
 def test_a_standing_queue_refuses_only_calls_it_would_leave_too_little_time() -> None:
     a = admission()
     _standing(a, 0.030)
-    with a.admitted(time.monotonic(), 1.0):  # queued behind the waiting call: 1 s leaves plenty
+    with a.admitted(CallDeadline.after(1.0)):  # queued behind the waiting call: 1 s leaves plenty
         assert a.pending == 1
-        with a.admitted(time.monotonic(), 1.0):
+        with a.admitted(CallDeadline.after(1.0)):
             pass
         # 45 ms - 30 ms of expected wait < 20 ms needed for a useful answer
-        with pytest.raises(Overloaded) as info, a.admitted(time.monotonic(), 0.045):
+        with pytest.raises(Overloaded) as info, a.admitted(CallDeadline.after(0.045)):
             pass
         assert info.value.reason == "queue"
-        with a.admitted(time.monotonic(), 0.060):  # 30 ms left after the wait: served
+        with a.admitted(CallDeadline.after(0.060)):  # 30 ms left after the wait: served
             pass
     assert shed(a, "queue") == 1
 
@@ -135,7 +137,7 @@ def test_a_standing_estimate_with_nobody_waiting_refuses_nothing() -> None:
     """After a burst the estimate lingers; with no queue in front, nothing is refused."""
     a = admission()
     _standing(a, 0.030)
-    with a.admitted(time.monotonic(), 0.045):
+    with a.admitted(CallDeadline.after(0.045)):
         pass
     assert shed(a, "queue") == 0
 
@@ -150,7 +152,7 @@ async def test_slots_bound_concurrent_assemblies_and_feed_the_detector() -> None
 
     async def call() -> None:
         nonlocal running, peak
-        with a.admitted(time.monotonic(), 2.0) as ticket:
+        with a.admitted(CallDeadline.after(2.0)) as ticket:
             async with a.slot(ticket):
                 running += 1
                 peak = max(peak, running)
@@ -172,13 +174,13 @@ async def test_no_slot_within_the_deadline_is_deadline_exceeded_without_a_queue(
     outcome: list[BaseException] = []
 
     async def holder() -> None:
-        with a.admitted(time.monotonic(), 5.0) as ticket:
+        with a.admitted(CallDeadline.after(5.0)) as ticket:
             async with a.slot(ticket):
                 await release.wait()
 
     async def late() -> None:
         try:
-            with a.admitted(time.monotonic(), 0.050) as ticket:
+            with a.admitted(CallDeadline.after(0.050)) as ticket:
                 async with a.slot(ticket):
                     pass
         except (DeadlineError, Overloaded) as exc:
@@ -199,7 +201,7 @@ def test_the_sojourn_starts_when_the_call_arrived_not_when_its_handler_ran() -> 
     the arrival, so the wait feeds the queue detector with it."""
     a = admission()
     arrived = time.monotonic() - 0.030
-    with a.admitted(arrived, 1.0) as ticket:
+    with a.admitted(CallDeadline.after(1.0, arrived)) as ticket:
         assert ticket.arrived == arrived
 
 
@@ -335,15 +337,15 @@ def test_the_gate_labels_a_refusal_by_known_method_only() -> None:
 def test_request_bytes_in_flight_are_capped_but_one_call_always_fits() -> None:
     """Calls waiting for a slot hold their requests: their bytes are bounded too."""
     a = admission(AdmissionConfig(max_in_flight=64, max_in_flight_bytes=10_000))
-    with a.admitted(time.monotonic(), 1.0, 50_000):  # alone: admitted whatever its size
+    with a.admitted(CallDeadline.after(1.0), 50_000):  # alone: admitted whatever its size
         assert a.in_flight_bytes == 50_000
-        with pytest.raises(Overloaded) as info, a.admitted(time.monotonic(), 1.0, 1):
+        with pytest.raises(Overloaded) as info, a.admitted(CallDeadline.after(1.0), 1):
             pass
         assert info.value.reason == "in_flight"
     assert a.in_flight_bytes == 0
-    with a.admitted(time.monotonic(), 1.0, 6_000), a.admitted(time.monotonic(), 1.0, 4_000):
+    with a.admitted(CallDeadline.after(1.0), 6_000), a.admitted(CallDeadline.after(1.0), 4_000):
         assert a.in_flight_bytes == 10_000
-        with pytest.raises(Overloaded), a.admitted(time.monotonic(), 1.0, 1):
+        with pytest.raises(Overloaded), a.admitted(CallDeadline.after(1.0), 1):
             pass
     assert a.in_flight_bytes == 0 and a.in_flight == 0
     assert shed(a, "in_flight") == 2
@@ -354,7 +356,7 @@ def test_declared_request_bytes_are_reserved_before_they_arrive_under_the_same_c
     then admitted with size 0, also when its one message alone is over the cap."""
     a = admission(AdmissionConfig(max_in_flight=64, max_in_flight_bytes=10_000))
     a.reserve_bytes(50_000)  # alone: reserved whatever its size
-    with a.admitted(time.monotonic(), 1.0):  # its bytes are not counted a second time
+    with a.admitted(CallDeadline.after(1.0)):  # its bytes are not counted a second time
         assert a.in_flight_bytes == 50_000
         with pytest.raises(Overloaded) as info:
             a.reserve_bytes(1)
@@ -362,7 +364,7 @@ def test_declared_request_bytes_are_reserved_before_they_arrive_under_the_same_c
     a.release_bytes(50_000)
     a.reserve_bytes(6_000)
     a.reserve_bytes(4_000)  # exactly at the cap
-    with pytest.raises(Overloaded), a.admitted(time.monotonic(), 1.0, 1):
+    with pytest.raises(Overloaded), a.admitted(CallDeadline.after(1.0), 1):
         pass
     with pytest.raises(Overloaded):
         a.reserve_bytes(1)
@@ -415,7 +417,7 @@ def test_the_cpu_estimate_applies_from_exactly_the_saturation_threshold() -> Non
 def test_fresh_state_is_false_not_merely_falsy() -> None:
     a = admission()
     assert a.draining is False
-    with a.admitted(time.monotonic(), 1.0) as ticket:
+    with a.admitted(CallDeadline.after(1.0)) as ticket:
         assert ticket.started is False
 
 
@@ -465,7 +467,7 @@ def fair(**overrides: object) -> Admission:
 
 
 async def _hold(a: Admission, org: str, remaining: float | None, release: trio.Event) -> None:
-    with a.admitted(time.monotonic(), remaining) as ticket:
+    with a.admitted(CallDeadline.after(remaining)) as ticket:
         async with a.slot(ticket, org):
             await release.wait()
 
@@ -481,14 +483,14 @@ async def test_one_org_never_holds_every_slot_and_its_refusal_names_only_its_lim
         await trio.sleep(0.001)
         assert a.slots.by_key == {ORG_A: 2} and a.slots.held == 2
         # Org A's third call waits for one of its own slots and is refused when none frees.
-        with pytest.raises(Overloaded) as info, a.admitted(time.monotonic(), 0.045) as ticket:
+        with pytest.raises(Overloaded) as info, a.admitted(CallDeadline.after(0.045)) as ticket:
             async with a.slot(ticket, ORG_A):
                 pass
         assert info.value.reason == "org" and info.value.status == "RESOURCE_EXHAUSTED"
         assert "limit of 2 concurrent assemblies" in str(info.value)
         assert ORG_B not in str(info.value)
         # Org B still finds slots at once, although org A has a call waiting.
-        with a.admitted(time.monotonic(), 0.045) as ticket:
+        with a.admitted(CallDeadline.after(0.045)) as ticket:
             async with a.slot(ticket, ORG_B):
                 assert a.slots.by_key == {ORG_A: 2, ORG_B: 1}
         release.set()
@@ -508,7 +510,7 @@ async def test_a_call_of_a_capped_org_gets_its_slot_when_one_of_its_own_frees(
         await trio.sleep(0.001)
 
         async def third() -> None:
-            with a.admitted(time.monotonic(), 5.0) as ticket:
+            with a.admitted(CallDeadline.after(5.0)) as ticket:
                 async with a.slot(ticket, ORG_A):
                     assert a.slots.by_key[ORG_A] <= 2
 
@@ -527,7 +529,7 @@ async def test_calls_without_a_deadline_wait_behind_calls_with_one(
     order: list[str] = []
 
     async def call(name: str, org: str, remaining: float | None) -> None:
-        with a.admitted(time.monotonic(), remaining) as ticket:
+        with a.admitted(CallDeadline.after(remaining)) as ticket:
             async with a.slot(ticket, org):
                 order.append(name)
 
@@ -553,7 +555,7 @@ async def test_a_call_without_a_deadline_waits_at_most_max_queue_wait(
         nursery.start_soon(_hold, a, ORG_A, 50.0, release)
         await trio.sleep(0.001)
         t0 = trio.current_time()
-        with pytest.raises(Overloaded) as info, a.admitted(time.monotonic(), None) as ticket:
+        with pytest.raises(Overloaded) as info, a.admitted(CallDeadline.after(None)) as ticket:
             async with a.slot(ticket, ORG_B):
                 pass
         assert trio.current_time() - t0 == pytest.approx(0.5)
@@ -567,12 +569,12 @@ def test_calls_without_a_deadline_are_not_work_ahead_at_the_cpu_gate() -> None:
     _saturated(a, 0.004)
     with contextlib.ExitStack() as stack:
         for _ in range(20):  # 20 untimed calls in flight: 21 x 4 ms would be 84 ms
-            stack.enter_context(a.admitted(time.monotonic(), None))
+            stack.enter_context(a.admitted(CallDeadline.after(None)))
         assert a.gate("/svc/AssembleContext", 0.045) is None
         a.left_gate()
-        stack.enter_context(a.admitted(time.monotonic(), 1.0))
+        stack.enter_context(a.admitted(CallDeadline.after(1.0)))
         for _ in range(10):  # 10 calls with deadlines are work ahead: 11 x 4 ms > 40 ms
-            stack.enter_context(a.admitted(time.monotonic(), 1.0))
+            stack.enter_context(a.admitted(CallDeadline.after(1.0)))
         assert a.gate("/svc/AssembleContext", 0.045) is not None
     assert a.untimed == 0
 
@@ -583,7 +585,7 @@ def test_calls_waiting_on_their_branches_count_for_their_share_of_an_answer() ->
     a = admission(AdmissionConfig(max_in_flight=64, wait_margin=0.005, retrieving_share=0.5))
     _saturated(a, 0.004)
     with contextlib.ExitStack() as stack:
-        tickets = [stack.enter_context(a.admitted(time.monotonic(), 1.0)) for _ in range(16)]
+        tickets = [stack.enter_context(a.admitted(CallDeadline.after(1.0))) for _ in range(16)]
         # As working calls: (16 + 1) x 4 ms = 68 ms > 40 ms, refused.
         assert a.gate("/svc/AssembleContext", 0.045) is not None
         for ticket in tickets:
@@ -594,7 +596,7 @@ def test_calls_waiting_on_their_branches_count_for_their_share_of_an_answer() ->
         a.left_gate()
         # Two more working calls: (2 + 8 + 1) x 4 ms = 44 ms > 40 ms, refused again.
         for _ in range(2):
-            stack.enter_context(a.admitted(time.monotonic(), 1.0))
+            stack.enter_context(a.admitted(CallDeadline.after(1.0)))
         assert a.gate("/svc/AssembleContext", 0.045) is not None
     assert a.retrieving == 0 and a.in_flight == 0
 
@@ -603,7 +605,7 @@ def test_an_untimed_call_waiting_on_its_branches_is_not_counted_as_retrieving() 
     """Calls without a deadline are never work ahead (see above), retrieving or not."""
     a = admission(AdmissionConfig(max_in_flight=64, wait_margin=0.005))
     _saturated(a, 0.004)
-    with a.admitted(time.monotonic(), None) as ticket, a.retrieving_for(ticket):
+    with a.admitted(CallDeadline.after(None)) as ticket, a.retrieving_for(ticket):
         assert a.retrieving == 0 and a.untimed == 1
     assert a.retrieving == 0
 
@@ -617,7 +619,7 @@ async def test_a_large_call_queues_for_its_thread_before_it_takes_a_slot(
     held: list[bool] = []
 
     async def large() -> None:
-        with a.admitted(time.monotonic(), 5.0) as ticket:
+        with a.admitted(CallDeadline.after(5.0)) as ticket:
             async with a.slot(ticket, ORG_A, threads) as thread_held:
                 assert threads.queue.held == 1 and a.slots.by_key == {ORG_A: 1}
                 held.append(thread_held)
@@ -628,7 +630,7 @@ async def test_a_large_call_queues_for_its_thread_before_it_takes_a_slot(
         # Waiting for the thread, it holds no slot: both slots serve calls that can run.
         assert a.thread_waiting == 1 and a.slots.held == 0
         for _ in range(2):
-            with a.admitted(time.monotonic(), 0.045) as ticket:
+            with a.admitted(CallDeadline.after(0.045)) as ticket:
                 async with a.slot(ticket, ORG_A) as thread_held:
                     assert not thread_held
         threads.queue.release()
@@ -649,7 +651,7 @@ async def test_a_long_thread_queue_refuses_and_says_which_queue(
     async def refused(remaining: float | None) -> Overloaded:
         """Refused at once: no time passes (the clock would jump while it waited)."""
         t0 = trio.current_time()
-        with pytest.raises(Overloaded) as info, a.admitted(time.monotonic(), remaining) as ticket:
+        with pytest.raises(Overloaded) as info, a.admitted(CallDeadline.after(remaining)) as ticket:
             async with a.slot(ticket, ORG_A, threads):
                 pass
         assert trio.current_time() == t0
@@ -660,14 +662,14 @@ async def test_a_long_thread_queue_refuses_and_says_which_queue(
     assert exc.reason == "threads" and "worker-thread queue" in str(exc)
     assert a.slots.held == 0 and a.thread_waiting == 0
     # Less than min_useful left: never refused as overload, it waits and misses its deadline.
-    with pytest.raises(DeadlineError), a.admitted(time.monotonic(), 0.015) as ticket:
+    with pytest.raises(DeadlineError), a.admitted(CallDeadline.after(0.015)) as ticket:
         async with a.slot(ticket, ORG_A, threads):
             pass
     # A call with room waits (and gets the thread once it frees).
     async with trio.open_nursery() as nursery:
 
         async def patient() -> None:
-            with a.admitted(time.monotonic(), 5.0) as ticket:
+            with a.admitted(CallDeadline.after(5.0)) as ticket:
                 async with a.slot(ticket, ORG_A, threads):
                     pass
 
@@ -701,7 +703,7 @@ def _one_busy_thread(service: float) -> WorkerThreads:
 async def _slot(
     a: Admission, remaining: float | None, org: str = ORG_B, threads: WorkerThreads | None = None
 ) -> bool:
-    with a.admitted(time.monotonic(), remaining) as ticket:
+    with a.admitted(CallDeadline.after(remaining)) as ticket:
         async with a.slot(ticket, org, threads) as held:
             return held
 

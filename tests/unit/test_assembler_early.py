@@ -2,7 +2,7 @@
 
 In-process sources on Trio's mock clock: the directive is answered from memory,
 hot lands after 1 ms, cold hangs past the wall. The pipeline is watched for the
-`Prepared` it is handed.
+`EarlyAssembly` it is handed.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import trio
 
 import ibex.service.assembler as assembler_module
 from ibex.assembly.catalog import load_catalog
-from ibex.assembly.prepare import Prepared
+from ibex.assembly.prepare import EarlyAssembly
 from ibex.assembly.structs import AssemblyRequest, Directive, MemoryHit, Message
 from ibex.assembly.tokens import Tokenizers
 from ibex.service.assembler import Assembler
@@ -78,12 +78,12 @@ def tokenizers() -> Tokenizers:
 
 
 @pytest.fixture
-def handed(monkeypatch: pytest.MonkeyPatch) -> list[Prepared | None]:
-    seen: list[Prepared | None] = []
+def handed(monkeypatch: pytest.MonkeyPatch) -> list[EarlyAssembly | None]:
+    seen: list[EarlyAssembly | None] = []
     real = assembler_module.assemble_pure
 
     def watching(*args: Any, **kwargs: Any) -> Any:
-        seen.append(kwargs.get("prepared"))
+        seen.append(kwargs.get("early"))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(assembler_module, "assemble_pure", watching)
@@ -114,7 +114,7 @@ def request(history: str = "Which environment failed?") -> AssemblyRequest:
 async def test_the_directive_and_hot_are_prepared_while_cold_hangs(
     autojump_clock: trio.testing.MockClock,
     tokenizers: Tokenizers,
-    handed: list[Prepared | None],
+    handed: list[EarlyAssembly | None],
 ) -> None:
     result = await assembler(tokenizers, HotThenHang("Deploys go out on Tuesdays.")).assemble(
         request()
@@ -123,13 +123,13 @@ async def test_the_directive_and_hot_are_prepared_while_cold_hangs(
     prepared = handed[-1]
     assert prepared is not None
     assert prepared.fixed_for(DIRECTIVE) is not None
-    assert set(prepared.streams) == {"hot"}
+    assert set(prepared.candidates) == {"hot"}
 
 
 async def test_memories_past_the_loop_budget_are_left_to_the_pipeline(
     autojump_clock: trio.testing.MockClock,
     tokenizers: Tokenizers,
-    handed: list[Prepared | None],
+    handed: list[EarlyAssembly | None],
 ) -> None:
     """Hot answers more text than the loop may count for one call: the loop prepares
     the fixed sections only, the pipeline (in a worker thread) does the memories."""
@@ -139,13 +139,13 @@ async def test_memories_past_the_loop_budget_are_left_to_the_pipeline(
     prepared = handed[-1]
     assert prepared is not None
     assert prepared.fixed_for(DIRECTIVE) is not None
-    assert prepared.streams == {}
+    assert prepared.candidates == {}
 
 
 async def test_a_request_that_goes_to_a_thread_gets_no_early_work(
     autojump_clock: trio.testing.MockClock,
     tokenizers: Tokenizers,
-    handed: list[Prepared | None],
+    handed: list[EarlyAssembly | None],
 ) -> None:
     result = await assembler(tokenizers, HotThenHang("short")).assemble(
         request("A long history turn. " * (OFFLOAD // 10))
@@ -157,13 +157,13 @@ async def test_a_request_that_goes_to_a_thread_gets_no_early_work(
 async def test_a_failing_early_step_is_dropped_and_the_pipeline_does_it_all(
     autojump_clock: trio.testing.MockClock,
     tokenizers: Tokenizers,
-    handed: list[Prepared | None],
+    handed: list[EarlyAssembly | None],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    def broken(self: Prepared, *args: Any) -> None:
+    def broken(self: EarlyAssembly, *args: Any) -> None:
         raise RuntimeError("a bug in the early work")
 
-    monkeypatch.setattr(Prepared, "hits", broken)
+    monkeypatch.setattr(EarlyAssembly, "hits", broken)
     result = await assembler(tokenizers, HotThenHang("Deploys go out on Tuesdays.")).assemble(
         request()
     )

@@ -115,3 +115,28 @@ async def test_the_cache_order_also_caches_the_tools_and_costs_less(
         for order, (turns, _) in replays.items()
     }
     assert price["cache"]["cost_usd_with_cache"] < price["seed"]["cost_usd_with_cache"]  # type: ignore[operator]
+
+
+async def test_in_the_cache_order_only_the_step_and_the_history_close_are_left_out(
+    static: tuple[Catalog, Tokenizers],
+) -> None:
+    """What the cache order misses of the previous turn's stable part is not the assembly's.
+
+    The assembly leaves out only the previous turn's `</history>` line (the next
+    turn's new messages come before it; turn 2 follows a turn without history);
+    the rest of the miss is the provider's 128-token step, 0-127 tokens. So the
+    coverage is at least (S - close - 127) / S for a stable part of S tokens,
+    and `step_bound_tokens` is the S from which that is 95 % or more.
+    """
+    catalog, tokenizers = static
+    close = len(tokenizers.encoding(bench.ENCODING).encode_ordinary("</history>\n"))
+    pool = bench.workers(catalog, tokenizers, bench.StandIn(seed=7), bench.BENCH_KEY, "cache")
+    turns, _ = await bench.replay_conversation(pool, tokenizers, seed=7, turns=TURNS)
+    assert turns[1].left_by_order == 0
+    assert {t.left_by_order for t in turns[2:]} == {close}
+    for prev, t in itertools.pairwise(turns):
+        assert 0 <= t.left_by_step < bench.CACHE_STEP_TOKENS, t
+        assert prev.stable_tokens - t.left_by_order - t.left_by_step == t.cached_tokens, t
+        assert t.coverage >= (prev.stable_tokens - close - 127) / prev.stable_tokens, t
+    assert bench.step_bound_tokens(close, 0.95) == (close + 127) * 20
+    assert bench.step_bound_tokens(0, 0.5) == 254

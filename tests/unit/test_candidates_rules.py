@@ -18,14 +18,14 @@ import pytest
 from ibex.assembly.candidates import (
     MAX_MEMORIES_HARD_CAP,
     SearchFilter,
-    hit_used,
+    branch_candidates,
+    excluded_hit,
     is_own,
+    memory_used,
     merge,
     rank_search,
     select,
     select_candidates,
-    stream_candidates,
-    used,
 )
 from ibex.assembly.scoring import COMPOSITE
 from ibex.assembly.structs import AssemblyOptions, AssemblyRequest, MemoryHit, ScoredMemory
@@ -112,11 +112,11 @@ def test_unusable_hits_fail_with_finite_reported_values() -> None:
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
-def test_hit_used_never_reports_a_non_finite_number(bad: float) -> None:
-    u = hit_used(hit("x", bad, confidence=bad, rank=7, category="episodic"), "failed")
+def test_excluded_hit_never_reports_a_non_finite_number(bad: float) -> None:
+    u = excluded_hit(hit("x", bad, confidence=bad, rank=7, category="episodic"), "failed")
     assert (u.similarity, u.confidence) == (0.0, 0.0)
     assert (u.memory_id, u.rank, u.category, u.exclusion) == ("x", 7, "episodic", "failed")
-    ok = hit_used(hit("y", 0.25, confidence=0.75), "filter")
+    ok = excluded_hit(hit("y", 0.25, confidence=0.75), "filter")
     assert (ok.similarity, ok.confidence, ok.exclusion) == (0.25, 0.75, "filter")
 
 
@@ -134,7 +134,7 @@ def test_used_copies_every_reported_field() -> None:
         usefulness_score=0.1,
         token_estimate=42,
     )
-    u = used(m, "budget")
+    u = memory_used(m, "budget")
     assert (u.memory_id, u.category, u.rank, u.exclusion, u.token_estimate) == (
         "m",
         "episodic",
@@ -163,10 +163,10 @@ def test_a_truncated_candidate_is_reported_unpriced_even_when_priced_early() -> 
     cut: as when pricing follows the caps (candidates.merge)."""
     cold = [hit(f"m{i}", 0.1 * i) for i in range(3)]
     request = req(max_memories=1)
-    stream = stream_candidates(
+    stream = branch_candidates(
         request, cold, NOW, False, lambda m: msgspec.structs.replace(m, token_estimate=7)
     )
-    empty = stream_candidates(request, (), NOW, False, lambda m: m)
+    empty = branch_candidates(request, (), NOW, False, lambda m: m)
     selection = merge(request, empty, stream)
     assert [m.token_estimate for m in selection.candidates] == [7]
     assert [(m.exclusion, m.token_estimate) for m in selection.excluded] == [("truncated", 0)] * 2

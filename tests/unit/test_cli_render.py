@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from ibex.cli_ops import printable, render_search
+from ibex.cli.common import printable
+from ibex.cli.render import render_search
 from ibex.wire import Memory, SearchMemoriesResponse
 
 

@@ -67,23 +67,22 @@ def test_a_bare_number_is_refused_where_it_would_change_the_meaning(suffix: str)
     assert str(caught.value).startswith(
         f"{name}: give a unit, e.g. 45ms or 5s (a bare number would be milliseconds)"
     )
-    field = next(f for f, row in TABLE.items() if row.suffix == suffix)
-    assert getattr(load_settings({name: "45s"}), field) == 45.0
-    assert getattr(load_settings({name: "450ms"}), field) == pytest.approx(0.45)
-    assert getattr(load_settings({name: "2m"}), field) == 120.0
+    row = TABLE[name]
+    assert row.value(load_settings({name: "45s"})) == 45.0
+    assert row.value(load_settings({name: "450ms"})) == pytest.approx(0.45)
+    assert row.value(load_settings({name: "2m"})) == 120.0
 
 
 def test_every_duration_setting_is_read_one_way() -> None:
     """Each duration takes every unit; a bare number is milliseconds or refused, never
     seconds."""
-    assert {TABLE[f].suffix for f in DURATIONS} >= set(SECONDS_SETTINGS) | {"TIMEOUT"}
-    within_bounds = {"nonce_max_age": ("1.5m", 90.0)}  # a minute at least
-    for field in DURATIONS:
-        name = PREFIX + TABLE[field].suffix
-        raw, seconds = within_bounds.get(field, ("1.5s", 1.5))
-        assert getattr(load_settings({name: raw}), field) == seconds
+    assert {TABLE[name].suffix for name in DURATIONS} >= set(SECONDS_SETTINGS) | {"TIMEOUT"}
+    within_bounds = {PREFIX + "NONCE_MAX_AGE": ("1.5m", 90.0)}  # a minute at least
+    for name in DURATIONS:
+        raw, seconds = within_bounds.get(name, ("1.5s", 1.5))
+        assert TABLE[name].value(load_settings({name: raw})) == seconds
         try:
-            bare = getattr(load_settings({name: "45"}), field)
+            bare = TABLE[name].value(load_settings({name: "45"}))
         except ConfigError as exc:
             assert str(exc).startswith(f"{name}: give a unit")
         else:
@@ -120,8 +119,9 @@ def test_defaults_match_the_contract() -> None:
         256,
         64 * 1024 * 1024,
     )
-    assert load_settings({"IBEX_CONTEXT_MAX_IN_FLIGHT_BYTES": "2048"}).max_in_flight_bytes == 2048
-    assert load_settings({"IBEX_CONTEXT_FORMATTER_NONCE_BYTES": "8"}).formatter_nonce_bytes == 8
+    got = load_settings({"IBEX_CONTEXT_MAX_IN_FLIGHT_BYTES": "2048"})
+    assert got.admission.max_in_flight_bytes == 2048
+    assert load_settings({"IBEX_CONTEXT_FORMATTER_NONCE_BYTES": "8"}).pipeline.nonce_bytes == 8
 
 
 @pytest.mark.parametrize(
@@ -340,8 +340,8 @@ def test_connection_settings() -> None:
             "IBEX_CONTEXT_MAX_CONNECTION_AGE_GRACE": "500ms",
         }
     )
-    assert (s.max_connections, s.connection_idle_timeout) == (100, 90.0)
-    assert (s.max_connection_age, s.max_connection_age_grace) == (600.0, 0.5)
+    assert (s.max_connections, s.connections.idle_timeout) == (100, 90.0)
+    assert (s.connections.max_age, s.max_connection_age_grace) == (600.0, 0.5)
     with pytest.raises(ConfigError, match="IBEX_CONTEXT_MAX_CONNECTION_AGE"):
         load_settings({"IBEX_CONTEXT_MAX_CONNECTION_AGE": "0s"})
     with pytest.raises(ConfigError, match="IBEX_CONTEXT_MAX_CONNECTIONS"):
@@ -380,9 +380,9 @@ def test_directive_cache_max_age() -> None:
 
     assert layer_config(DirectiveCacheConfig, load_settings({})).max_age == 2.0
     got = load_settings({"IBEX_CONTEXT_DIRECTIVE_CACHE_MAX_AGE": "500ms"})
-    assert got.directive_cache_max_age == 0.5
+    assert got.directive_cache.max_age == 0.5
     got = load_settings({"IBEX_CONTEXT_DIRECTIVE_CACHE_MAX_AGE": "3s"})
-    assert got.directive_cache_max_age == 3
+    assert got.directive_cache.max_age == 3
     with pytest.raises(ConfigError, match="IBEX_CONTEXT_DIRECTIVE_CACHE_MAX_AGE"):
         load_settings({"IBEX_CONTEXT_DIRECTIVE_CACHE_MAX_AGE": "0s"})
 

@@ -1,97 +1,118 @@
-"""The settings table: every row's layer target is a real defaulted field, an unset
-targeted setting takes the layer's own default (written once, in the layer struct) and a set
-one overrides it, `ibex config` prints the effective value, secret rows are redacted, and
-errors name the variable."""
+"""The settings table is derived from the declarations: every variable is declared once, on
+the field it sets and beside its default (a layer config struct's, or `Settings`' own); an
+unset variable takes that default and a set one overrides it, `ibex config` prints the
+effective value, secret rows are redacted, and errors name the variable."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import subprocess
 import sys
+import typing
 from typing import Any
 
 import msgspec
 import pytest
 
+from ibex.assembly.tokens import TokenCacheConfig, Tokenizers
 from ibex.config import (
     DURATIONS,
+    LAYERS,
     PREFIX,
     TABLE,
-    UNSET,
     ConfigError,
+    Row,
     Settings,
     format_duration,
     load_settings,
+    replace_settings,
 )
+from ibex.envvar import declared
 from ibex.service.admission import AdmissionConfig
-from ibex.service.edge.connections import ConnectionsConfig
-from ibex.service.root import (
-    LAYERS,
-    admission_config,
-    connections_config,
-    effective_settings,
-    layer_config,
-    layer_defaults,
-)
+from ibex.service.root import admission_config, connections_config, effective_settings
+from ibex.sources.local_file import LocalFileSource
+from ibex.sources.memory_http import MemoryHttpSource, MemoryServiceConfig
+from ibex.sources.memory_schema import DEFAULT_MAX_CONTENT_BYTES
 
-TARGETS = [(setting, target) for setting, row in TABLE.items() for target in row.to]
-
-
-def layer_default(target: str) -> Any:
-    """The field's value in the layer struct built with no arguments (its own default)."""
-    struct, _, field = target.partition(".")
-    return getattr(LAYERS[struct](), field)
+#: The variables the contract fixes (shared/spec/contract.md, section 4).
+CONTRACT = {
+    "AUTH_TOKEN_ORGS", "COLD_TIMEOUT_MS", "DEADLINE_MS", "DIRECTIVE_TIMEOUT_MS",
+    "FORMATTER_NONCE_BYTES", "GRPC_ADDR", "HOT_TIMEOUT_MS", "MAX_CONNECTION_AGE",
+    "MAX_CONNECTION_AGE_GRACE", "MEMORY_API_TOKEN", "MEMORY_BASE_URL", "NONCE_KEY",
+    "PACKER_DP_CELL_CEILING", "PACKER_MAX_CONSECUTIVE_SKIPS", "REDIS_CLUSTER",
+    "REDIS_SENTINELS", "REDIS_SENTINEL_MASTER", "REDIS_SENTINEL_PASSWORD", "REDIS_URL",
+    "REQUIRE_PRINCIPAL", "SECTION_ORDER", "TIMEOUT", "WORKER_PORT_BASE",
+}  # fmt: skip
+LAYER_ROWS = [row for row in TABLE.values() if row.layer is not None]
 
 
-def built(struct: str, settings: Settings) -> msgspec.Struct:
-    """The layer struct as the composition root builds it for the daemon."""
-    if struct == AdmissionConfig.__name__:
-        return admission_config(settings)
-    if struct == ConnectionsConfig.__name__:
-        return connections_config(settings)
-    return layer_config(LAYERS[struct], settings)
+def test_the_table_holds_every_declaration_once_and_the_contracts_names() -> None:
+    declarations = [d.variable for d in declared(Settings)]
+    declarations += [d.variable for struct in LAYERS.values() for d in declared(struct)]
+    assert sorted(declarations) == sorted(TABLE)  # each once, nothing besides
+    assert {PREFIX + name for name in CONTRACT} <= set(TABLE)
+    assert len(LAYER_ROWS) >= 40  # the retrieval, admission, request, cache and pool knobs
+    assert {row.owner.__name__ for row in LAYER_ROWS} >= {
+        "RetrievalConfig", "RequestLimits", "PipelineConfig", "AdmissionConfig", "EdgeConfig",
+        "DirectiveCacheConfig", "ConnectionsConfig", "DaemonConfig", "MemoryServiceConfig",
+        "TokenCacheConfig",
+    }  # fmt: skip
 
 
-def test_the_table_covers_every_setting_once() -> None:
-    assert list(TABLE) == list(Settings.__struct_fields__)
-    suffixes = [row.suffix for row in TABLE.values()]
-    assert len(set(suffixes)) == len(suffixes)
-    assert len(TARGETS) >= 30  # the retrieval, admission, request and cache knobs at least
+@pytest.mark.parametrize("variable", list(TABLE))
+def test_each_row_is_its_fields_declaration_and_default(variable: str) -> None:
+    """The row's default is the field's own (the one place it is written), and the field's
+    annotation names this variable."""
+    row = TABLE[variable]
+    field = {f.name: f for f in msgspec.structs.fields(row.owner)}[row.field]
+    assert row.default == field.default is not msgspec.NODEFAULT
+    hint = typing.get_type_hints(row.owner, include_extras=True)[row.field]
+    assert [m.extra["env"] for m in hint.__metadata__] == [variable]
 
 
-def test_targeted_settings_and_only_they_default_to_unset() -> None:
-    """The default of a targeted setting is not written in the table: it is UNSET there."""
-    defaults = {f.name: f.default for f in msgspec.structs.fields(Settings)}
-    for setting, row in TABLE.items():
-        assert (defaults[setting] is UNSET) == bool(row.to), setting
+def test_a_default_the_sources_use_is_the_declared_one() -> None:
+    """The token cache and the memory-service client take their defaults from the struct
+    that declares the variable, not from a second copy."""
+    tokenizers = inspect.signature(Tokenizers).parameters
+    assert tokenizers["cache_bytes"].default == TokenCacheConfig().max_bytes == 32 * 1024**2
+    memory = inspect.signature(MemoryHttpSource).parameters
+    defaults = MemoryServiceConfig()
+    assert memory["pool_size"].default == defaults.pool_size == 32
+    assert memory["max_response_bytes"].default == defaults.max_response_bytes == 4 * 1024**2
+    assert memory["max_content_bytes"].default == defaults.max_content_bytes == 32 * 1024
+    local = inspect.signature(LocalFileSource.load).parameters
+    assert local["max_content_bytes"].default == DEFAULT_MAX_CONTENT_BYTES == 32 * 1024
 
 
-@pytest.mark.parametrize("setting,target", TARGETS)
-def test_each_target_is_a_defaulted_field_of_a_layer_struct(setting: str, target: str) -> None:
-    struct, _, field = target.partition(".")
-    assert struct in LAYERS, f"{setting} targets an unknown struct {struct}"
-    fields = {f.name: f for f in msgspec.structs.fields(LAYERS[struct])}
-    assert field in fields, f"{setting} targets a missing {target}"
-    assert fields[field].default is not msgspec.NODEFAULT, f"{target} has no default"
-    assert layer_defaults()[setting] == layer_default(target)
+def other_value(row: Row) -> Any:
+    """A valid value that is not the default."""
+    if row.default is None:
+        return 2.5
+    if isinstance(row.default, str):
+        return next(v for v in typing.get_args(_hint(row)) if v != row.default)
+    if isinstance(row.default, bool):
+        return not row.default
+    return type(row.default)(row.default * 2 + 1)
 
 
-@pytest.mark.parametrize("setting,target", TARGETS)
-def test_an_unset_setting_takes_the_layer_default_and_a_set_one_overrides_it(
-    setting: str, target: str
-) -> None:
-    struct, _, field = target.partition(".")
-    assert getattr(built(struct, load_settings({})), field) == layer_default(target)
-    default = layer_default(target)
-    if default is None:
-        value: Any = 2.5
-    elif isinstance(default, str):
-        value = f"not-{default}"  # any other text: the struct takes what the root passes
-    else:
-        value = type(default)(default * 2 + 1)
-    settings = Settings(**{setting: value})
-    assert getattr(built(struct, settings), field) == value
+def _hint(row: Row) -> Any:
+    return typing.get_type_hints(row.owner)[row.field]
+
+
+def raw_text(variable: str, value: Any) -> str:
+    """`value` as an operator writes it (a duration with its unit)."""
+    return format_duration(value) if variable in DURATIONS else str(value)
+
+
+@pytest.mark.parametrize("row", LAYER_ROWS, ids=lambda row: row.variable)
+def test_an_unset_variable_takes_the_default_and_a_set_one_overrides_it(row: Row) -> None:
+    assert row.value(load_settings({})) == row.default
+    value = other_value(row)
+    loaded = row.value(load_settings({row.variable: raw_text(row.variable, value)}))
+    assert loaded == pytest.approx(value) if isinstance(value, float) else loaded == value
+    assert row.value(replace_settings(Settings(), **{row.keyword: value})) == value
 
 
 def test_derived_values_follow_the_built_struct() -> None:
@@ -106,21 +127,14 @@ def test_derived_values_follow_the_built_struct() -> None:
     env = {PREFIX + "MAX_CONCURRENT_ASSEMBLIES": "6", PREFIX + "MAX_IN_FLIGHT": "40"}
     admission = admission_config(load_settings(env))
     assert (admission.max_org_concurrent, admission.max_thread_queue) == (3, 10)
-    assert connections_config(Settings()).age_grace == layer_default("DaemonConfig.drain_grace")
-    assert connections_config(Settings(drain_grace=3.5)).age_grace == 3.5
+    assert connections_config(Settings()).age_grace == 10.0  # DRAIN_GRACE's default
+    assert connections_config(replace_settings(Settings(), drain_grace=3.5)).age_grace == 3.5
     assert connections_config(Settings(max_connection_age_grace=1.5)).age_grace == 1.5
 
 
-def shown_as(setting: str, value: Any) -> Any:
-    """A value as `ibex config` shows it: a duration with its unit, a list for a tuple."""
-    if setting in DURATIONS and value is not None:
-        return format_duration(value)
-    return list(value) if isinstance(value, tuple) else value
-
-
-def test_ibex_config_prints_the_layer_default_of_an_unset_setting() -> None:
+def test_ibex_config_prints_the_default_of_an_unset_variable() -> None:
     """The real CLI entry point, in a clean environment but for one set variable: every
-    variable by its name, an unset one at its layer default, durations with a unit."""
+    variable by its name, an unset one at its declared default, durations with a unit."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(PREFIX)}
     env[PREFIX + "HOT_LIMIT"] = "7"
     proc = subprocess.run(
@@ -133,24 +147,26 @@ def test_ibex_config_prints_the_layer_default_of_an_unset_setting() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     shown = json.loads(proc.stdout)
-    assert list(shown) == [PREFIX + row.suffix for row in TABLE.values()]
+    assert list(shown) == list(TABLE)
     assert shown[PREFIX + "HOT_LIMIT"] == 7
-    for setting, target in TARGETS:
-        if setting != "hot_limit":
-            variable = PREFIX + TABLE[setting].suffix
-            assert shown[variable] == shown_as(setting, layer_default(target)), variable
+    for row in LAYER_ROWS:
+        if row.suffix != "HOT_LIMIT":
+            default = row.default
+            if row.variable in DURATIONS and default is not None:
+                default = format_duration(default)
+            assert shown[row.variable] == default, row.variable
     assert shown[PREFIX + "TIMEOUT"] == "45ms" and shown[PREFIX + "DRAIN_GRACE"] == "10s"
 
 
 def test_secret_rows_are_the_credentials_and_are_redacted() -> None:
-    secrets = {field for field, row in TABLE.items() if row.secret}
+    secrets = {row.suffix for row in TABLE.values() if row.secret}
     assert secrets == {
-        "memory_api_token",
-        "auth_tokens_sha256",
-        "auth_token_orgs",
-        "redis_sentinel_password",
-        "nonce_key",
-        "metrics_token_sha256",
+        "MEMORY_API_TOKEN",
+        "AUTH_TOKENS_SHA256",
+        "AUTH_TOKEN_ORGS",
+        "REDIS_SENTINEL_PASSWORD",
+        "NONCE_KEY",
+        "METRICS_TOKEN_SHA256",
     }
     digest = "ab" * 32
     env = {
@@ -169,14 +185,21 @@ def test_secret_rows_are_the_credentials_and_are_redacted() -> None:
             assert value not in shown
 
 
-@pytest.mark.parametrize("setting", list(TABLE))
-def test_a_rejected_value_names_its_variable(setting: str) -> None:
-    row = TABLE[setting]
-    name = PREFIX + row.suffix
+@pytest.mark.parametrize("variable", list(TABLE))
+def test_a_rejected_value_names_its_variable(variable: str) -> None:
     try:
-        row.parse(name, "no-such\x00value:x")
+        TABLE[variable].parse(variable, "no-such\x00value:x")
     except ConfigError as exc:
-        assert str(exc).startswith(name)
+        assert str(exc).startswith(variable)
+
+
+def test_settings_built_in_code_name_each_value_as_the_environment_does() -> None:
+    """`replace_settings` takes a variable's suffix in lower case (a unit's `_ms` dropped)
+    and refuses a name no variable has."""
+    settings = replace_settings(Settings(), hot_timeout=0.01, request_read_timeout=0.3)
+    assert (settings.retrieval.hot_timeout, settings.admission.read_timeout) == (0.01, 0.3)
+    with pytest.raises(TypeError, match="hot_timeout_ms"):
+        replace_settings(Settings(), hot_timeout_ms=0.01)
 
 
 def test_a_worker_finds_its_port_from_its_slot_alone() -> None:

@@ -3,20 +3,17 @@ connections; `tests/integration/test_connections.py` runs the same on real socke
 
 from __future__ import annotations
 
-import errno
 import logging
 
 import pytest
 import trio
 import trio.testing
 
-import ibex.service.edge.connections as connections_module
 from ibex.service.edge.connections import (
     MAX_CONNECTIONS_CEILING,
     REFUSAL_LOG_INTERVAL,
     Connections,
     ConnectionsConfig,
-    LoopErrorHandler,
     default_max_connections,
 )
 
@@ -512,51 +509,6 @@ def test_while_a_connection_says_goodbye_the_sweep_runs_every_10_ms() -> None:
     conn.streams = 1
     conns.goaway_all(grace=5.0)
     assert conns._tick() == 0.01
-
-
-def test_accept_failures_for_lack_of_resources_are_logged_once_per_interval(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    now = [0.0]
-    monkeypatch.setattr(connections_module.time, "monotonic", lambda: now[0])
-    handler = LoopErrorHandler(interval=10.0)
-    emfile = OSError(errno.EMFILE, "Too many open files")
-    with caplog.at_level(logging.INFO, logger="ibex.service.edge.connections"):
-        for _ in range(3):
-            handler(
-                None, {"exception": emfile, "message": "socket.accept() out of system resource"}
-            )  # type: ignore[arg-type]
-        now[0] = 10.0
-        handler(None, {"exception": OSError(errno.ENFILE, "x"), "message": "accept"})  # type: ignore[arg-type]
-    lines = _events(caplog, "accept_failed")
-    assert [(r.error, r.count, r.levelno) for r in lines] == [  # type: ignore[attr-defined]
-        ("EMFILE", 1, logging.WARNING),
-        ("ENFILE", 3, logging.WARNING),  # the two held back, and this one
-    ]
-    assert lines[0].detail == "socket.accept() out of system resource"  # type: ignore[attr-defined]
-    assert handler.accept_errors == 4
-    now[0] = 20.0
-    with caplog.at_level(logging.INFO, logger="ibex.service.edge.connections"):
-        handler(None, {"exception": emfile})  # type: ignore[arg-type]  # no message in the context
-    assert _events(caplog, "accept_failed")[-1].detail == ""  # type: ignore[attr-defined]
-    assert _events(caplog, "loop_error") == []
-
-
-def test_any_other_loop_error_is_logged_as_an_error_and_never_raised(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    handler = LoopErrorHandler()
-    with caplog.at_level(logging.INFO, logger="ibex.service.edge.connections"):
-        handler(None, {"exception": ValueError("boom"), "message": "Exception in callback"})  # type: ignore[arg-type]
-        handler(None, {"message": "no exception here"})  # type: ignore[arg-type]
-        handler(None, {"exception": OSError(errno.ECONNRESET, "reset")})  # type: ignore[arg-type]
-    lines = _events(caplog, "loop_error")
-    assert [(r.levelno, r.detail, r.error) for r in lines] == [  # type: ignore[attr-defined]
-        (logging.ERROR, "Exception in callback", "ValueError('boom')"),
-        (logging.ERROR, "no exception here", None),
-        (logging.ERROR, "", "ConnectionResetError(104, 'reset')"),
-    ]
-    assert handler.accept_errors == 0
 
 
 def test_data_on_an_open_stream_restarts_the_idle_clock() -> None:

@@ -27,8 +27,8 @@ from hyperframe.frame import DataFrame, HeadersFrame
 
 from ibex.service.admission import GATE_CPU_MESSAGE, GATE_QUEUE_MESSAGE
 from ibex.service.edge.hpack_block import header_block, send_headers_fast
-from ibex.service.edge.patches import lighten_h2
-from ibex.service.edge.protocol import send_refusal
+from ibex.service.edge.refusal import send_refusal
+from ibex.service.patches import lighten_h2
 
 REQUEST = [
     (":method", "POST"),

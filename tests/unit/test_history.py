@@ -7,7 +7,13 @@ from __future__ import annotations
 import pytest
 
 from ibex.assembly import xml_format as fmt
-from ibex.assembly.history import HistoryFit, Staged, body_tokens, dropped_tokens, fit_history
+from ibex.assembly.history import (
+    DeferredCache,
+    HistoryFit,
+    body_tokens,
+    dropped_tokens,
+    fit_history,
+)
 from ibex.assembly.structs import Message
 from ibex.assembly.tokens import TokenCounter, Tokenizers
 
@@ -173,45 +179,45 @@ def test_body_tokens_is_the_exact_count_when_it_fits_else_a_bound_above_the_limi
 def test_what_fits_is_staged_once_and_what_is_cached_is_not_staged_again(
     tokenizers: Tokenizers,
 ) -> None:
-    """The module's rule: counts and bodies computed during a request are staged, cached
+    """The module's rule: counts and bodies computed during a request are deferred, cached
     when it fits (`commit`), and a later request finds them cached and stages nothing."""
     counter = Tokenizers(None, 4096).counter("o200k_base", "o200k_base")  # a fresh cache
     xml = fmt.XmlTagFormat()
     content = "a history turn that fits exactly"
     piece = xml.body_piece_uncached(content)
     n = counter.count_uncached(piece)
-    staged = Staged(counter, xml)
-    assert body_tokens(counter, xml, content, n, staged) == (n, True)  # fits exactly
-    assert staged.bodies == [(content, piece)] and staged.counts == [(piece, n)]
-    assert staged.body(content) == piece and staged.count(piece) == n  # staged again: uncached
-    staged.commit()
-    again = Staged(counter, xml)
+    deferred = DeferredCache(counter, xml)
+    assert body_tokens(counter, xml, content, n, deferred) == (n, True)  # fits exactly
+    assert deferred.bodies == [(content, piece)] and deferred.counts == [(piece, n)]
+    assert deferred.body(content) == piece and deferred.count(piece) == n  # uncached still
+    deferred.commit()
+    again = DeferredCache(counter, xml)
     assert body_tokens(counter, xml, content, n, again) == (n, True)
     assert again.body(content) == piece and again.count(piece) == n
     assert again.bodies == [] and again.counts == []
-    over = Staged(counter, xml)
+    over = DeferredCache(counter, xml)
     assert body_tokens(counter, xml, content + " and then some", n, over)[0] > n
-    assert over.bodies == [] and over.counts == []  # what does not fit is not staged
+    assert over.bodies == [] and over.counts == []  # what does not fit is not deferred
 
 
 def test_fit_history_keeps_the_newest_run_that_fits_the_room_exactly() -> None:
     """The longest run of newest messages whose section fits `room`: at the section's exact
     size all are kept (overflow 0), one token less drops the oldest and reports at least
-    what it needs; the bodies of what was counted are staged for the cache."""
+    what it needs; the bodies of what was counted are deferred for the cache."""
     counter = Tokenizers(None, 4096).counter("o200k_base", "o200k_base")  # a fresh cache
     xml = fmt.XmlTagFormat()
-    assert fit_history(counter, [], NONCE, 100, Staged(counter, xml)) == HistoryFit((), 0, 0)
+    assert fit_history(counter, [], NONCE, 100, DeferredCache(counter, xml)) == HistoryFit((), 0, 0)
     section = len(
         Tokenizers(None, 4096)
         .encoding("o200k_base")
         .encode_ordinary("".join(fmt.XmlTagFormat().history_section(MESSAGES, NONCE)))
     )
-    staged = Staged(counter, xml)
-    fit = fit_history(counter, MESSAGES, NONCE, section, staged)
+    deferred = DeferredCache(counter, xml)
+    fit = fit_history(counter, MESSAGES, NONCE, section, deferred)
     assert fit == HistoryFit(tuple(MESSAGES), section, 0)
-    assert {text for text, _ in staged.bodies} == {m.content for m in MESSAGES}
-    short = fit_history(counter, MESSAGES, NONCE, section - 1, Staged(counter, xml))
+    assert {text for text, _ in deferred.bodies} == {m.content for m in MESSAGES}
+    short = fit_history(counter, MESSAGES, NONCE, section - 1, DeferredCache(counter, xml))
     assert short.kept == tuple(MESSAGES[1:])
     assert short.tokens <= section - 1 and short.overflow > 0
-    none = fit_history(counter, MESSAGES, NONCE, 20, Staged(counter, xml))
+    none = fit_history(counter, MESSAGES, NONCE, 20, DeferredCache(counter, xml))
     assert none.kept == () and none.tokens == 0 and none.overflow > 0

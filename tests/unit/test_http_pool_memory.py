@@ -15,7 +15,9 @@ import pytest
 import trio
 import trio.testing
 
-from ibex.sources.http_pool import HttpPool, Link, TransportError
+from ibex.sources.http_connect import Link
+from ibex.sources.http_framing import TransportError
+from ibex.sources.http_pool import HttpPool
 
 OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
 CAP = 10.0

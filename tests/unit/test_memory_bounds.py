@@ -224,15 +224,15 @@ def test_search_never_returns_an_oversized_hit() -> None:
 
 
 def test_settings_for_the_caps() -> None:
-    assert Settings().memory_max_content_bytes == DEFAULT_MAX_CONTENT_BYTES == 32 * 1024
-    assert Settings().memory_max_response_bytes == DEFAULT_MAX_RESPONSE_BYTES == 4 * 1024 * 1024
+    assert Settings().memory.max_content_bytes == DEFAULT_MAX_CONTENT_BYTES == 32 * 1024
+    assert Settings().memory.max_response_bytes == DEFAULT_MAX_RESPONSE_BYTES == 4 * 1024 * 1024
     s = load_settings(
         {
             "IBEX_CONTEXT_MEMORY_MAX_CONTENT_BYTES": "1000",
             "IBEX_CONTEXT_MEMORY_MAX_RESPONSE_BYTES": "2048",
         }
     )
-    assert (s.memory_max_content_bytes, s.memory_max_response_bytes) == (1000, 2048)
+    assert (s.memory.max_content_bytes, s.memory.max_response_bytes) == (1000, 2048)
     with pytest.raises(Exception, match="IBEX_CONTEXT_MEMORY_MAX_CONTENT_BYTES"):
         load_settings({"IBEX_CONTEXT_MEMORY_MAX_CONTENT_BYTES": "0"})
     with pytest.raises(Exception, match="IBEX_CONTEXT_MEMORY_MAX_RESPONSE_BYTES"):

@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
-from ibex.ops.metrics import Metrics, WorkerRestarts
+from ibex.ops.metrics import Metrics
+from ibex.ops.supervisor_metrics import WorkerRestarts
 
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "deploy" / "prometheus" / "ibex-context.rules.yml"

@@ -23,10 +23,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ibex.assembly import pipeline
+from ibex.assembly import pipeline, stage_timer
 from ibex.assembly import xml_format as fmt
 from ibex.assembly.budget import compute_budget
 from ibex.assembly.catalog import Catalog, FamilyPolicy, ModelCapability, load_catalog
+from ibex.assembly.history import Uncached
 from ibex.assembly.pipeline import (
     DEFAULT_CONFIG,
     DEFAULT_NONCE_BYTES,
@@ -906,7 +907,7 @@ class _CountingSource:
         return _CountingCounter(self, self.tokenizers.counter(family, encoding))
 
 
-class _CountingCounter:
+class _CountingCounter(Uncached):
     def __init__(self, source: _CountingSource, real: TokenCounter) -> None:
         self.source = source
         self.real = real
@@ -918,12 +919,6 @@ class _CountingCounter:
         return self.real.count_uncached(text)
 
     count_uncached = count
-
-    def peek(self, text: str) -> int | None:
-        return None
-
-    def remember(self, items: Sequence[tuple[str, int]]) -> None:
-        pass
 
     def additive_cut(self, text: str) -> int:
         return self.real.additive_cut(text)
@@ -1692,7 +1687,7 @@ class _Clock:
 
 
 def test_stage_timings_are_whole_milliseconds_and_add_up(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(pipeline, "time", _Clock())
+    monkeypatch.setattr(stage_timer, "time", _Clock())
     r = stub_run(
         stub_request(messages=[Message("user", "hi")]), cold=[stub_hit("a")], retrieval_ms=250.0
     )

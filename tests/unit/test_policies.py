@@ -9,6 +9,7 @@ import pytest
 from ibex.errors import DeadlineError, Overloaded, Unavailable
 from ibex.ops.metrics import Metrics
 from ibex.service.admission import GATE_CPU_MESSAGE, Admission, AdmissionConfig
+from ibex.service.edge.deadline import CallDeadline
 from ibex.service.policies import (
     QUEUE_REFUSAL,
     BytesCap,
@@ -110,7 +111,7 @@ def test_a_policy_is_asked_only_at_its_own_checkpoints() -> None:
     a = Admission(AdmissionConfig(), Metrics(), (maintenance,))
     a.check_open()
     a.reserve_bytes(10)
-    with a.admitted(time.monotonic(), 1.0):
+    with a.admitted(CallDeadline.after(1.0)):
         pass
     assert maintenance.asked == 0
     assert a.gate("", 1.0) == MAINTENANCE_MESSAGE
@@ -120,7 +121,7 @@ def test_a_refusal_status_other_than_overload_raises_its_own_error_unshed() -> N
     a = Admission(AdmissionConfig(), Metrics(), (Closed(), *default_policies(AdmissionConfig())))
     with pytest.raises(Unavailable, match="closed for the test"):
         a.check_open()
-    with pytest.raises(Unavailable), a.admitted(time.monotonic(), 1.0):
+    with pytest.raises(Unavailable), a.admitted(CallDeadline.after(1.0)):
         pass
     assert a.in_flight == 0
     assert a.gate("AssembleContext", 1.0) is None  # asked at "open" only
@@ -131,13 +132,13 @@ def test_without_the_cap_policy_nothing_caps_the_calls_in_flight() -> None:
     past `max_in_flight`; with the defaults the same call is refused."""
     config = AdmissionConfig(max_in_flight=1)
     bare = Admission(config, Metrics(), ())
-    with bare.admitted(time.monotonic(), 1.0), bare.admitted(time.monotonic(), 1.0):
+    with bare.admitted(CallDeadline.after(1.0)), bare.admitted(CallDeadline.after(1.0)):
         assert bare.in_flight == 2
     full = Admission(config, Metrics())
     with (
-        full.admitted(time.monotonic(), 1.0),
+        full.admitted(CallDeadline.after(1.0)),
         pytest.raises(Overloaded) as info,
-        full.admitted(time.monotonic(), 1.0),
+        full.admitted(CallDeadline.after(1.0)),
     ):
         pass
     assert info.value.reason == "in_flight"
@@ -167,14 +168,15 @@ def test_each_checkpoint_shows_a_policy_the_facts_it_documents() -> None:
     assert a.gate("AssembleContext", 0.5) is None
     a.check_open()
     a.reserve_bytes(300)
-    with a.admitted(time.monotonic(), 0.25, size=40):
+    deadline = CallDeadline.after(0.25)
+    with a.admitted(deadline, size=40):
         pass
     assert recorder.seen == [
         ("headers", "AssembleContext", 0.5, 0),
         ("open", "", None, 0),
         ("bytes", "", None, 300),
         ("open", "", None, 0),  # admitted asks "open" again
-        ("arrival", "", 0.25, 40),
+        ("arrival", "", deadline.remaining(recorder.times[4]), 40),  # left at its `now`
     ]
     assert all(before <= t <= time.monotonic() for t in recorder.times)
 
@@ -190,7 +192,7 @@ class TooLate:
 
 def test_a_deadline_refusal_carries_the_policys_message() -> None:
     a = Admission(AdmissionConfig(), Metrics(), (TooLate(),))
-    with pytest.raises(DeadlineError) as info, a.admitted(time.monotonic(), 1.0):
+    with pytest.raises(DeadlineError) as info, a.admitted(CallDeadline.after(1.0)):
         pass
     assert str(info.value) == "too late for the test"
     assert a.in_flight == 0

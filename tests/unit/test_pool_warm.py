@@ -13,7 +13,8 @@ import pytest
 import trio
 import trio.testing
 
-from ibex.sources.http_pool import Link, TransportError
+from ibex.sources.http_connect import Link
+from ibex.sources.http_framing import TransportError
 from tests.unit.test_http_pool_memory import CAP, OK, Harness
 
 

@@ -15,8 +15,8 @@ import pytest
 import trio
 import trio.lowlevel
 
-from ibex.service.edge import precise_wakeup
-from ibex.service.edge.precise_wakeup import TimerFd, precise_wakeups, wants_timer
+from ibex.service.patches import trio_epoll as precise_wakeup
+from ibex.service.patches.trio_epoll import TimerFd, precise_wakeups, wants_timer
 
 
 @pytest.mark.parametrize(

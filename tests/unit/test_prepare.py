@@ -8,16 +8,15 @@ timings may differ, so they are left out of the comparison.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ibex.assembly.catalog import Catalog, load_catalog
+from ibex.assembly.history import Uncached
 from ibex.assembly.pipeline import AssemblyInputs, assemble_pure
-from ibex.assembly.prepare import Prepared
+from ibex.assembly.prepare import EarlyAssembly
 from ibex.assembly.scoring import COMPOSITE, INTERIM, as_composite, score_hit
 from ibex.assembly.structs import (
     AssemblyMetrics,
@@ -73,11 +72,11 @@ def run(
     inputs: AssemblyInputs,
     catalog: Catalog,
     tokenizers: Tokenizers,
-    prepared: Prepared | None = None,
+    prepared: EarlyAssembly | None = None,
 ) -> AssemblyResult | str:
     """The result without timings, or the refusal's message."""
     try:
-        result = assemble_pure(inputs, catalog=catalog, tokenizers=tokenizers, prepared=prepared)
+        result = assemble_pure(inputs, catalog=catalog, tokenizers=tokenizers, early=prepared)
     except TooLargeError as exc:
         return f"refused: {exc}"
     return without_timings(result)
@@ -157,7 +156,7 @@ def test_any_early_work_gives_the_same_answer(
 ) -> None:
     inputs, directive = case
     plain = run(inputs, catalog, tokenizers)
-    prepared = Prepared(
+    prepared = EarlyAssembly(
         inputs.request, inputs.nonce, inputs.now, catalog=catalog, tokenizers=tokenizers
     )
     for part in data.draw(st.permutations(sorted(parts))):
@@ -199,7 +198,7 @@ def test_a_composite_on_one_side_only_is_decided_at_the_merge(
     hot, cold = hot_and_cold()
     request = AssemblyRequest(agent_id=AGENT, org_id=ORG, query="q", model="gpt-4o")
     inputs = AssemblyInputs(request, None, hot, cold if with_cold else (), BRANCHES, NONCE, NOW)
-    prepared = Prepared(request, NONCE, NOW, catalog=catalog, tokenizers=tokenizers)
+    prepared = EarlyAssembly(request, NONCE, NOW, catalog=catalog, tokenizers=tokenizers)
     prepared.directive(None)
     prepared.hits("hot", hot)
     early = run(inputs, catalog, tokenizers, prepared)
@@ -217,17 +216,17 @@ def test_parts_made_from_other_inputs_are_not_used(
     request = AssemblyRequest(agent_id=AGENT, org_id=ORG, query="q", model="gpt-4o")
     directive = Directive("Answer briefly.")
     inputs = AssemblyInputs(request, directive, hot, cold, BRANCHES, NONCE, NOW)
-    prepared = Prepared(request, NONCE, NOW, catalog=catalog, tokenizers=tokenizers)
+    prepared = EarlyAssembly(request, NONCE, NOW, catalog=catalog, tokenizers=tokenizers)
     prepared.directive(Directive("Another directive, longer than the one answered."))
     prepared.hits("hot", cold)
     prepared.hits("cold", hot)
     assert run(inputs, catalog, tokenizers, prepared) == run(inputs, catalog, tokenizers)
     later = msgspec.structs.replace(inputs, now=NOW + 86400.0 * 30)
-    prepared = Prepared(request, NONCE, NOW, catalog=catalog, tokenizers=tokenizers)
+    prepared = EarlyAssembly(request, NONCE, NOW, catalog=catalog, tokenizers=tokenizers)
     prepared.hits("hot", hot)
     assert run(later, catalog, tokenizers, prepared) == run(later, catalog, tokenizers)
     other_nonce = msgspec.structs.replace(inputs, nonce="1" * 39)
-    prepared = Prepared(request, NONCE, NOW, catalog=catalog, tokenizers=tokenizers)
+    prepared = EarlyAssembly(request, NONCE, NOW, catalog=catalog, tokenizers=tokenizers)
     prepared.directive(directive)
     assert run(other_nonce, catalog, tokenizers, prepared) == run(other_nonce, catalog, tokenizers)
 
@@ -251,12 +250,12 @@ def test_a_refusal_found_early_is_raised_by_the_pipeline_and_caches_nothing(
     inputs = AssemblyInputs(request, None, hot, (), BRANCHES, NONCE, NOW)
     counter = tokenizers.counter("o200k_base", "o200k_base")
     before = counter.cache_info()
-    prepared = Prepared(request, NONCE, NOW, catalog=catalog, tokenizers=tokenizers)
+    prepared = EarlyAssembly(request, NONCE, NOW, catalog=catalog, tokenizers=tokenizers)
     prepared.hits("hot", hot)  # landed first: priced, staged
     prepared.directive(None)
     assert prepared.refused
     with pytest.raises(TooLargeError) as early:
-        assemble_pure(inputs, catalog=catalog, tokenizers=tokenizers, prepared=prepared)
+        assemble_pure(inputs, catalog=catalog, tokenizers=tokenizers, early=prepared)
     info = counter.cache_info()
     assert (info.size, info.bytes) == (before.size, before.bytes)
     with pytest.raises(TooLargeError) as late:
@@ -270,14 +269,14 @@ def test_prepared_memory_prices_are_cached_once_the_request_fits(catalog: Catalo
     hot, _ = hot_and_cold()
     request = AssemblyRequest(agent_id=AGENT, org_id=ORG, query="q", model="gpt-4o")
     counter = tokenizers.counter("o200k_base", "o200k_base")
-    prepared = Prepared(request, NONCE, NOW, catalog=catalog, tokenizers=tokenizers)
+    prepared = EarlyAssembly(request, NONCE, NOW, catalog=catalog, tokenizers=tokenizers)
     prepared.hits("hot", hot)
     staged = counter.cache_info().size
     assemble_pure(
         AssemblyInputs(request, None, hot, (), BRANCHES, NONCE, NOW),
         catalog=catalog,
         tokenizers=tokenizers,
-        prepared=prepared,
+        early=prepared,
     )
     assert counter.cache_info().size > staged
 
@@ -305,7 +304,7 @@ def test_as_composite_is_score_hit_under_the_composite_schema(
     assert as_composite(score_hit(h, options, NOW, INTERIM), h) == expected
 
 
-class _RecordingCounter:
+class _RecordingCounter(Uncached):
     """A counter without a cache that records every text it is asked to count."""
 
     def __init__(self, real: TokenCounter) -> None:
@@ -319,12 +318,6 @@ class _RecordingCounter:
         return self.real.count_uncached(text)
 
     count_uncached = count
-
-    def peek(self, text: str) -> int | None:
-        return None
-
-    def remember(self, items: Sequence[tuple[str, int]]) -> None:
-        pass
 
     def additive_cut(self, text: str) -> int:
         return self.real.additive_cut(text)
@@ -359,14 +352,14 @@ def test_work_done_early_is_not_done_again(catalog: Catalog, tokenizers: Tokeniz
     directive = Directive("Answer briefly.")
     inputs = AssemblyInputs(request, directive, hot, cold, BRANCHES, NONCE, NOW)
     source = _Recording(tokenizers)
-    prepared = Prepared(request, NONCE, NOW, catalog=catalog, tokenizers=source)
+    prepared = EarlyAssembly(request, NONCE, NOW, catalog=catalog, tokenizers=source)
     prepared.directive(directive)
     prepared.hits("hot", hot)
     prepared.hits("cold", cold)
     counter = source.counter("o200k_base", "o200k_base")
     assert counter.texts  # the early work counted the directive, history, tools and prices
     counter.texts.clear()
-    early = assemble_pure(inputs, catalog=catalog, tokenizers=source, prepared=prepared)
+    early = assemble_pure(inputs, catalog=catalog, tokenizers=source, early=prepared)
     assert counter.texts == []
     plain = assemble_pure(inputs, catalog=catalog, tokenizers=source)
     assert counter.texts  # from scratch, the same answer costs counting (so the check can fail)
@@ -383,7 +376,7 @@ def test_a_hits_body_is_counted_once_for_both_of_its_schemas(
     assert all(h.composite_score is not None for h in hot)
     request = AssemblyRequest(agent_id=AGENT, org_id=ORG, query="q", model="gpt-4o")
     source = _Recording(tokenizers)
-    prepared = Prepared(request, NONCE, NOW, catalog=catalog, tokenizers=source)
+    prepared = EarlyAssembly(request, NONCE, NOW, catalog=catalog, tokenizers=source)
     counter = source.counter("o200k_base", "o200k_base")
     counter.texts.clear()
     prepared.hits("hot", hot)
@@ -406,7 +399,7 @@ def test_streams_not_prepared_are_scored_at_the_inputs_now(
     )
     directive = Directive("Answer briefly.")
     inputs = AssemblyInputs(request, directive, hot, cold, BRANCHES, NONCE, NOW)
-    prepared = Prepared(request, NONCE, NOW, catalog=catalog, tokenizers=tokenizers)
+    prepared = EarlyAssembly(request, NONCE, NOW, catalog=catalog, tokenizers=tokenizers)
     prepared.directive(directive)
     early = run(inputs, catalog, tokenizers, prepared)
     assert isinstance(early, AssemblyResult) and early.memories_used
@@ -423,7 +416,7 @@ def test_a_stream_scored_at_another_instant_is_not_used(
     request = AssemblyRequest(
         agent_id=AGENT, org_id=ORG, query="q", model="gpt-4o", options=options
     )
-    prepared = Prepared(request, NONCE, NOW, catalog=catalog, tokenizers=tokenizers)
+    prepared = EarlyAssembly(request, NONCE, NOW, catalog=catalog, tokenizers=tokenizers)
     prepared.hits("hot", hot)
     later = AssemblyInputs(request, None, hot, (), BRANCHES, NONCE, NOW + 86400.0 * 30)
     assert run(later, catalog, tokenizers, prepared) == run(later, catalog, tokenizers)
@@ -435,7 +428,7 @@ def test_an_unknown_model_is_sized_by_the_requests_available_tokens(
     request = AssemblyRequest(
         agent_id=AGENT, org_id=ORG, query="q", model="mystery-model", available_tokens=4321
     )
-    prepared = Prepared(request, NONCE, NOW, catalog=catalog, tokenizers=tokenizers)
+    prepared = EarlyAssembly(request, NONCE, NOW, catalog=catalog, tokenizers=tokenizers)
     assert prepared.cap.context_window == 4321
 
 
@@ -450,9 +443,9 @@ def test_prepared_counts_are_cached_even_when_every_body_was_cached_before(
     for _ in range(2):  # the first pass leaves every body in the format's cache
         tokenizers = Tokenizers(None, 65536)
         counter = tokenizers.counter("o200k_base", "o200k_base")
-        prepared = Prepared(request, NONCE, NOW, catalog=catalog, tokenizers=tokenizers)
+        prepared = EarlyAssembly(request, NONCE, NOW, catalog=catalog, tokenizers=tokenizers)
         prepared.hits("hot", hot)
         body = XML_TAGS.body_piece(hot[0].content)
         assert counter.peek(body) is None  # staged, not cached
-        assemble_pure(inputs, catalog=catalog, tokenizers=tokenizers, prepared=prepared)
+        assemble_pure(inputs, catalog=catalog, tokenizers=tokenizers, early=prepared)
         assert counter.peek(body) is not None

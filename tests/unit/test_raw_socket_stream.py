@@ -13,7 +13,7 @@ import socket
 import pytest
 import trio
 
-from ibex.sources.http_pool import RawSocketStream
+from ibex.sources.raw_socket_stream import RawSocketStream
 
 
 class Steps(trio.abc.Instrument):

@@ -40,9 +40,9 @@ from ibex.sources.retrieval import (
     RetrievalConfig,
     Retrieved,
     _directive,
-    request_wall,
+    cold_search,
+    retrieval_time_left,
     retrieve,
-    search,
 )
 from ibex.testing.samples import AGENT, ORG
 
@@ -199,7 +199,7 @@ async def test_all_branches_succeed(autojump_clock: trio.testing.MockClock) -> N
     assert got.cold == tuple(ANSWERS["cold"])  # type: ignore[arg-type]
     assert took == pytest.approx(0.020)
     assert got.elapsed_ms == pytest.approx(20.0)
-    assert request_wall(DEFAULTS, None) == pytest.approx(0.040)
+    assert retrieval_time_left(DEFAULTS, None) == pytest.approx(0.040)
     # The sources get the request's tenant, the query and the configured limits.
     assert fake.seen["directive"] == (ORG, AGENT)
     assert fake.seen["hot"] == (ORG, AGENT, DEFAULTS.hot_limit, DEFAULTS.min_confidence)
@@ -256,7 +256,7 @@ def test_default_branch_timeouts_are_the_contracts() -> None:
     assert DEFAULTS.directive_timeout == OWN_TIMEOUTS["directive"]
     assert DEFAULTS.hot_timeout == OWN_TIMEOUTS["hot"]
     assert DEFAULTS.cold_timeout == OWN_TIMEOUTS["cold"]
-    assert DEFAULTS.wall == 0.040
+    assert DEFAULTS.time_limit == 0.040
 
 
 @pytest.mark.parametrize("branch", ["directive", "hot", "cold"])
@@ -314,14 +314,16 @@ async def test_the_wall_cancels_the_cold_branch_before_its_own_timeout(
 # --------------------------------------------------------------------------- caller deadline
 
 
-async def test_request_wall(autojump_clock: trio.testing.MockClock) -> None:
+async def test_retrieval_time_left(autojump_clock: trio.testing.MockClock) -> None:
     now = trio.current_time()
-    assert request_wall(DEFAULTS, None) == pytest.approx(0.040)
-    assert request_wall(DEFAULTS, now + 10.0) == pytest.approx(0.040)
-    assert request_wall(DEFAULTS, now + 0.020) == pytest.approx(0.020 - 0.010)
-    assert request_wall(DEFAULTS, now - 1.0) == 0.0
-    assert request_wall(DEFAULTS, math.inf) == pytest.approx(0.040)
-    assert request_wall(RetrievalConfig(timeout=0.030, deadline=0.5), None) == pytest.approx(0.030)
+    assert retrieval_time_left(DEFAULTS, None) == pytest.approx(0.040)
+    assert retrieval_time_left(DEFAULTS, now + 10.0) == pytest.approx(0.040)
+    assert retrieval_time_left(DEFAULTS, now + 0.020) == pytest.approx(0.020 - 0.010)
+    assert retrieval_time_left(DEFAULTS, now - 1.0) == 0.0
+    assert retrieval_time_left(DEFAULTS, math.inf) == pytest.approx(0.040)
+    assert retrieval_time_left(RetrievalConfig(timeout=0.030, deadline=0.5), None) == pytest.approx(
+        0.030
+    )
 
 
 async def test_a_caller_deadline_shrinks_the_wall(autojump_clock: trio.testing.MockClock) -> None:
@@ -453,7 +455,7 @@ async def test_everything_hangs_and_retrieve_returns_at_the_wall(
     fake = FakeSources({b: Plan(math.inf) for b in ("directive", "hot", "cold")})
     nurseries = list(trio.lowlevel.current_task().child_nurseries)
     got, took = await fetch(fake)
-    assert took == pytest.approx(DEFAULTS.wall)
+    assert took == pytest.approx(DEFAULTS.time_limit)
     assert statuses(got) == {"directive": "timeout", "hot": "timeout", "cold": "timeout"}
     assert [b.latency_ms for b in got.branches] == pytest.approx([5.0, 15.0, 40.0])
     assert "no answer within 5ms" in got.branches[0].detail
@@ -613,12 +615,14 @@ async def test_the_wall_counts_from_the_calls_arrival(
     caller waited too: the wall is 40 ms from arrival, so the answer still leaves at it;
     but never less than the hot branch's 15 ms, so a congested moment keeps memories."""
     now = trio.current_time()
-    assert request_wall(DEFAULTS, None, arrived=now - 0.015) == pytest.approx(0.025)
-    assert request_wall(DEFAULTS, None, arrived=now - 0.030) == pytest.approx(0.015)
-    assert request_wall(DEFAULTS, None, arrived=now - 5.0) == pytest.approx(0.015)
-    assert request_wall(DEFAULTS, None, arrived=now + 1.0) == pytest.approx(0.040)  # clock skew
+    assert retrieval_time_left(DEFAULTS, None, arrived=now - 0.015) == pytest.approx(0.025)
+    assert retrieval_time_left(DEFAULTS, None, arrived=now - 0.030) == pytest.approx(0.015)
+    assert retrieval_time_left(DEFAULTS, None, arrived=now - 5.0) == pytest.approx(0.015)
+    assert retrieval_time_left(DEFAULTS, None, arrived=now + 1.0) == pytest.approx(
+        0.040
+    )  # clock skew
     # The caller's deadline still caps it: 20 ms left - 10 ms headroom.
-    assert request_wall(DEFAULTS, now + 0.020, arrived=now - 0.001) == pytest.approx(0.010)
+    assert retrieval_time_left(DEFAULTS, now + 0.020, arrived=now - 0.001) == pytest.approx(0.010)
     fake = FakeSources({"directive": Plan(2 * MS), "hot": Plan(14 * MS), "cold": Plan(30 * MS)})
     got, took = await fetch(fake, arrived=trio.current_time() - 0.015)
     assert statuses(got) == {"directive": "success", "hot": "success", "cold": "timeout"}
@@ -872,7 +876,7 @@ async def test_search_waits_the_cold_timeout_or_the_deadline_less_the_headroom(
         start = trio.current_time()
         at = None if deadline is None else start + deadline
         with pytest.raises(SourceError, match=f"no answer within {wall * 1000:.0f}ms"):
-            await search(stuck, ORG, AGENT, "q", limit=5, config=DEFAULTS, deadline=at)
+            await cold_search(stuck, ORG, AGENT, "q", limit=5, config=DEFAULTS, deadline=at)
         assert trio.current_time() - start == pytest.approx(wall)
     assert stuck.cancelled == {"cold"}
 
@@ -882,12 +886,12 @@ async def test_search_asks_the_cold_search_and_names_its_failures(
 ) -> None:
     fake = FakeSources({"cold": Plan(5 * MS)})
     config = RetrievalConfig(min_confidence=0.3)
-    hits = await search(fake, ORG, AGENT, "deploy", limit=7, config=config)
+    hits = await cold_search(fake, ORG, AGENT, "deploy", limit=7, config=config)
     assert hits == ANSWERS["cold"]
     assert fake.seen["cold"] == (ORG, AGENT, "deploy", 7, 0.3)
     broken = FakeSources({"cold": Plan(1 * MS, SourceError("HTTP 503"))})
     with pytest.raises(SourceError) as info:
-        await search(broken, ORG, AGENT, "q", limit=5, config=DEFAULTS)
+        await cold_search(broken, ORG, AGENT, "q", limit=5, config=DEFAULTS)
     assert str(info.value) == "memory search failed: HTTP 503"
 
 
@@ -928,7 +932,7 @@ async def test_a_search_without_an_answer_names_the_wait_it_was_given(
     stuck = FakeSources({"cold": Plan(math.inf)})
     config = RetrievalConfig(cold_timeout=0.75)
     with pytest.raises(SourceError) as info:
-        await search(stuck, ORG, AGENT, "q", limit=5, config=config)
+        await cold_search(stuck, ORG, AGENT, "q", limit=5, config=config)
     assert str(info.value) == "memory search failed: no answer within 750ms"
 
 
@@ -955,22 +959,23 @@ async def test_the_directive_branch_asks_the_sources_memory_again_when_it_starts
 
 @dataclass
 class Told:
-    """A Landing that records what it is told, in order."""
+    """A BranchListener that records what it is told, in order."""
 
     events: list[tuple[str, str, object]] = field(default_factory=list)
 
-    def known(self, source: BranchSource, value: Any) -> None:
-        self.events.append(("known", source, value))
+    def answered_at_start(self, source: BranchSource, value: Any) -> None:
+        self.events.append(("at start", source, value))
 
-    def landed(self, source: BranchSource, value: Any) -> None:
-        self.events.append(("landed", source, value))
+    def branch_ended(self, source: BranchSource, value: Any) -> None:
+        self.events.append(("ended", source, value))
 
 
-async def test_the_landing_is_told_every_branch_as_it_ends(
+async def test_the_listener_is_told_every_branch_as_it_ends(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    """Skipped branches are `known` before anything runs; each running branch, the last
-    (run in the request's own task) included, `landed` with its answer, or None on failure."""
+    """Skipped branches are told `answered_at_start` before anything runs; each running
+    branch, the last (run in the request's own task) included, `branch_ended` with its
+    answer, or None on failure."""
     fake = FakeSources({"directive": Plan(1 * MS), "cold": Plan(3 * MS, SourceError("down"))})
     told = Told()
     opts = AssemblyOptions(skip_hot_memories=True)
@@ -980,10 +985,10 @@ async def test_the_landing_is_told_every_branch_as_it_ends(
             directive_source=fake,
             memory_source=fake,
             config=DEFAULTS,
-            landing=told,
+            listener=told,
         )
     assert told.events == [
-        ("known", "hot", None),
-        ("landed", "directive", DIRECTIVE),
-        ("landed", "cold", None),
+        ("at start", "hot", None),
+        ("ended", "directive", DIRECTIVE),
+        ("ended", "cold", None),
     ]

@@ -30,7 +30,7 @@ from ibex.assembly.pipeline import (
     PipelineConfig,
     assemble_pure,
 )
-from ibex.assembly.prepare import Prepared
+from ibex.assembly.prepare import EarlyAssembly
 from ibex.assembly.structs import (
     AssemblyOptions,
     AssemblyRequest,
@@ -74,12 +74,12 @@ def assemble(
     catalog: Catalog,
     tokenizers: Tokenizers,
     config: PipelineConfig,
-    prepared: Prepared | None = None,
+    prepared: EarlyAssembly | None = None,
 ) -> AssemblyResult | None:
     """The result, or None when the fixed sections do not fit."""
     try:
         return assemble_pure(
-            inp, catalog=catalog, tokenizers=tokenizers, config=config, prepared=prepared
+            inp, catalog=catalog, tokenizers=tokenizers, config=config, early=prepared
         )
     except TooLargeError as exc:
         assert exc.field == "recent_messages"
@@ -233,7 +233,7 @@ def test_work_done_early_gives_the_same_answer_in_the_cache_order(
     inp = turn([Message("user", "hello")], with_memories=True)
     plain = assemble(inp, catalog, tokenizers, CACHE)
     for made_with in (CACHE, SEED):
-        prepared = Prepared(
+        prepared = EarlyAssembly(
             inp.request,
             inp.nonce,
             inp.now,

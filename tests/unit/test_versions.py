@@ -22,7 +22,8 @@ def test_installed_versions_pass() -> None:
 @pytest.mark.parametrize(
     ("package", "installed"),
     [("grpclib", "0.5.0"), ("grpclib", "0.4.6"), ("h2", "5.0.0"), ("trio-asyncio", "0.17.0"),
-     ("redis", "9.0.0rc1"), ("redis", "5.1.1"), ("hpack", "3.0.0"), ("hyperframe", "7.0.0")],
+     ("redis", "9.0.0rc1"), ("redis", "5.1.1"), ("hpack", "3.0.0"), ("hyperframe", "7.0.0"),
+     ("trio", "0.40.0"), ("trio", "0.26.0")],
 )  # fmt: skip
 def test_a_version_outside_the_range_fails_naming_package_versions_and_patch(
     package: str, installed: str
@@ -39,7 +40,7 @@ def test_a_version_outside_the_range_fails_naming_package_versions_and_patch(
 @pytest.mark.parametrize(
     ("package", "installed"),
     [("grpclib", "0.4.7"), ("grpclib", "0.4.12.post1"), ("trio-asyncio", "0.16.0"),
-     ("redis", "8.1.0"), ("redis", "5.2"), ("h2", "4.1.0")],
+     ("redis", "8.1.0"), ("redis", "5.2"), ("h2", "4.1.0"), ("trio", "0.35.0")],
 )  # fmt: skip
 def test_versions_inside_the_range_pass(package: str, installed: str) -> None:
     check(package, installed)
@@ -68,12 +69,14 @@ PATCHERS = [
     ("lighten_h2", "hyperframe"),
     ("batch_ready_callbacks", "trio-asyncio"),
     ("honour_cancellation_in_redis_writes", "redis"),
+    ("precise_wakeups", "trio"),
 ]
 
 
 def test_each_patch_refuses_to_install_with_an_unsupported_version() -> None:
     """Each patch checks its package as it is installed (at start-up, through
-    `install_patches`), in a fresh interpreter each; importing the patches applies none."""
+    `install_patches`; Trio's as the serving run enters it), in a fresh interpreter each;
+    importing the patches applies none."""
     procs = []
     for install, package in PATCHERS:
         fake = ".".join(str(n) for n in release(SUPPORTED[package][1])) + ".0"
@@ -83,10 +86,16 @@ def test_each_patch_refuses_to_install_with_an_unsupported_version() -> None:
             f"m.version = lambda name: {fake!r} if name == {package!r} else real(name)\n"
             "import grpclib.utils\n"
             "original = grpclib.utils.DeadlineWrapper.start\n"
-            "from ibex.service.edge import patches\n"
+            "from ibex.service import patches\n"
             "assert grpclib.utils.DeadlineWrapper.start is original\n"
-            f"patches.{install}()\n"
+            "async def enter():\n"
+            "    with patches.precise_wakeups():\n"
+            "        pass\n"
         )
+        if install == "precise_wakeups":
+            code += "import trio\ntrio.run(enter)\n"
+        else:
+            code += f"patches.{install}()\n"
         proc = subprocess.Popen(
             [sys.executable, "-c", code], cwd=ROOT, stderr=subprocess.PIPE, text=True
         )
@@ -97,10 +106,11 @@ def test_each_patch_refuses_to_install_with_an_unsupported_version() -> None:
         assert f"UnsupportedVersion: {package} {fake} is installed" in stderr
 
 
-def test_install_patches_checks_every_supported_package(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`install_patches` asks for every package in SUPPORTED (and nothing else)."""
-    from ibex.service.edge import patches
-    from ibex.sources import redis_patches
+async def test_the_patches_check_every_supported_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`install_patches` and `precise_wakeups` (what the daemon runs at start-up) ask for
+    every package in SUPPORTED, and nothing else."""
+    from ibex.service import patches
+    from ibex.service.patches import grpclib_h2, redis_wait_for, trio_asyncio_loop, trio_epoll
 
     asked: set[str] = set()
 
@@ -108,15 +118,17 @@ def test_install_patches_checks_every_supported_package(monkeypatch: pytest.Monk
         asked.update(packages)
         require(*packages)
 
-    monkeypatch.setattr(patches, "require", record)
-    monkeypatch.setattr(redis_patches, "require", record)
+    for module in (grpclib_h2, redis_wait_for, trio_asyncio_loop, trio_epoll):
+        monkeypatch.setattr(module, "require", record)
     patches.install_patches()
+    with patches.precise_wakeups():
+        pass
     assert asked == set(SUPPORTED)
 
 
 def test_direct_dependency_ranges_in_pyproject_are_the_supported_ranges() -> None:
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-    for package in ("grpclib", "trio-asyncio", "redis"):
+    for package in ("grpclib", "trio-asyncio", "redis", "trio"):
         assert f"{package}{versions.supported_range(package)}" in deps
 
 

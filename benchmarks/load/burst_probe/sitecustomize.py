@@ -195,15 +195,15 @@ def _install() -> None:
 
     asyncio.StreamReader.feed_data = timed_feed  # type: ignore[method-assign]
 
-    landed = assembler_module._Early.landed
+    landed = assembler_module._EarlyAssemblyFeed.branch_ended
 
     def timed_landed(self: Any, source: str, value: Any) -> None:
-        agent = self.prepared.request.agent_id if self.prepared is not None else "?"
+        agent = self.assembly.request.agent_id if self.assembly is not None else "?"
         mark(agent, f"landed {source}")
         landed(self, source, value)
         mark(agent, f"landed {source} done")
 
-    assembler_module._Early.landed = timed_landed  # type: ignore[method-assign]
+    assembler_module._EarlyAssemblyFeed.branch_ended = timed_landed  # type: ignore[method-assign]
 
     pure = assembler_module.assemble_pure
 

@@ -1,7 +1,7 @@
 """Loaded into `python -m ibex serve` by `benchmarks.load.after_wall` (via PYTHONPATH) only.
 
 Times each step of a call whose retrieval was cut by its wall, from the wall
-instant (the call's arrival on the Trio clock plus `RetrievalConfig.wall`):
+instant (the call's arrival on the Trio clock plus `RetrievalConfig.time_limit`):
 the first wake of the loop after it, the cold branch's cancellation reaching
 `MemoryHttpSource.cold`, retrieval's return, the pipeline, the crossing back
 to asyncio, and the send. It wraps the daemon's functions from outside;
@@ -31,7 +31,10 @@ def _install() -> None:
     import ibex.sources.memory_http as memory_http
 
     steps: dict[str, list[float]] = collections.defaultdict(list)
-    calls: dict[str, list[float]] = {}  # request_id -> [wall_at, retrieved, pipeline_end]
+    # A call's marks [wall_at, retrieved, pipeline_end], by its Trio task until the pipeline
+    # has run, then by its result: not by request id, which a load generator may repeat.
+    calls: dict[Any, list[float]] = {}
+    answers: dict[int, list[float]] = {}
     cancelled: dict[Any, float] = {}
     wakes: collections.deque[float] = collections.deque(maxlen=4096)
     installed = [False]
@@ -53,7 +56,7 @@ def _install() -> None:
         cancel = cancelled.pop(task, None)
         if arrived is None or not any(b.status == "timeout" for b in got.branches):
             return got
-        wall_at = arrived + kw["config"].wall
+        wall_at = arrived + kw["config"].time_limit
         seen = list(wakes)
         i = bisect.bisect_left(seen, wall_at)
         if i < len(seen):
@@ -61,7 +64,9 @@ def _install() -> None:
         if cancel is not None:
             steps["2 cold branch cancelled"].append((cancel - wall_at) * 1000)
         steps["3 retrieval returns"].append((now - wall_at) * 1000)
-        calls[request.request_id] = [wall_at, now]
+        if len(calls) >= 4096:  # calls that never reached the pipeline
+            calls.clear()
+        calls[task] = [wall_at, now]
         return got
 
     assembler_module.retrieve = timed_retrieve
@@ -81,9 +86,15 @@ def _install() -> None:
 
     def timed_pure(inputs: Any, **kw: Any) -> Any:
         result = pure(inputs, **kw)
-        mark = calls.get(inputs.request.request_id)
+        try:
+            mark = calls.pop(trio.lowlevel.current_task(), None)
+        except RuntimeError:  # in a worker thread: not followed
+            return result
         if mark is not None:
             mark.append(trio.current_time())
+            if len(answers) >= 4096:  # calls that never reached the send
+                answers.clear()
+            answers[id(result)] = mark
         return result
 
     assembler_module.assemble_pure = timed_pure
@@ -94,7 +105,7 @@ def _install() -> None:
         start = trio.current_time()
         await send(self, stream, result)
         end = trio.current_time()
-        mark = calls.pop(result.request_id, None)
+        mark = answers.pop(id(result), None)
         if mark is None or len(mark) < 3:
             return
         wall_at, retrieved, piped = mark
@@ -124,7 +135,8 @@ def _install() -> None:
 
     def report() -> None:
         out = os.environ.get("IBEX_WALL_PROBE_OUT")
-        if out:
+        # Only a process that served calls writes (a supervisor has no steps to report).
+        if out and steps:
             with open(out, "w") as f:
                 json.dump(steps, f)
 

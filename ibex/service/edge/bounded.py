@@ -3,45 +3,92 @@
 grpclib's Health and reflection services read a message with
 `Stream.recv_message`, which buffers whatever length the prefix declares (up
 to 4 GiB) for as long as the peer takes, before anyone has authenticated, and
-outside the in-flight bytes. `BoundedReads` gives every method of a servable a
-`recv_message` that refuses a declared length over its cap before reading the
-body, counts the bytes as they arrive toward the unauthenticated pool
-(`MAX_UNAUTHENTICATED_BYTES`, apart from `MAX_IN_FLIGHT_BYTES`), and
-gives up after the read timeout; the stream is then answered and reset, so the
-peer stops sending.
+outside the in-flight bytes. `BoundedReads` hands every method of a servable a
+stream whose `recv_message` (and async iteration) refuses a declared length
+over its cap before reading the body, counts the bytes as they arrive toward
+the unauthenticated pool (`MAX_UNAUTHENTICATED_BYTES`, apart from
+`MAX_IN_FLIGHT_BYTES`), and gives up after the read timeout; the stream is
+then answered and reset, so the peer stops sending.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Hashable
+from typing import Any, Protocol
 
 import grpclib.const
 import grpclib.server
 
 from ibex.errors import DeadlineError, IbexError, InputError
-from ibex.service.admission import Admission
+from ibex.service.edge.calls import handler_started
 from ibex.service.edge.status import grpc_error
 from ibex.service.edge.stream_reads import (
     connection_of,
-    handler_started,
     recv_next,
     request_complete,
     reset_unread,
 )
 
+__all__ = [
+    "HEALTH_MAX_MESSAGE_BYTES",
+    "REFLECTION_MAX_MESSAGE_BYTES",
+    "BoundedReads",
+    "Held",
+    "Reserve",
+]
+
 HEALTH_MAX_MESSAGE_BYTES = 1024  # a HealthCheckRequest is one service name
 REFLECTION_MAX_MESSAGE_BYTES = 64 * 1024  # a reflection request names one symbol or file
 
 
-class BoundedReads:
-    """A servable whose every method reads request messages of at most `limit` bytes."""
+class Held(Protocol):
+    """Request bytes counted in flight while a message arrives (`ibex.service.budgets`)."""
 
-    def __init__(self, inner: Any, *, limit: int, admission: Admission) -> None:
+    def grow(self, size: int) -> None:
+        """Count `size` more bytes before they are read (raises to refuse them)."""
+
+    def release(self) -> None:
+        """Give back everything counted."""
+
+
+Reserve = Callable[[Hashable], Held]
+"""A connection's reservation of unauthenticated bytes (nobody has authenticated here)."""
+
+
+class _BoundedStream:
+    """grpclib's server stream as the wrapped method sees it: `recv_message` and async
+    iteration read through `read`; everything else is the stream's own."""
+
+    __slots__ = ("_read", "_stream")
+
+    def __init__(self, stream: grpclib.server.Stream[Any, Any], read: Callable[[], Any]) -> None:
+        self._stream = stream
+        self._read = read
+
+    async def recv_message(self) -> Any:
+        return await self._read()
+
+    def __aiter__(self) -> AsyncIterator[Any]:
+        return self._messages()
+
+    async def _messages(self) -> AsyncIterator[Any]:
+        while (message := await self._read()) is not None:
+            yield message
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+class BoundedReads:
+    """A servable whose every method reads request messages of at most `limit` bytes,
+    counted through `reserve` and read within `read_timeout` seconds."""
+
+    def __init__(self, inner: Any, *, limit: int, reserve: Reserve, read_timeout: float) -> None:
         self._inner = inner
         self._limit = limit
-        self._admission = admission
+        self._reserve = reserve
+        self._read_timeout = read_timeout
 
     def __mapping__(self) -> dict[str, grpclib.const.Handler]:
         return {
@@ -63,9 +110,8 @@ class BoundedReads:
                     raise InputError("request", "no message")
                 return message
 
-            stream.recv_message = recv_message  # type: ignore[method-assign]
             try:
-                await func(stream)
+                await func(_BoundedStream(stream, recv_message))
             except IbexError as exc:
                 error = grpc_error(exc)
                 await stream.send_trailing_metadata(
@@ -77,10 +123,9 @@ class BoundedReads:
 
     async def _read(self, stream: grpclib.server.Stream[Any, Any]) -> Any:
         """The next message (None at the end of the stream), within the read timeout."""
-        admission = self._admission
         # Nobody is authenticated here: the bytes come from the unauthenticated pool.
-        reservation = admission.unauthenticated.reservation(connection_of(stream))
-        timeout = admission.config.read_timeout
+        reservation = self._reserve(connection_of(stream))
+        timeout = self._read_timeout
         try:
             if request_complete(stream):
                 got = await recv_next(stream, self._limit, reservation.grow)

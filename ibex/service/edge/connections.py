@@ -29,17 +29,17 @@ elsewhere); the connection closes when its last stream ends.
 
 from __future__ import annotations
 
-import asyncio
-import errno
 import logging
 import math
 import random
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Annotated, Protocol
 
 import msgspec
 import trio
+
+from ibex.envvar import env
 
 log = logging.getLogger(__name__)
 
@@ -63,63 +63,28 @@ def default_max_connections(soft_limit: int | None = None) -> int:
     return max(1, min(MAX_CONNECTIONS_CEILING, soft_limit - NOFILE_HEADROOM))
 
 
-_RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
-
-
-class LoopErrorHandler:
-    """The asyncio loop's exception handler: log, never end the process.
-
-    trio-asyncio's default handler re-raises into the loop's nursery, so one
-    `accept()` failing with EMFILE took the daemon down. asyncio's accept loop
-    already stops reading the listener for a second after such an error and
-    then resumes; this handler only logs (at most once per `interval` for accept
-    errors, which come in floods).
-    """
-
-    def __init__(self, interval: float = REFUSAL_LOG_INTERVAL) -> None:
-        self.accept_errors = 0
-        self._interval = interval
-        self._logged_at = -interval
-        self._logged = 0
-
-    def __call__(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
-        exc = context.get("exception")
-        if isinstance(exc, OSError) and exc.errno in _RESOURCE_ERRNOS:
-            self.accept_errors += 1
-            now = time.monotonic()
-            if now - self._logged_at >= self._interval:
-                log.warning(
-                    "accept_failed",
-                    extra={
-                        "error": errno.errorcode.get(exc.errno or 0, str(exc.errno)),
-                        "count": self.accept_errors - self._logged,
-                        "detail": str(context.get("message", "")),
-                    },
-                )
-                self._logged_at = now
-                self._logged = self.accept_errors
-            return
-        log.error(
-            "loop_error",
-            extra={
-                "detail": str(context.get("message", "")),
-                "error": repr(exc) if exc is not None else None,
-            },
-        )
-
-
 class ConnectionsConfig(msgspec.Struct, frozen=True):
     """Connection limits (seconds). None turns the per-peer cap, the idle close, the close of
     unauthenticated connections or the age rotation off."""
 
     max_connections: int = MAX_CONNECTIONS_CEILING
     max_per_peer: int | None = None
-    auth_timeout: float | None = 10.0
-    first_call_grace: float = 2.0  # an unauthenticated connection this young is not evicted
-    peer_rate: float | None = 20.0  # new connections per second per peer IP (burst: twice)
-    tls_handshake_timeout: float = 5.0
-    idle_timeout: float | None = 300.0
-    max_age: float | None = None
+    auth_timeout: Annotated[float | None, env("IBEX_CONTEXT_CONNECTION_AUTH_TIMEOUT", unit="s")] = (
+        10.0
+    )
+    first_call_grace: Annotated[
+        float, env("IBEX_CONTEXT_CONNECTION_FIRST_CALL_GRACE", unit="s")
+    ] = 2.0  # an unauthenticated connection this young is not evicted
+    peer_rate: Annotated[
+        float | None, env("IBEX_CONTEXT_CONNECTION_RATE_PER_PEER", bounds=(0.1, 1_000_000.0))
+    ] = 20.0  # new connections per second per peer IP (burst: twice)
+    tls_handshake_timeout: Annotated[float, env("IBEX_CONTEXT_TLS_HANDSHAKE_TIMEOUT", unit="s")] = (
+        5.0
+    )
+    idle_timeout: Annotated[float | None, env("IBEX_CONTEXT_CONNECTION_IDLE_TIMEOUT", unit="s")] = (
+        300.0
+    )
+    max_age: Annotated[float | None, env("IBEX_CONTEXT_MAX_CONNECTION_AGE", unit="s")] = None
     age_grace: float = 10.0
     goaway_ack_timeout: float = 1.0
 

@@ -10,7 +10,7 @@ larger so a large request needs fewer round trips while its handler reads it.
 A unary request is one message: `UnaryRequest` reads each prefix off the DATA
 as it arrives and says when a peer sends past that message's end (more DATA
 after a Health/Watch request, say). The protocol then resets the stream and
-drops those bytes instead of buffering them (`protocol._TrackedProtocol`).
+drops those bytes instead of buffering them (`protocol.TrackedProtocol`).
 """
 
 from __future__ import annotations

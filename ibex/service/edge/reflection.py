@@ -13,8 +13,8 @@ asks for the same credentials as the service; health stays open for probes.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
-from typing import Any
+from collections.abc import Callable, Collection, Mapping
+from typing import Any, Protocol
 
 import grpclib.const
 import grpclib.server
@@ -25,9 +25,8 @@ from grpclib.reflection.service import ServerReflection
 
 from ibex._proto.google_proto_descriptor_pool import default_google_proto_descriptor_pool
 from ibex.errors import IbexError
-from ibex.service.auth import Authenticator
+from ibex.service.edge.calls import caller_authenticated
 from ibex.service.edge.status import grpc_error
-from ibex.service.edge.stream_reads import caller_authenticated
 
 
 def reflection_pool() -> DescriptorPool:
@@ -67,10 +66,25 @@ class _ReflectionV1Alpha(_MethodSymbols, ServerReflectionV1Alpha):
     pass
 
 
+class Authenticates(Protocol):
+    """What reflection asks of the service's authenticator (`ibex.service.auth`)."""
+
+    @property
+    def enabled(self) -> bool:
+        """Callers must authenticate."""
+
+    @property
+    def mtls(self) -> bool:
+        """Callers present a client certificate."""
+
+    def authenticate(self, metadata: Mapping[str, Any], peer_cert: dict[str, Any] | None) -> str:
+        """The caller's identity; raises an `IbexError` for a caller it refuses."""
+
+
 class _Authenticated:
     """A servable whose every method first authenticates the caller."""
 
-    def __init__(self, inner: Any, auth: Authenticator) -> None:
+    def __init__(self, inner: Any, auth: Authenticates) -> None:
         self._inner = inner
         self._auth = auth
 
@@ -95,7 +109,7 @@ class _Authenticated:
         return run
 
 
-def with_reflection(services: Collection[Any], auth: Authenticator) -> list[Any]:
+def with_reflection(services: Collection[Any], auth: Authenticates) -> list[Any]:
     """`services` plus reflection (v1 and v1alpha), authenticated when auth is on."""
     pool = reflection_pool()
     names = [next(iter(s.__mapping__())).split("/")[1] for s in services]

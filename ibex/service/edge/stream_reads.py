@@ -1,5 +1,5 @@
-"""Reading a call's request off its grpclib stream, bounded, and what the stream knows
-about the call (complete, arrival time, handler started).
+"""Reading a call's request off its grpclib stream, bounded, and whether it has all
+arrived.
 
 grpclib (0.4) has no public way to bound a request's size before it is buffered,
 nor to see whether the request was read to its end: these functions reach into
@@ -117,38 +117,8 @@ def connection_of(stream: grpclib.server.Stream[Any, Any]) -> object:
     return stream._stream.connection
 
 
-def caller_authenticated(stream: grpclib.server.Stream[Any, Any]) -> None:
-    """A call on this stream's connection passed authentication (see `Connections`)."""
-    protocol = getattr(stream._stream.connection, "ibex_protocol", None)
-    if protocol is not None:
-        protocol._connections.authenticated(protocol)
-
-
 def request_complete(stream: grpclib.server.Stream[Any, Any]) -> bool:
     """True when the caller's END_STREAM has been read: the whole request is buffered,
     so reading it cannot stall (and needs no timer)."""
     buffer = getattr(stream._stream, "buffer", None)
     return getattr(buffer, "_eof", False) is True
-
-
-def arrival(stream: grpclib.server.Stream[Any, Any]) -> float | None:
-    """When the call's HEADERS were read off its connection (`time.monotonic()`), or None.
-
-    grpclib starts a call's handler as a task; under load it runs well after the
-    request arrived, and grpclib's own deadline starts counting only then.
-    """
-    arrived = getattr(stream._stream, "ibex_arrived", None)
-    return arrived if isinstance(arrived, float) else None
-
-
-def handler_started(stream: grpclib.server.Stream[Any, Any]) -> None:
-    """The handler of a call the gate let through now runs: it no longer waits to start.
-
-    The task's fallback done callback is removed too, so a call costs the loop no
-    extra callback when it ends.
-    """
-    pending = stream._stream.__dict__.pop("ibex_gate_left", None)
-    if pending is not None:
-        left, task, done = pending
-        task.remove_done_callback(done)
-        left()

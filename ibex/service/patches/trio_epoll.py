@@ -29,6 +29,8 @@ from typing import Any
 
 import trio
 
+from ibex.versions import require
+
 log = logging.getLogger(__name__)
 
 _CLOCK_MONOTONIC = 1
@@ -128,9 +130,11 @@ def precise_wakeups() -> Iterator[bool]:
     """Within this block, the current Trio run's timers fire on time (see module docstring).
 
     Yields False, and changes nothing, where the platform or Trio's internals do
-    not allow it (logged once as ``precise_wakeups_off``).
+    not allow it (logged once as ``precise_wakeups_off``). Raises
+    `ibex.versions.UnsupportedVersion` for a Trio outside the range it was written for.
     """
     global _original_get_events
+    require("trio")
     trio.lowlevel.current_trio_token()  # only inside trio.run
     manager = _io_manager()
     epoll = getattr(manager, "_epoll", None)

@@ -1,5 +1,9 @@
-"""`ibex` command line: serve, assemble, feedback, config, check (and, from ibex.cli_ops,
-health, search, directive, --version)."""
+"""The `ibex` commands of this host's daemon: serve, config, check.
+
+They read the settings (IBEX_CONTEXT_*, and `serve --env-file`); a start-up
+refused by a setting, a file or an address is one line on stderr and the
+error's own exit status (docs/operations.md), never a traceback.
+"""
 
 from __future__ import annotations
 
@@ -9,26 +13,24 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ibex.cli_ops import (
-    SAMPLE_AGENT,
-    SAMPLE_ORG,
-    DefaultsFormatter,
-    VersionAction,
-    add_client_flags,
-    register,
-)
-from ibex.cli_ops import call as _call
-from ibex.cli_ops import client_options as _client_options
-from ibex.config import ConfigError, Settings, load_settings, unknown_variables
+from ibex.cli.common import EXIT_USAGE, DefaultsFormatter
+from ibex.errors import ConfigError
+
+if TYPE_CHECKING:
+    from ibex.config import Settings
 
 log = logging.getLogger(__name__)
 
 
 def _settings(env: Mapping[str, str] | None = None) -> Settings:
+    # Imported here: the settings table imports every layer's config struct (the whole
+    # server), which the client commands and `--help` do without.
+    from ibex.config import load_settings
+
     try:
         return load_settings(env)
     except ConfigError as exc:
@@ -66,7 +68,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.workers is not None:
         if args.workers < 1:
             print("ibex serve: --workers must be >= 1", file=sys.stderr)
-            return 2
+            return EXIT_USAGE
         settings = _replace(settings, workers=args.workers)
         try:
             settings.check_worker_ports()
@@ -80,13 +82,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 f"ibex serve: --supervisor-fd {args.supervisor_fd} is not an open file descriptor",
                 file=sys.stderr,
             )
-            return 2
+            return EXIT_USAGE
     configure_logging(settings.log_level)
     if not args.worker:  # the supervisor already said it for its workers
         _warn_unknown_variables(env)
         _warn_config(settings)
-    # /metrics exposition is ~1.25 ms of pure Python per scrape: served by a supervisor
-    # process (multiprocess mode) whenever it is on, so a scrape never pauses calls.
+    # /metrics exposition is milliseconds of pure Python per scrape (benchmarks.code_costs):
+    # served by a supervisor process (multiprocess mode) whenever it is on, so a scrape
+    # never pauses calls.
     # An env file means reloads (SIGHUP), which only the supervisor does.
     supervised = settings.workers > 1 or settings.metrics_addr or args.env_file is not None
     try:
@@ -139,6 +142,7 @@ def _reload_settings(
 ) -> tuple[Settings, float]:
     """The supervisor's check of a reload's settings, as a start checks them: ConfigError
     names the variable. The worker count stays the running one (a restart changes it)."""
+    from ibex.config import load_settings
     from ibex.service.root import check_bind_policy, drain_grace
 
     settings = load_settings(env)
@@ -152,6 +156,8 @@ def _reload_settings(
 
 def _warn_unknown_variables(env: Mapping[str, str] | None = None) -> None:
     """A typo in a setting's name would otherwise leave that setting at its default unseen."""
+    from ibex.config import unknown_variables
+
     for name, closest in unknown_variables(env):
         log.warning("unknown_setting", extra={"variable": name, "closest": closest})
 
@@ -196,134 +202,6 @@ def _replace(settings: Settings, **changes: Any) -> Settings:
     return msgspec.structs.replace(settings, **changes)
 
 
-def _message(raw: str) -> tuple[str, str]:
-    role, sep, content = raw.partition(":")
-    if not sep:
-        raise argparse.ArgumentTypeError("expected ROLE:CONTENT")
-    return role, content
-
-
-def cmd_assemble(args: argparse.Namespace) -> int:
-    from ibex.client import ContextClient
-
-    host, port, token, ssl_ctx = _client_options(args)
-    fields: dict[str, Any] = dict(
-        org_id=args.org,
-        agent_id=args.agent,
-        query=args.query,
-        model=args.model,
-        available_tokens=args.available_tokens,
-        recent_messages=[{"role": r, "content": c} for r, c in args.message],
-        tool_schemas=list(args.tool),
-        request_id=args.request_id,
-    )
-    if args.max_memories:
-        fields["options"] = {"max_memories": args.max_memories}
-
-    ok, result = _call(
-        "assemble",
-        lambda: ContextClient(host, port, token=token, ssl_context=ssl_ctx, deadline=args.timeout),
-        lambda client: client.assemble(**fields),
-    )
-    if not ok:
-        return 1
-    if args.json:
-        from google.protobuf.json_format import MessageToDict
-
-        body = MessageToDict(result.response) if result.response is not None else {}
-        print(json.dumps({"status": result.status, "degraded": result.degraded, **body}, indent=2))
-        return 0
-    print(render_report(result))
-    return 0 if result.status == "OK" else 3
-
-
-def cmd_feedback(args: argparse.Namespace) -> int:
-    """Report which memories helped; prints each score the memory service moved."""
-    from ibex.client import ContextClient
-
-    host, port, token, ssl_ctx = _client_options(args)
-    ok, response = _call(
-        "feedback",
-        lambda: ContextClient(host, port, token=token, ssl_context=ssl_ctx),
-        lambda client: client.record_feedback(
-            args.memory,
-            args.feedback,
-            org_id=args.org,
-            session_id=args.session,
-            trace_id=args.trace,
-            timeout=args.timeout,
-        ),
-        addr=args.addr,
-    )
-    if not ok:
-        return 1
-    if args.json:
-        from google.protobuf.json_format import MessageToDict
-
-        print(json.dumps(MessageToDict(response), indent=2))
-        return 0
-    print(f"feedback {args.feedback}: recorded, {len(response.updates)} of {len(args.memory)} ids")
-    for u in response.updates:
-        print(f"  {u.memory_id:<40} {u.previous_score:.3f} -> {u.new_score:.3f}")
-    return 0
-
-
-def render_report(result: Any) -> str:
-    """The context, then the budget table and every excluded candidate."""
-    out = [result.context.rstrip("\n"), ""]
-    r = result.response
-    if r is None:
-        out.append(f"daemon unavailable ({result.status}): history-only fallback, degraded")
-        if result.messages_dropped:
-            out.append(f"{result.messages_dropped} oldest messages left out to fit the window")
-        return "\n".join(out)
-    b = r.budget
-    used_markup = r.tokens_used - r.directive_tokens - r.history_tokens - r.memory_tokens
-    rows = [
-        ("window", b.context_window),
-        ("response reserve", b.response_reserve),
-        ("safety buffer", b.safety_buffer),
-        ("directive", r.directive_tokens),
-        ("history", r.history_tokens),
-        ("tools + markup", used_markup),
-        ("memories", r.memory_tokens),
-        ("free", b.context_window - b.response_reserve - b.safety_buffer - r.tokens_used),
-    ]
-    out.append(f"budget ({b.tokenizer_family}, {b.estimate_kind})")
-    out += [f"  {name:<18}{value:>10,}" for name, value in rows]
-    out.append(f"  {'tokens used':<18}{r.tokens_used:>10,}")
-    # Not part of the context: the oldest messages left out so the rest fits.
-    dropped = f"  ({b.messages_dropped} oldest messages, not in the context)"
-    out.append(f"  {'history dropped':<18}{b.messages_dropped_tokens:>10,}{dropped}")
-    filtered = r.pack.tenant_filtered
-    out.append(
-        f"degradation {r.degradation_level}; score {r.score_schema}; pack {r.pack.path}; "
-        f"{r.memories_included} memories included"
-        + (f"; {filtered} hits of other tenants filtered" if filtered else "")
-    )
-    # A branch's detail is why it did not succeed (e.g. the directive value's error).
-    out.append(
-        "branches: "
-        + ", ".join(
-            f"{x.source}={x.status} ({x.latency_ms:.1f}ms{'; ' + x.detail if x.detail else ''})"
-            for x in r.branches
-        )
-    )
-    if r.memories_used:  # usefulness shows what feedback (`ibex feedback`) changed
-        out.append("included:")
-        out += [
-            f"  {m.memory_id:<40} score={m.composite_score:.3f} usefulness={m.usefulness_score:.3f}"
-            for m in r.memories_used
-        ]
-    if r.excluded:
-        out.append("excluded:")
-        out += [
-            f"  {m.memory_id:<40} {m.exclusion:<10} score={m.composite_score:.3f}"
-            for m in r.excluded
-        ]
-    return "\n".join(out)
-
-
 def cmd_config(args: argparse.Namespace) -> int:
     """Print every variable's effective value: set, its default, or computed at start.
 
@@ -358,6 +236,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     could) are printed but do not fail the check."""
     from ibex.assembly.catalog import CatalogError, load_catalog
     from ibex.assembly.tokens import TokenizerError, verify_files
+    from ibex.config import unknown_variables
     from ibex.service.root import (
         check_bind_policy,
         config_warnings,
@@ -415,12 +294,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="ibex", description="Ibex context-assembly daemon", formatter_class=DefaultsFormatter
-    )
-    p.add_argument("--version", action=VersionAction)
-    sub = p.add_subparsers(dest="command", required=True)
+def register(sub: Any) -> None:
+    """Add serve, config and check to the `ibex` subcommands."""
     s = sub.add_parser(
         "serve",
         help="run the daemon (settings from IBEX_CONTEXT_*)",
@@ -447,70 +322,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--supervisor-fd", type=int, default=None, help=argparse.SUPPRESS)
     s.set_defaults(func=cmd_serve)
 
-    a = sub.add_parser(
-        "assemble",
-        help="ask a running daemon for a context block",
-        description="AssembleContext. Exit 0 when the daemon answered (degraded or not), "
-        "3 when it did not (the history-only fallback is printed), 1 on an error status.",
-        formatter_class=DefaultsFormatter,
-    )
-    add_client_flags(a)
-    a.add_argument("--org", default=SAMPLE_ORG, help="org UUID")
-    a.add_argument("--agent", default=SAMPLE_AGENT, help="agent UUID")
-    a.add_argument(
-        "--query", default="How should I deploy the service on Friday?", help="the user turn"
-    )
-    a.add_argument("--model", default="gpt-4o", help="model id, looked up in the catalog")
-    a.add_argument(
-        "--available-tokens",
-        type=int,
-        default=0,
-        help="caps the window (0: the model's); sizes a model the catalog does not know",
-    )
-    a.add_argument("--max-memories", type=int, default=0, help="0: no cap (hard cap 100)")
-    a.add_argument(
-        "--message",
-        type=_message,
-        action="append",
-        default=[],
-        metavar="ROLE:CONTENT",
-        help="history message (repeatable)",
-    )
-    a.add_argument("--tool", action="append", default=[], help="tool schema JSON (repeatable)")
-    a.add_argument("--request-id", default="cli", help="correlation id, echoed")
-    a.add_argument("--json", action="store_true", help="print the whole response as JSON")
-    a.set_defaults(func=cmd_assemble)
-
-    f = sub.add_parser(
-        "feedback",
-        help="tell a running daemon which memories helped",
-        formatter_class=DefaultsFormatter,
-    )
-    add_client_flags(f)
-    f.add_argument("--org", default=SAMPLE_ORG, help="org UUID")
-    f.add_argument(
-        "--memory", action="append", required=True, metavar="ID", help="memory id (repeatable)"
-    )
-    f.add_argument(
-        "--feedback",
-        required=True,
-        choices=("positive", "negative", "neutral"),
-        help="whether the memories helped",
-    )
-    f.add_argument("--session", default="", help="session id")
-    f.add_argument("--trace", default="", help="trace id (part of the idempotency key)")
-    f.add_argument("--json", action="store_true", help="print the whole response as JSON")
-    f.set_defaults(func=cmd_feedback)
-
     c = sub.add_parser("config", help="print effective settings (secrets redacted)")
     c.add_argument("--json", action="store_true", help="print one JSON object")
     c.set_defaults(func=cmd_config)
     k = sub.add_parser("check", help="validate settings, catalog and tokenizer files offline")
     k.set_defaults(func=cmd_check)
-    register(sub)
-    return p
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return int(args.func(args))

@@ -2,11 +2,11 @@
 
 redis-py writes every command under `asyncio.wait_for`, which before Python
 3.12 returns the write's result and drops the cancellation when both land in
-the same loop step (CPython gh-86296). A cancelled GET then went on to wait for
+the same loop step (CPython gh-86296): a cancelled GET goes on to wait for
 the reply of a sleeping server, far past its branch's deadline. redis-py's
 connection module therefore gets `wait_for` as Python 3.12 has it, on top of
 `asyncio.timeout`. Installed explicitly at start-up, through
-`ibex.service.edge.patches.install_patches` (this layer may not import the service).
+`ibex.service.patches.install_patches`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The timer-heap sweep of the batching trio-asyncio main loop (`ibex.service.edge.patches`).
+"""The timer-heap sweep of the batching trio-asyncio main loop (`trio_asyncio_loop`).
 
 trio-asyncio keeps cancelled timers in its heap and wakes for each of them;
 the patched main loop drops them before it waits, with `drop_cancelled_timers`.
