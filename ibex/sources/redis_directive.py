@@ -582,8 +582,13 @@ class _EarlyReply:
         self._reader: Any = None
 
     def watch(self, conn: Any) -> _EarlyReply | None:
+        """Watch `conn`, just leased (a re-lease after a broken connection starts over:
+        the bytes the broken one got are not part of the new reply)."""
+        self._buf = bytearray()
         reader = getattr(conn, "_reader", None)
-        if not isinstance(reader, asyncio.StreamReader) or "feed_data" in vars(reader):
+        if self._told or not isinstance(reader, asyncio.StreamReader):
+            return None
+        if "feed_data" in vars(reader):
             return None
         feed = reader.feed_data
 

@@ -26,7 +26,12 @@ import trio_asyncio
 from ibex.assembly.structs import Directive
 from ibex.service.patches import batch_ready_callbacks
 from ibex.sources.directive_cache import DirectiveCache, DirectiveCacheConfig
-from ibex.sources.redis_directive import RedisDirectiveSource, _PoolReader, directive_key
+from ibex.sources.redis_directive import (
+    RedisDirectiveSource,
+    RedisOptions,
+    _PoolReader,
+    directive_key,
+)
 from ibex.testing.redis_server import RedisServer
 
 ORG = "0b6f8f1e-5c3a-4f51-9a8e-0d6f1c2b3a4d"
@@ -63,7 +68,10 @@ async def redis_source(
         for agent in agents(r):
             value = {"v": 1, "content": f"directive of {agent}", "version_id": None}
             redis_server.set(directive_key(ORG, agent), json.dumps(value))
-    source = RedisDirectiveSource(redis_server.url)
+    # Backstop timeouts a busy machine cannot reach: nothing here is timed.
+    source = RedisDirectiveSource(
+        redis_server.url, RedisOptions(connect_timeout=10, socket_timeout=10)
+    )
     try:
         await source.warm(2)
         yield source

@@ -3,9 +3,12 @@ the expected shape is told early; anything else is left to redis-py's own parse.
 
 from __future__ import annotations
 
+import asyncio
+from types import SimpleNamespace
+
 import pytest
 
-from ibex.sources.redis_directive import parse_values
+from ibex.sources.redis_directive import _EarlyReply, parse_values
 
 MGET = b'*3\r\n$13\r\n{"v": 1, "x"}\r\n$-1\r\n$12\r\nline\r\n$3\r\nab\r\n'
 
@@ -52,3 +55,27 @@ def test_anything_but_a_plain_reply_of_the_expected_shape_is_refused(
 ) -> None:
     with pytest.raises(ValueError):
         parse_values(raw, count, 100)
+
+
+def test_a_re_lease_after_a_broken_connection_parses_only_the_new_connections_bytes() -> None:
+    """The bytes a broken connection got before it broke are no part of the reply the
+    re-leased one gets: a value is never framed from the two together."""
+    loop = asyncio.new_event_loop()
+    try:
+        told: list[list[bytes | None]] = []
+        early = _EarlyReply(True, ["k1", "k2"], 100, told.append)
+        for data in (b"*2\r\n$5\r\nhel", b"*2\r\n$5\r\nhello\r\n$-1\r\n"):
+            reader = asyncio.StreamReader(loop=loop)
+            watched = early.watch(SimpleNamespace(_reader=reader))
+            assert watched is not None
+            reader.feed_data(data)
+            watched.unwatch()
+            assert "feed_data" not in vars(reader)  # the reader is left as it was
+            assert await_read(loop, reader, len(data)) == data  # and got every byte
+    finally:
+        loop.close()
+    assert told == [[b"hello", None]]
+
+
+def await_read(loop: asyncio.AbstractEventLoop, reader: asyncio.StreamReader, n: int) -> bytes:
+    return loop.run_until_complete(reader.readexactly(n))
