@@ -257,6 +257,9 @@ def test_cluster_setting() -> None:
         ("https://svc:hunter2@memory:8443/base", "https://<redacted>@memory:8443/base"),
         ("http://memory:8080", "http://memory:8080"),
         ("127.0.0.1:9092", "127.0.0.1:9092"),
+        # `;` separates parameters too, `sig` names a secret, the rest stays as written.
+        ("https://h/x?db=1;token=hunter2", "https://h/x?db=1;token=<redacted>"),
+        ("https://h/x?a=/b&sig=hunter2#f", "https://h/x?a=/b&sig=<redacted>#f"),
     ],
 )
 def test_url_credentials_are_redacted(url: str, shown: str) -> None:
