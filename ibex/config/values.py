@@ -17,7 +17,6 @@ import os
 import re
 import types
 import typing
-import urllib.parse
 import uuid
 from collections.abc import Callable
 from typing import Any, Literal
