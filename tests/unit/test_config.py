@@ -393,7 +393,7 @@ def test_directive_cache_max_age() -> None:
 def test_a_listening_port_is_named_by_its_variable() -> None:
     """The one line of a failed bind names the setting: worker i's own port is
     WORKER_PORT_BASE + i, also in a worker process, whose settings say one worker."""
-    from ibex.service.root import listen_variable
+    from ibex.service.startup_checks import listen_variable
 
     worker = load_settings(
         {
