@@ -95,7 +95,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         if supervised and not args.worker:
             from ibex.ops.workers import supervise
-            from ibex.service.root import check_bind_policy, drain_grace
+            from ibex.service.root import drain_grace
+            from ibex.service.startup_checks import check_bind_policy
 
             check_bind_policy(settings)
             return supervise(
@@ -143,7 +144,8 @@ def _reload_settings(
     """The supervisor's check of a reload's settings, as a start checks them: ConfigError
     names the variable. The worker count stays the running one (a restart changes it)."""
     from ibex.config import load_settings
-    from ibex.service.root import check_bind_policy, drain_grace
+    from ibex.service.root import drain_grace
+    from ibex.service.startup_checks import check_bind_policy
 
     settings = load_settings(env)
     kept = _replace(settings, workers=running.workers)
@@ -164,7 +166,7 @@ def _warn_unknown_variables(env: Mapping[str, str] | None = None) -> None:
 
 def _warn_config(settings: Settings) -> None:
     """A configuration that serves less than it could: one warning line each, at every start."""
-    from ibex.service.root import config_warnings
+    from ibex.service.startup_checks import config_warnings
 
     for warning in config_warnings(settings):
         variable = warning.partition(":")[0]
@@ -190,7 +192,7 @@ def _naming(settings: Settings, error: ConfigError) -> str:
     from ibex.errors import ListenError
 
     if isinstance(error, ListenError):
-        from ibex.service.root import listen_variable
+        from ibex.service.startup_checks import listen_variable
 
         return f"{listen_variable(settings, error.port)} {error}"
     return str(error)
@@ -237,13 +239,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     from ibex.assembly.catalog import CatalogError, load_catalog
     from ibex.assembly.tokens import TokenizerError, verify_files
     from ibex.config import unknown_variables
-    from ibex.service.root import (
-        check_bind_policy,
-        config_warnings,
-        listen_problems,
-        server_ssl_context,
-        uses_local_sample,
-    )
+    from ibex.service.root import server_ssl_context, uses_local_sample
+    from ibex.service.startup_checks import check_bind_policy, config_warnings, listen_problems
     from ibex.sources.local_file import LocalFileError, LocalFileSource
 
     settings = _settings()

@@ -17,7 +17,6 @@ import os
 import re
 import types
 import typing
-import urllib.parse
 import uuid
 from collections.abc import Callable
 from typing import Any, Literal
@@ -25,6 +24,7 @@ from typing import Any, Literal
 from ibex.envvar import Declared
 from ibex.errors import ConfigError, ConfigFileError
 from ibex.netaddr import parse_allowed_san, split_host_port
+from ibex.ops.logs import redact_url
 
 __all__ = [
     "MS",
@@ -55,41 +55,10 @@ __all__ = [
 #: A parser: (the variable's full name, its raw non-blank value) -> the value, or ConfigError.
 Parse = Callable[[str, str], Any]
 
-# Query parameters of a URL that carry a secret (redis-py reads `password`).
-_SECRET_QUERY = re.compile(r"pass|secret|token|key|auth", re.IGNORECASE)
 _DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*(ms|s|m|h)?\s*$")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 #: Seconds per duration unit.
 UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
-
-
-def redact_url(value: str) -> str:
-    """`value` with userinfo and password-like query parameters replaced by `<redacted>`.
-
-    The userinfo is everything between `://` (or the start) and the LAST `@`:
-    an unencoded password may hold `/`, `?`, `#` or `@`, which a URL parser
-    reads as the start of the path, query or fragment and would leave on show.
-    Over-redacting a host is harmless; echoing a password is not. Works on
-    strings that are not URLs too (`host:port` comes back unchanged).
-    """
-    scheme, sep, rest = value.partition("://")
-    if not sep:
-        scheme, rest = "", value
-    if "@" in rest:
-        rest = "<redacted>@" + rest.rpartition("@")[2]
-    rest, hashmark, fragment = rest.partition("#")
-    base, qmark, query = rest.partition("?")
-    if query:
-        try:
-            pairs = urllib.parse.parse_qsl(query, keep_blank_values=True)
-        except ValueError:
-            query = "<redacted>"
-        else:
-            query = "&".join(
-                f"{k}=<redacted>" if _SECRET_QUERY.search(k) else urllib.parse.urlencode({k: v})
-                for k, v in pairs
-            )
-    return f"{scheme}{sep}{base}{qmark}{query}{hashmark}{fragment}"
 
 
 def parse_duration(name: str, raw: str, *, bare: bool = True) -> float:

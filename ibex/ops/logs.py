@@ -106,20 +106,31 @@ _QUERY_SECRET: Final = re.compile(
 )
 
 
-def _redact_url(match: re.Match[str]) -> str:
-    scheme, _, rest = match.group(0).partition("://")
+def redact_url(value: str) -> str:
+    """`value` with its userinfo and secret-named query values replaced by `<redacted>`.
+
+    The userinfo is everything between `://` (or the start) and the LAST `@`: an
+    unencoded password may hold `/`, `?`, `#` or `@`, which a URL parser reads as
+    the start of the path, query or fragment and would leave on show. Over-redacting
+    a host is harmless; echoing a password is not. A parameter is secret-named when
+    its name holds pass, secret, token, key, auth or sig (`&` or `;` separate them).
+    The rest stays as written, so `host:port` comes back unchanged.
+    """
+    scheme, sep, rest = value.partition("://")
+    if not sep:
+        scheme, rest = "", value
     if "@" in rest:
         rest = REDACTED + "@" + rest.rpartition("@")[2]
     if "=" in rest:
         rest = _QUERY_SECRET.sub(r"\1" + REDACTED, rest)
-    return f"{scheme}://{rest}"
+    return f"{scheme}{sep}{rest}"
 
 
 def redact_urls(text: str) -> str:
-    """`text` with every URL's userinfo and secret-named query values replaced by `<redacted>`."""
+    """`text` with every URL redacted by `redact_url`."""
     if "://" not in text:
         return text
-    return _URL.sub(_redact_url, text)
+    return _URL.sub(lambda m: redact_url(m.group(0)), text)
 
 
 def is_denied(name: str) -> bool:

@@ -23,19 +23,11 @@ from ibex.service import pb
 
 
 def request_from_proto(msg: Any) -> AssemblyRequest:
-    o = msg.options if msg.HasField("options") else None
+    # AssemblyOptions mirrors its message field for field (tests/unit/test_proto.py):
+    # one C copy by name.
     options = (
-        AssemblyOptions(
-            skip_cold_memories=o.skip_cold_memories,
-            skip_hot_memories=o.skip_hot_memories,
-            recency_weight=o.recency_weight,
-            relevance_weight=o.relevance_weight,
-            usefulness_weight=o.usefulness_weight,
-            confidence_weight=o.confidence_weight,
-            max_memories=o.max_memories,
-            reject_history_overflow=o.reject_history_overflow,
-        )
-        if o is not None
+        msgspec.convert(msg.options, AssemblyOptions, from_attributes=True)
+        if msg.HasField("options")
         else AssemblyOptions()
     )
     return AssemblyRequest(

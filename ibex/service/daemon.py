@@ -39,23 +39,22 @@ from ibex.service.admission import Admission, AdmissionConfig
 from ibex.service.assembler import Assembler
 from ibex.service.auth import Authenticator
 from ibex.service.dependencies import DependencyConfig, DependencyStates, keep, warm_all
-from ibex.service.edge.bounded import (
+from ibex.service.edge import (
     HEALTH_MAX_MESSAGE_BYTES,
     REFLECTION_MAX_MESSAGE_BYTES,
     BoundedReads,
-)
-from ibex.service.edge.connections import Connections, ConnectionsConfig
-from ibex.service.edge.deadline import CallDeadline
-from ibex.service.edge.flow import grpclib_configuration
-from ibex.service.edge.listeners import (
+    CallDeadline,
+    Connections,
+    ConnectionsConfig,
+    LoopErrorHandler,
     TrackedServer,
     bound_port,
+    grpclib_configuration,
     listen_also,
     stop_accepting,
     track_connections,
+    with_reflection,
 )
-from ibex.service.edge.loop_errors import LoopErrorHandler
-from ibex.service.edge.reflection import with_reflection
 from ibex.service.handlers import ContextService, EdgeConfig, method_label
 from ibex.service.patches import install_patches, precise_wakeups
 from ibex.service.policies import AdmissionPolicy

@@ -257,6 +257,9 @@ def test_cluster_setting() -> None:
         ("https://svc:hunter2@memory:8443/base", "https://<redacted>@memory:8443/base"),
         ("http://memory:8080", "http://memory:8080"),
         ("127.0.0.1:9092", "127.0.0.1:9092"),
+        # `;` separates parameters too, `sig` names a secret, the rest stays as written.
+        ("https://h/x?db=1;token=hunter2", "https://h/x?db=1;token=<redacted>"),
+        ("https://h/x?a=/b&sig=hunter2#f", "https://h/x?a=/b&sig=<redacted>#f"),
     ],
 )
 def test_url_credentials_are_redacted(url: str, shown: str) -> None:
@@ -390,7 +393,7 @@ def test_directive_cache_max_age() -> None:
 def test_a_listening_port_is_named_by_its_variable() -> None:
     """The one line of a failed bind names the setting: worker i's own port is
     WORKER_PORT_BASE + i, also in a worker process, whose settings say one worker."""
-    from ibex.service.root import listen_variable
+    from ibex.service.startup_checks import listen_variable
 
     worker = load_settings(
         {

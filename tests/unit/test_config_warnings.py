@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from ibex.config import PREFIX, load_settings
-from ibex.service.root import config_warnings
+from ibex.service.startup_checks import config_warnings
 
 MEMORY = {PREFIX + "MEMORY_BASE_URL": "http://127.0.0.1:8080", PREFIX + "MEMORY_API_TOKEN": "t"}
 SENTINELS = {

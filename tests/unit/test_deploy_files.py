@@ -13,7 +13,8 @@ import pytest
 
 from ibex import config
 from ibex.config import PREFIX, Settings, load_settings, parse_duration
-from ibex.service.root import check_bind_policy, drain_grace, effective_settings
+from ibex.service.root import drain_grace, effective_settings
+from ibex.service.startup_checks import check_bind_policy
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 UNIT = DEPLOY / "systemd" / "ibex-context.service"

@@ -221,6 +221,11 @@ def test_traceback_only_at_debug(capture: Capture) -> None:
         ("http://127.0.0.1:4318/v1/traces", "http://127.0.0.1:4318/v1/traces"),
         ("user@example.com wrote", "user@example.com wrote"),
         ("no url here", "no url here"),
+        # What a setting's URL loses, a logged one loses too.
+        (
+            "memory at https://svc:hunter2@m:8443/?Password=x&db=1 down",
+            "memory at https://<redacted>@m:8443/?Password=<redacted>&db=1 down",
+        ),
     ],
 )
 def test_redact_urls(text: str, expected: str) -> None:

@@ -12,7 +12,7 @@ import pytest
 
 from ibex.config import ConfigError, load_settings
 from ibex.ops.metrics_http import _Gate, token_digest
-from ibex.service.root import check_bind_policy
+from ibex.service.startup_checks import check_bind_policy
 
 TOKEN_SHA = token_digest("scrape-token")
 

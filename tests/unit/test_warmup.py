@@ -16,6 +16,7 @@ from ibex.config import Settings
 from ibex.service.assembler import Assembler
 from ibex.service.root import load_static
 from ibex.service.warmup import warm_pipeline
+from ibex.sources.retrieval import RetrievalConfig
 
 
 class Untouchable:
@@ -81,3 +82,37 @@ async def test_the_warm_up_assembles_every_family_and_touches_no_source(
     for _model, level, memories, statuses in assembled:
         assert (level, statuses) == ("L0", ("success", "success", "success"))
         assert memories > 0
+
+
+async def test_the_warm_up_runs_every_branch_to_success_whatever_the_configured_budgets(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Budgets far below any first-use cost: the warm-up still exercises every branch's
+    success path (a timed-out branch would leave its decoding unwarmed), and the
+    serving assembler keeps its own budgets."""
+    catalog, tokenizers = load_static(Settings())
+    source = Untouchable()
+    tiny = RetrievalConfig(
+        timeout=1e-6, deadline=1e-6, directive_timeout=1e-6, hot_timeout=1e-6, cold_timeout=1e-6
+    )
+    assembler = Assembler(
+        catalog=catalog,
+        tokenizers=tokenizers,
+        directive_source=source,
+        memory_source=source,
+        feedback_sink=source,  # type: ignore[arg-type]
+        retrieval=tiny,
+    )
+    statuses: list[tuple[str, ...]] = []
+    real = Assembler.assemble_checked
+
+    async def spy(self: Assembler, request, **kw):  # type: ignore[no-untyped-def]
+        result = await real(self, request, **kw)
+        statuses.append(tuple(b.status for b in result.branches))
+        return result
+
+    monkeypatch.setattr(Assembler, "assemble_checked", spy)
+    await warm_pipeline(assembler)
+
+    assert statuses and all(s == ("success", "success", "success") for s in statuses)
+    assert assembler.retrieval == tiny

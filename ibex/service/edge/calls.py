@@ -79,9 +79,14 @@ def record(stream: grpclib.protocol.Stream, call: EdgeCall) -> None:
 
 
 def call_of(stream: grpclib.protocol.Stream | grpclib.server.Stream[Any, Any]) -> EdgeCall | None:
-    """The call on `stream` (grpclib's HTTP/2 stream or its server stream), or None when it
-    did not come through the tracked protocol."""
-    inner = stream._stream if isinstance(stream, grpclib.server.Stream) else stream
+    """The call on `stream` (grpclib's HTTP/2 stream, its server stream, or a wrapper of
+    that holding it as `_stream`), or None when it did not come through the tracked
+    protocol."""
+    inner: Any = stream
+    while not isinstance(inner, grpclib.protocol.Stream):
+        inner = getattr(inner, "_stream", None)
+        if inner is None:
+            return None
     return _CALLS.get(inner)
 
 

@@ -139,6 +139,28 @@ class _State:
         self.reason = ""
 
 
+class _LoggedCount:
+    """A count of one kind of closing, with a warning line at most every
+    `REFUSAL_LOG_INTERVAL` saying how many since the last line: a flood makes one
+    line an interval, not one a connection."""
+
+    __slots__ = ("_key", "_logged", "_logged_at", "count", "event")
+
+    def __init__(self, event: str, key: str) -> None:
+        self.event = event
+        self._key = key  # the line's field that holds the count since the last line
+        self.count = 0
+        self._logged = 0
+        self._logged_at = -REFUSAL_LOG_INTERVAL
+
+    def add(self, now: float, **fields: object) -> None:
+        self.count += 1
+        if now - self._logged_at >= REFUSAL_LOG_INTERVAL:
+            log.warning(self.event, extra={self._key: self.count - self._logged, **fields})
+            self._logged_at = now
+            self._logged = self.count
+
+
 class Connections:
     """The open connections of one server and what is due for each."""
 
@@ -158,14 +180,11 @@ class Connections:
         self._peers: dict[str, int] = {}  # open connections per peer address
         self._rates: dict[str, tuple[float, float]] = {}  # peer -> (tokens, at): new conns
         self.flooded: dict[str, int] = {}  # connections closed for an HTTP/2 flood, by reason
-        self._flood_logged_at = -REFUSAL_LOG_INTERVAL
-        self._flood_logged = 0
-        self.refused = 0  # connections closed at once because the cap was reached
-        self._refused_logged = 0
-        self._refusal_logged_at = -REFUSAL_LOG_INTERVAL
-        self.evicted = 0  # idle or unauthenticated connections closed to make room
-        self._evicted_logged = 0
-        self._eviction_logged_at = -REFUSAL_LOG_INTERVAL
+        self._floods = _LoggedCount("connection_flood_closed", "closed")
+        # Connections closed at once because the cap was reached.
+        self._refusals = _LoggedCount("connections_refused", "refused")
+        # Idle or unauthenticated connections closed to make room.
+        self._evictions = _LoggedCount("connections_evicted", "evicted")
         self.closed_unauthenticated = 0
         self.closed_idle = 0
         self.rotated = 0
@@ -194,22 +213,15 @@ class Connections:
         if room and len(self._conns) >= cfg.max_connections:
             room = self._evict(now, None, peer)
         if not room:
-            self.refused += 1
             self._report(reason)
-            if now - self._refusal_logged_at >= REFUSAL_LOG_INTERVAL:
-                log.warning(
-                    "connections_refused",
-                    extra={
-                        "refused": self.refused - self._refused_logged,
-                        "open": len(self._conns),
-                        "max_connections": cfg.max_connections,
-                        "max_per_peer": cfg.max_per_peer,
-                        "draining": self._draining,
-                        "reason": reason,
-                    },
-                )
-                self._refusal_logged_at = now
-                self._refused_logged = self.refused
+            self._refusals.add(
+                now,
+                open=len(self._conns),
+                max_connections=cfg.max_connections,
+                max_per_peer=cfg.max_per_peer,
+                draining=self._draining,
+                reason=reason,
+            )
             return False
         age = cfg.max_age
         # +-10% jitter, as grpc-go, so connections opened together do not all rotate together.
@@ -274,19 +286,10 @@ class Connections:
             victim = idle
         if victim is None:
             return False
-        self.evicted += 1
         self._report("evicted")
-        if now - self._eviction_logged_at >= REFUSAL_LOG_INTERVAL:
-            log.warning(
-                "connections_evicted",
-                extra={
-                    "evicted": self.evicted - self._evicted_logged,
-                    "open": len(self._conns),
-                    "cap": "per_peer" if peer is not None else "process",
-                },
-            )
-            self._eviction_logged_at = now
-            self._evicted_logged = self.evicted
+        self._evictions.add(
+            now, open=len(self._conns), cap="per_peer" if peer is not None else "process"
+        )
         self._forget(victim)
         victim.close_idle()
         return True
@@ -314,21 +317,23 @@ class Connections:
         """`conn` is being closed for an HTTP/2 flood (`ibex.service.edge.frame_guard`)."""
         self.flooded[reason] = self.flooded.get(reason, 0) + 1
         self._report(reason)
-        now = self._clock()
-        total = sum(self.flooded.values())
-        if now - self._flood_logged_at >= REFUSAL_LOG_INTERVAL:
-            state = self._conns.get(conn)
-            log.warning(
-                "connection_flood_closed",
-                extra={
-                    "reason": reason,
-                    "peer": state.peer if state is not None else None,
-                    "authenticated": state is not None and state.authenticated,
-                    "closed": total - self._flood_logged,
-                },
-            )
-            self._flood_logged_at = now
-            self._flood_logged = total
+        state = self._conns.get(conn)
+        self._floods.add(
+            self._clock(),
+            reason=reason,
+            peer=state.peer if state is not None else None,
+            authenticated=state is not None and state.authenticated,
+        )
+
+    @property
+    def refused(self) -> int:
+        """Connections closed at once because a cap was reached (or while draining)."""
+        return self._refusals.count
+
+    @property
+    def evicted(self) -> int:
+        """Idle or unauthenticated connections closed to make room for a new one."""
+        return self._evictions.count
 
     def peer_count(self, peer: str) -> int:
         return self._peers.get(peer, 0)
