@@ -708,6 +708,15 @@ class StartStore(BatchStore):
         return wait
 
 
+def start_store(**failure: SourceError) -> StartStore:
+    """A StartStore holding the first agent's directive, with `refuse` or `lose` set."""
+    store = StartStore(0.002)
+    store.values[(ORG, AGENTS[0])] = directive(V1)
+    for name, error in failure.items():
+        setattr(store, name, error)
+    return store
+
+
 async def test_a_started_read_is_one_read_of_the_keys_queued_before_it_took_them(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
@@ -727,9 +736,7 @@ async def test_a_started_read_that_ends_before_taking_its_keys_fails_them_and_re
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     """Its callers get its error (none waits for ever), and the next miss starts a read."""
-    store = StartStore(0.002)
-    store.values[(ORG, AGENTS[0])] = directive(V1)
-    store.lose = SourceError("redis: connection failed")
+    store = start_store(lose=SourceError("redis: connection failed"))
     async with owned(store) as c:
         assert await fetch_all(c, AGENTS[:2]) == {a: "redis: connection failed" for a in AGENTS[:2]}
         assert await c.fetch(ORG, AGENTS[0], "") == Answer(directive(V1), "")
@@ -748,9 +755,7 @@ async def test_a_started_read_is_bounded_by_the_refresh_timeout(
 async def test_a_read_the_source_cannot_start_is_read_from_the_cache_task(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    store = StartStore(0.002)
-    store.values[(ORG, AGENTS[0])] = directive(V1)
-    store.refuse = SourceError("redis directive source: no asyncio loop running")
+    store = start_store(refuse=SourceError("redis directive source: no asyncio loop running"))
     async with owned(store) as c:
         assert await c.fetch(ORG, AGENTS[0], "") == Answer(directive(V1), "")
     assert store.starts == 0 and len(store.batches) == 1
