@@ -297,6 +297,8 @@ class DirectiveCache:
         try:
             await self._guarded(reads, work)
         finally:
+            if not batch.taken:  # a source that answered without taking them: no key stays queued
+                self._fail(reads, "the directive read ended without its keys")
             for key, read in zip(batch.keys, batch.reads, strict=True):
                 self._finish(key, read)
 

@@ -759,3 +759,25 @@ async def test_a_read_the_source_cannot_start_is_read_from_the_cache_task(
     async with owned(store) as c:
         assert await c.fetch(ORG, AGENTS[0], "") == Answer(directive(V1), "")
     assert store.starts == 0 and len(store.batches) == 1
+
+
+async def test_a_started_read_that_returns_without_taking_its_keys_leaves_none_queued(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A source bug: its callers get an error, and the next miss still starts a read."""
+    store = start_store()
+    real = store.start_directives
+
+    def skipping(take: Any, on_answers: Any) -> Any:
+        store.start_directives = real  # type: ignore[method-assign]
+
+        async def wait() -> list[Directive | SourceError | None]:
+            return []
+
+        return wait
+
+    store.start_directives = skipping  # type: ignore[method-assign]
+    async with owned(store) as c:
+        got = await fetch_all(c, AGENTS[:1])
+        assert got == {AGENTS[0]: "the directive read ended without its keys"}
+        assert await c.fetch(ORG, AGENTS[0], "") == Answer(directive(V1), "")
