@@ -37,13 +37,14 @@ import statistics
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
 
 from benchmarks.load.driver import DEADLINE_S, METHOD, build_requests
 from benchmarks.load.report import FULL_QUALITY, percentile
-from benchmarks.load.stack import Daemon, Stack, listeners
+from benchmarks.load.stack import ROOT, Daemon, Stack, listeners
 from ibex.testing.grpcio_stubs import context_pb2 as pb
 
 ROUND_ROBIN = json.dumps({"loadBalancingConfig": [{"round_robin": {}}]})
@@ -130,7 +131,16 @@ def log_events(daemon: Daemon) -> Counter[str]:
     return Counter(str(e.get("event", "")) for e in log_lines(daemon))
 
 
-LIFE = ("reload_started", "worker_started", "serving", "draining", "stopped", "worker_replaced")
+LIFE = (
+    "reload_started",
+    "worker_started",
+    "warmed",
+    "serving",
+    "draining",
+    "stopped",
+    "worker_settled",
+    "worker_replaced",
+)
 
 
 def timeline(daemon: Daemon, wall_start: float) -> list[tuple[float, str, object]]:
@@ -140,8 +150,40 @@ def timeline(daemon: Daemon, wall_start: float) -> list[tuple[float, str, object
         if e.get("event") in (*LIFE, "reload_done"):
             ts = datetime.datetime.fromisoformat(str(e["ts"]).replace("Z", "+00:00")).timestamp()
             if ts >= wall_start:
-                out.append((round(ts - wall_start, 2), str(e["event"]), e.get("worker")))
+                out.append((round(ts - wall_start, 3), str(e["event"]), e.get("worker")))
     return out
+
+
+def where(t: float, events: list[tuple[float, str, object]]) -> str:
+    """The reload's state at `t` (seconds since the run's start): the last two events
+    before it and how long after the last one, e.g. `worker_started 1 +0.31s`."""
+    before = [(at, e, w) for at, e, w in events if at <= t]
+    if not before:
+        return "before the reload"
+    last = [f"{e} {w}" for _, e, w in before[-2:]]
+    return f"{' / '.join(last)} +{t - before[-1][0]:.2f}s"
+
+
+def incidents(run: Run, limit: int = 20) -> list[dict[str, Any]]:
+    """Each failed or degraded call since the SIGHUP: when (seconds since the SIGHUP), what,
+    which worker answered (none for a failed call), its latency and the reload's state."""
+    rel = [(at - run.sighup_at, e, w) for at, e, w in run.timeline]
+    out = []
+    for r in run.records:
+        if r.sent < run.sighup_at or (r.status == "OK" and not r.degraded):
+            continue
+        t = r.sent - run.sighup_at
+        out.append(
+            {
+                "t": round(t, 3),
+                "status": r.status,
+                "misses": list(r.misses),
+                "worker": r.worker,
+                "latency_ms": round(r.latency_ms, 1),
+                "reload_state": where(t, rel),
+            }
+        )
+    return out[:limit]
 
 
 async def measure(
@@ -278,6 +320,7 @@ def summarize(run: Run, before_s: float) -> dict[str, Any]:
         "after": phase(after),
         "events_since_sighup_s": [(round(t - run.sighup_at, 2), e, w) for t, e, w in run.timeline],
         "buckets_since_sighup": buckets(run.records, run.sighup_at),
+        "incidents_since_sighup": incidents(run),
     }
 
 
@@ -290,7 +333,7 @@ async def one_run(
         "IBEX_CONTEXT_LOG_LEVEL": "info",  # reload_started / worker_replaced / reload_done
         **dict(kv.split("=", 1) for kv in args.daemon_env),
     }
-    with stack.daemon(2, **extra) as daemon:
+    with stack.daemon(2, args.root, **extra) as daemon:
         end = time.monotonic() + 60
         while listeners(base) < 1 or listeners(base + 1) < 1:
             if time.monotonic() > end:
@@ -325,6 +368,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--after", type=float, default=5.0, help="seconds after reload_done")
     p.add_argument("--deadline-ms", type=float, default=DEADLINE_S * 1000.0)
     p.add_argument("--daemon-env", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument(
+        "--root",
+        type=Path,
+        default=ROOT,
+        help="the checkout whose daemon runs (default: this one); compare two checkouts "
+        "in the same machine state",
+    )
     p.add_argument(
         "--control",
         type=float,

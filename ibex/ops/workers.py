@@ -62,6 +62,7 @@ import trio
 from ibex.config import ConfigError, Settings, load_settings
 from ibex.errors import START_FAILURE_STATUSES, ListenError
 from ibex.netaddr import bind_problem, split_host_port
+from ibex.ops import handover
 from ibex.ops.envfile import read_env_file
 from ibex.ops.sdnotify import Notifier, run_watchdog
 
@@ -75,6 +76,10 @@ WATCHDOG_MISSES = 3  # a worker silent for 3 intervals is restarted
 # READY=1 instead (systemd's TimeoutStartSec in the unit is 60 s too).
 WORKER_START_TIMEOUT = 60.0
 RESTART_BACKOFF = (0.1, 0.5, 1.0, 2.0, 5.0)
+# Between a reload's slots: the slot just replaced takes its first calls (its clients
+# reconnect after the old worker's GOAWAY) before the next new worker's start-up
+# (imports, catalog, warm-up: about a second of CPU) competes with them for a core.
+RELOAD_SETTLE = 1.0
 
 
 class Run:
@@ -96,6 +101,8 @@ class Run:
         self.settled = trio.Event()  # serving or exited, whichever came first
         self.last_ping = 0.0
         self.unresponsive = False
+        # The agents whose directives it served last, as it reported them (see handover).
+        self.directives: list[handover.Key] = []
 
     @property
     def pid(self) -> int | None:
@@ -178,7 +185,17 @@ class Supervisor:
         env["WATCHDOG_USEC"] = str(WORKER_WATCHDOG_USEC)
         env.pop("WATCHDOG_PID", None)
         env.pop("IBEX_CONTEXT_METRICS_ADDR", None)  # the supervisor serves the aggregate
+        env.pop(handover.ENV, None)
+        recent = handover.encode(self.recent_directives())
+        if recent:
+            env[handover.ENV] = recent
         return env
+
+    def recent_directives(self) -> list[handover.Key]:
+        """Every live worker's last reported agents, taken in turn from each, bounded."""
+        reports = [r.directives for r in sorted(self.live, key=lambda r: (r.slot, r.pid or 0))]
+        turns = (r[i] for i in range(handover.MAX_KEYS) for r in reports if i < len(r))
+        return handover.merge(turns)
 
     def _argv(self, run: Run, supervisor_fd: int) -> list[str]:
         return [
@@ -366,6 +383,9 @@ class Supervisor:
             data = await sock.recv(4096)
             lines = data.decode("utf-8", "replace").splitlines()
             run.last_ping = trio.current_time()
+            for line in lines:
+                if line.startswith(handover.NOTIFY_FIELD + "="):
+                    run.directives = handover.decode(line.partition("=")[2])
             if "READY=1" in lines and not run.serving.is_set():
                 run.serving.set()
                 run.settled.set()
@@ -447,6 +467,8 @@ class Supervisor:
             )
         replaced = 0
         for slot in self.workers:
+            if replaced:
+                await trio.sleep(RELOAD_SETTLE)
             if not await self._replace(slot, file_env, grace):
                 if self.stopping:
                     return False
