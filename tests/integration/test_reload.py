@@ -28,7 +28,7 @@ import trio
 
 from ibex.cli import SAMPLE_AGENT, SAMPLE_ORG
 from ibex.config import Settings
-from ibex.ops import handover, workers
+from ibex.ops import handover, rolling_reload, worker_process, workers
 from ibex.sources.directive_envelope import directive_key
 from ibex.testing.grpcio_stubs import context_pb2, context_pb2_grpc
 from ibex.testing.redis_server import RedisServer
@@ -334,8 +334,8 @@ async def test_a_reload_whose_worker_is_never_ready_keeps_the_old_one(
 ) -> None:
     """The new worker of a slot hangs in start-up: after WORKER_START_TIMEOUT it is killed,
     the old one serves on and no restart is counted; the next reload, once fixed, replaces."""
-    monkeypatch.setattr(workers, "WORKER_WATCHDOG_USEC", 200_000)
-    monkeypatch.setattr(workers, "WORKER_START_TIMEOUT", 1.0)
+    monkeypatch.setattr(worker_process, "WORKER_WATCHDOG_USEC", 200_000)
+    monkeypatch.setattr(worker_process, "WORKER_START_TIMEOUT", 1.0)
     monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
     env_file = tmp_path / "fake.env"
     env_file.write_text("FAKE_START_S=0\n")
@@ -382,7 +382,8 @@ s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
 s.sendto(b"READY=1", os.environ["NOTIFY_SOCKET"])
 while True:
     time.sleep(0.05)
-    s.sendto(b"WATCHDOG=1\\nX_IBEX_DIRECTIVES=" + os.environ["REPORT"].encode(), os.environ["NOTIFY_SOCKET"])
+    report = b"WATCHDOG=1\\nX_IBEX_DIRECTIVES=" + os.environ["REPORT"].encode()
+    s.sendto(report, os.environ["NOTIFY_SOCKET"])
 """
 ORG_X = "0b6f8f1e-5c3a-4f51-9a8e-0d6f1c2b3a4d"
 AGENT_X = "7c9e6679-7425-40de-944b-e07fc1f90ae7"
@@ -394,8 +395,8 @@ async def test_a_reloads_new_worker_is_handed_the_agents_the_workers_served(
     """Each worker's report (notify field X_IBEX_DIRECTIVES) reaches the next worker's
     environment (IBEX_WORKER_DIRECTIVES), merged over the live workers, malformed keys
     dropped, at most handover.MAX_KEYS and handover.MAX_BYTES."""
-    monkeypatch.setattr(workers, "WORKER_WATCHDOG_USEC", 200_000)
-    monkeypatch.setattr(workers, "RELOAD_SETTLE", 0.0)
+    monkeypatch.setattr(worker_process, "WORKER_WATCHDOG_USEC", 200_000)
+    monkeypatch.setattr(rolling_reload, "RELOAD_SETTLE", 0.0)
     monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
     handed = tmp_path / "handed"
     handed.mkdir()
@@ -410,7 +411,7 @@ async def test_a_reloads_new_worker_is_handed_the_agents_the_workers_served(
         await nursery.start(sup.run)
         with trio.fail_after(30):
             await sup.all_ready.wait()
-            while not all(w.current and w.current.directives for w in sup.workers):
+            while not all(w.current and w.current.directives for w in sup.workers):  # noqa: ASYNC110
                 await trio.sleep(0.05)
         first = {w.current.pid for w in sup.workers if w.current}
         assert all((handed / str(pid)).read_text() == "" for pid in first)  # nothing to hand

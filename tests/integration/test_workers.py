@@ -21,7 +21,7 @@ import trio
 
 from ibex.cli import SAMPLE_AGENT, SAMPLE_ORG
 from ibex.config import Settings
-from ibex.ops import workers
+from ibex.ops import worker_process, workers
 from ibex.testing.grpcio_stubs import context_pb2, context_pb2_grpc
 
 
@@ -261,7 +261,7 @@ while True:
 
 async def run_fake(monkeypatch: pytest.MonkeyPatch, start_s: float) -> workers.Supervisor:
     # Pings expected every 0.1 s, so 0.3 s of silence would count as hung.
-    monkeypatch.setattr(workers, "WORKER_WATCHDOG_USEC", 200_000)
+    monkeypatch.setattr(worker_process, "WORKER_WATCHDOG_USEC", 200_000)
     monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
     argv = [sys.executable, "-c", FAKE_WORKER, str(start_s)]
     return workers.Supervisor(Settings(workers=1), drain_grace=1.0, argv=argv)
@@ -283,7 +283,7 @@ async def test_slow_start_is_not_mistaken_for_a_hung_worker(
 
 
 async def test_worker_never_ready_is_restarted(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(workers, "WORKER_START_TIMEOUT", 0.5)
+    monkeypatch.setattr(worker_process, "WORKER_START_TIMEOUT", 0.5)
     sup = await run_fake(monkeypatch, 3600)
     async with trio.open_nursery() as nursery:
         await nursery.start(sup.run)
