@@ -15,12 +15,17 @@ Reported per run and as the median over runs (targets, never asserted):
   retrieval branch that did not succeed) in the `--before` seconds before the
   SIGHUP versus from the SIGHUP to the end: no higher;
 - worker pids before and after: every one replaced;
+- directive reads on a call's path (answers whose directive was no cache hit), before
+  and since: a new worker whose cache starts cold reads once per agent;
+- each failed or degraded call since the SIGHUP, with the reload's state then;
 - the reload's duration and the latency percentiles of each phase.
 
-Run: ``python -m benchmarks.load.reload [--runs 3] [--rate 100] [--control 10]`` (JSON
-lines on stdout, a summary of the reload runs at the end). On a busy host the 45 ms
+Run: ``python -m benchmarks.load.reload [--runs 3] [--rate 100] [--control 10] [--root DIR]``
+(JSON lines on stdout, a summary of the reload runs at the end). On a busy host the 45 ms
 deadline fails calls whatever the daemon does: `--control` runs the same calls without
-a SIGHUP before each run, so the reload's own failures can be told apart.
+a SIGHUP before each run, so the reload's own failures can be told apart, and `--root`
+runs another checkout's daemon (the benchmark's code stays this one's), so two versions
+are compared in the same machine state by alternating runs.
 """
 
 from __future__ import annotations
@@ -77,6 +82,7 @@ class Record:
     worker: str = ""
     latency_ms: float = 0.0
     misses: tuple[str, ...] = ()  # "source:status" of each branch that did not succeed
+    directive_read: bool = False  # its directive was read from Redis on its path (no cache hit)
 
 
 @dataclass
@@ -112,6 +118,9 @@ async def one(call: Any, request: bytes, rec: Record, due: float, deadline_s: fl
         rec.status = "OK"
         rec.degraded = degraded(resp)
         rec.misses = tuple(f"{b.source}:{b.status}" for b in resp.branches if b.status != "success")
+        rec.directive_read = any(
+            b.source == "directive" and b.detail != "cache" for b in resp.branches
+        )
         rec.worker = dict(trailers or ()).get("x-ibex-worker", "")
     rec.latency_ms = (loop.time() - due) * 1000.0
 
@@ -277,6 +286,9 @@ def phase(records: list[Record]) -> dict[str, Any]:
         "max_ms": round(lat[-1], 2) if lat else 0.0,
         "by_worker": dict(sorted(Counter(r.worker for r in ok).items())),
         "branch_misses": dict(Counter(m for r in ok for m in r.misses).most_common()),
+        # Answers whose directive was not a cache hit: a Redis read (or its timeout) inside
+        # the 5 ms branch. A warm worker has none; a new worker's cold cache has one per agent.
+        "directive_reads": sum(r.directive_read for r in ok),
     }
 
 
@@ -315,6 +327,8 @@ def summarize(run: Run, before_s: float) -> dict[str, Any]:
         "degraded_share_before": b["degraded_share"],
         "degraded_share_since_sighup": s["degraded_share"],
         "not_more_degraded": (s["degraded_share"] or 0.0) <= (b["degraded_share"] or 0.0),
+        "directive_reads_before": b["directive_reads"],
+        "directive_reads_since_sighup": s["directive_reads"],
         "before": b,
         "during": phase(during),
         "after": phase(after),
@@ -395,7 +409,14 @@ def main(argv: list[str] | None = None) -> None:
     rows = asyncio.run(main_async(args))
     med = {
         key: statistics.median(float(r[key] or 0.0) for r in rows)
-        for key in ("failed", "reload_s", "degraded_share_before", "degraded_share_since_sighup")
+        for key in (
+            "failed",
+            "failed_since_sighup",
+            "reload_s",
+            "degraded_share_before",
+            "degraded_share_since_sighup",
+            "directive_reads_since_sighup",
+        )
     }
     print(
         json.dumps(
@@ -404,6 +425,10 @@ def main(argv: list[str] | None = None) -> None:
                 "rate": args.rate,
                 "median": med,
                 "failed_per_run": [r["failed"] for r in rows],
+                "failed_since_sighup_per_run": [r["failed_since_sighup"] for r in rows],
+                "directive_reads_since_sighup_per_run": [
+                    r["directive_reads_since_sighup"] for r in rows
+                ],
                 "every_pid_replaced": [r["every_pid_replaced"] for r in rows],
                 "not_more_degraded": [r["not_more_degraded"] for r in rows],
             }
