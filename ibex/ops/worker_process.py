@@ -17,8 +17,10 @@ in the `x-ibex-worker` trailer of every response.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import resource
 import signal
 import subprocess
 from collections.abc import Callable, Mapping
@@ -37,6 +39,13 @@ WATCHDOG_MISSES = 3  # a worker silent for 3 intervals is restarted
 # take far longer than the watchdog's 6 s, so a new worker gets this long to say
 # READY=1 instead (systemd's TimeoutStartSec in the unit is 60 s too).
 WORKER_START_TIMEOUT = 60.0
+# A worker's start-up (imports, catalog, tokenizers, warm-up) is about a second of CPU.
+# Run at SCHED_IDLE until READY=1, it takes only CPU no serving worker wants, so a
+# reload or a restart does not push the serving workers' calls past their deadlines.
+# On a host with no idle CPU it would barely run: after START_IDLE_FOR it starts at
+# the normal priority.
+START_IDLE = True
+START_IDLE_FOR = 10.0
 
 
 class Run:
@@ -60,6 +69,7 @@ class Run:
         self.unresponsive = False
         # The agents whose directives it served last, as it reported them (see handover).
         self.directives: list[handover.Key] = []
+        self.idle = False  # started at SCHED_IDLE, not yet restored
 
     @property
     def pid(self) -> int | None:
@@ -138,6 +148,8 @@ async def run_process(
             os.close(theirs)
         run.process = process
         run.last_ping = trio.current_time()
+        if START_IDLE and may_leave_idle():
+            run.idle = _set_policy(process.pid, os.SCHED_IDLE)
         live.add(run)
         log.info("worker_started", extra={"worker": run.slot, "pid": process.pid})
         if stopping():  # spawned while `stop` was signalling the others
@@ -167,6 +179,10 @@ async def _listen(run: Run, sock: trio.socket.SocketType, on_ready: Callable[[Ru
             if line.startswith(handover.NOTIFY_FIELD + "="):
                 run.directives = handover.decode(line.partition("=")[2])
         if "READY=1" in lines and not run.serving.is_set():
+            if run.idle and run.pid is not None:
+                run.idle = not _set_policy(run.pid, os.SCHED_OTHER)
+                if run.idle:
+                    log.warning("worker_still_idle_priority", extra={"worker": run.slot})
             run.serving.set()
             run.settled.set()
             on_ready(run)
@@ -175,7 +191,13 @@ async def _listen(run: Run, sock: trio.socket.SocketType, on_ready: Callable[[Ru
 async def _watch(run: Run) -> None:
     """Kill a worker whose Trio loop stopped pinging; the supervisor restarts it."""
     interval = WORKER_WATCHDOG_USEC / 2_000_000
-    with trio.move_on_after(WORKER_START_TIMEOUT):
+    began = trio.current_time()
+    with trio.move_on_after(min(START_IDLE_FOR, WORKER_START_TIMEOUT)):
+        await run.serving.wait()
+    if run.idle and not run.serving.is_set() and run.pid is not None:
+        log.info("worker_start_priority_raised", extra={"worker": run.slot, "pid": run.pid})
+        run.idle = not _set_policy(run.pid, os.SCHED_OTHER)
+    with trio.move_on_at(began + WORKER_START_TIMEOUT):
         await run.serving.wait()
     if not run.serving.is_set() and run.process is not None:
         log.error("worker_start_timeout", extra={"worker": run.slot, "pid": run.pid})
@@ -197,3 +219,36 @@ def _forget(pid: int) -> None:
         from ibex.ops.metrics import mark_process_dead
 
         mark_process_dead(pid)
+
+
+def may_leave_idle() -> bool:
+    """Whether a child of this process may go back from SCHED_IDLE to SCHED_OTHER: the
+    kernel allows it with CAP_SYS_NICE, or when RLIMIT_NICE allows its nice value
+    (systemd's LimitNICE=). Without, a worker would stay at idle priority: never tried."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NICE)
+    if soft == resource.RLIM_INFINITY or 20 - os.getpriority(os.PRIO_PROCESS, 0) <= soft:
+        return True
+    with contextlib.suppress(OSError, ValueError), open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("CapEff:"):
+                return bool(int(line.split()[1], 16) >> 23 & 1)  # CAP_SYS_NICE
+    return False
+
+
+def _set_policy(pid: int, policy: int) -> bool:
+    """Every thread of `pid` to `policy` (a thread inherits its creator's); False if any
+    could not be (a thread that ended meanwhile is no failure)."""
+    ok = True
+    for _ in range(2):  # threads started while the first pass ran
+        try:
+            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        except OSError:
+            tids = [pid]
+        for tid in tids:
+            try:
+                os.sched_setscheduler(tid, policy, os.sched_param(0))
+            except ProcessLookupError:
+                continue
+            except OSError:
+                ok = False
+    return ok

@@ -337,3 +337,48 @@ async def test_a_worker_outlives_the_thread_that_started_it(
         assert sup.restart_metric.counts == {"exited": 0, "unresponsive": 0}
         await sup.stop()
         nursery.cancel_scope.cancel()
+
+
+# A stand-in worker that waits (at most 10 s) to be put at idle priority, starts a thread
+# (which inherits its policy) and writes the policy it saw to $POLICY_FILE, then READY=1.
+IDLE_WORKER = """
+import os, signal, socket, sys, threading, time
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+end = time.monotonic() + 10
+while os.sched_getscheduler(0) != os.SCHED_IDLE and time.monotonic() < end:
+    time.sleep(0.01)
+threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()
+with open(os.environ["POLICY_FILE"], "w") as f:
+    f.write(str(os.sched_getscheduler(0)))
+s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+s.sendto(b"READY=1", os.environ["NOTIFY_SOCKET"])
+while True:
+    time.sleep(0.05)
+    s.sendto(b"WATCHDOG=1", os.environ["NOTIFY_SOCKET"])
+"""
+
+
+@pytest.mark.skipif(not worker_process.may_leave_idle(), reason="SCHED_IDLE could not be left")
+async def test_a_worker_starts_at_idle_priority_and_serves_at_the_normal_one(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Start-up runs at SCHED_IDLE (it takes no CPU a serving worker wants); from READY=1
+    every thread of the worker is back at SCHED_OTHER."""
+    monkeypatch.setattr(worker_process, "WORKER_WATCHDOG_USEC", 200_000)
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    monkeypatch.setenv("POLICY_FILE", str(tmp_path / "policy"))
+    sup = workers.Supervisor(
+        Settings(workers=1), drain_grace=1.0, argv=[sys.executable, "-c", IDLE_WORKER]
+    )
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sup.run)
+        with trio.fail_after(30):
+            await sup.all_ready.wait()
+        run = sup.workers[0].current
+        assert run is not None and run.pid is not None
+        assert int((tmp_path / "policy").read_text()) == os.SCHED_IDLE
+        tids = [int(t) for t in os.listdir(f"/proc/{run.pid}/task")]
+        assert len(tids) == 2
+        assert [os.sched_getscheduler(t) for t in tids] == [os.SCHED_OTHER] * 2
+        await sup.stop()
+        nursery.cancel_scope.cancel()
