@@ -38,6 +38,7 @@ from tests.integration.test_workers import (
     free_port,
     free_port_run,
     scrape,
+    supervising,
     wait_ready,
 )
 
@@ -280,6 +281,42 @@ def test_sighups_during_a_reload_make_one_more_reload_after_it(supervised: Super
     assert len(final) == 2 and final.isdisjoint(after_first)
 
 
+@contextlib.contextmanager
+def serving_alone(
+    cmd: list[str], env: dict[str, str], log_path: Path
+) -> Iterator[subprocess.Popen[bytes]]:
+    """A daemon process serving on its own, from its `serving` line until it exits 0
+    on SIGTERM (killed instead if the block fails)."""
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(cmd, env=env, stderr=log, stdout=subprocess.DEVNULL)
+        try:
+            wait_logged(proc, log_path, "serving")
+            yield proc
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=30) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def wait_logged(proc: subprocess.Popen[bytes], log_path: Path, event: str) -> None:
+    end = time.monotonic() + DEADLINE
+    while f'"event":"{event}"' not in log_path.read_text():
+        assert proc.poll() is None and time.monotonic() < end, log_path.read_text()
+        time.sleep(0.05)
+
+
+def assemble_once(port: int, org: str, agent: str) -> context_pb2.AssembleContextResponse:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = context_pb2_grpc.ContextAssemblyServiceStub(channel)
+        request = context_pb2.AssembleContextRequest(
+            org_id=org, agent_id=agent, model="gpt-4o", query="deploy"
+        )
+        answer: context_pb2.AssembleContextResponse = stub.AssembleContext(request, timeout=10)
+        return answer
+
+
 def test_sighup_to_a_process_serving_alone_is_logged_not_fatal(tmp_path: Path) -> None:
     """Without the supervisor (one worker, no metrics, no env file) SIGHUP's default
     action would end the process: it says a reload needs the supervisor and serves on."""
@@ -289,31 +326,10 @@ def test_sighup_to_a_process_serving_alone_is_logged_not_fatal(tmp_path: Path) -
     port = free_port()
     env["IBEX_CONTEXT_GRPC_ADDR"] = f"127.0.0.1:{port}"
     log_path = tmp_path / "stderr.log"
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "ibex", "serve"], env=env, stderr=log, stdout=subprocess.DEVNULL
-        )
-        try:
-            end = time.monotonic() + DEADLINE
-            while '"event":"serving"' not in log_path.read_text():
-                assert proc.poll() is None and time.monotonic() < end, log_path.read_text()
-                time.sleep(0.05)
-            proc.send_signal(signal.SIGHUP)
-            while '"event":"reload_needs_supervisor"' not in log_path.read_text():
-                assert proc.poll() is None and time.monotonic() < end, log_path.read_text()
-                time.sleep(0.05)
-            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-                stub = context_pb2_grpc.ContextAssemblyServiceStub(channel)
-                request = context_pb2.AssembleContextRequest(
-                    org_id=SAMPLE_ORG, agent_id=SAMPLE_AGENT, model="gpt-4o", query="deploy"
-                )
-                assert stub.AssembleContext(request, timeout=10).degradation_level == "L0"
-            proc.send_signal(signal.SIGTERM)
-            assert proc.wait(timeout=30) == 0
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    with serving_alone([sys.executable, "-m", "ibex", "serve"], env, log_path) as proc:
+        proc.send_signal(signal.SIGHUP)
+        wait_logged(proc, log_path, "reload_needs_supervisor")
+        assert assemble_once(port, SAMPLE_ORG, SAMPLE_AGENT).degradation_level == "L0"
 
 
 # A stand-in worker: READY=1 after $FAKE_START_S seconds, then pings; SIGTERM ends it.
@@ -407,10 +423,8 @@ async def test_a_reloads_new_worker_is_handed_the_agents_the_workers_served(
     sup = workers.Supervisor(
         Settings(workers=2), drain_grace=1.0, argv=[sys.executable, "-c", REPORTING_WORKER]
     )
-    async with trio.open_nursery() as nursery:
-        await nursery.start(sup.run)
+    async with supervising(sup):
         with trio.fail_after(30):
-            await sup.all_ready.wait()
             while not all(w.current and w.current.directives for w in sup.workers):  # noqa: ASYNC110
                 await trio.sleep(0.05)
         first = {w.current.pid for w in sup.workers if w.current}
@@ -427,8 +441,6 @@ async def test_a_reloads_new_worker_is_handed_the_agents_the_workers_served(
             assert all(len(org) == len(agent) == 36 for org, agent in keys)
             assert len(keys) == handover.MAX_KEYS
             assert len((handed / str(pid)).read_text()) <= handover.MAX_BYTES
-        await sup.stop()
-        nursery.cancel_scope.cancel()
 
 
 def test_a_worker_handed_agents_reads_their_directives_before_serving(
@@ -453,25 +465,8 @@ def test_a_worker_handed_agents_reads_their_directives_before_serving(
     env.update({f"IBEX_CONTEXT_{name}": "2s" for name in GENEROUS})
     log_path = tmp_path / "stderr.log"
     cmd = [sys.executable, "-m", "ibex", "serve", "--worker", "--worker-index", "0"]
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(cmd, env=env, stderr=log, stdout=subprocess.DEVNULL)
-        try:
-            end = time.monotonic() + DEADLINE
-            while '"event":"serving"' not in log_path.read_text():
-                assert proc.poll() is None and time.monotonic() < end, log_path.read_text()
-                time.sleep(0.05)
-            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-                stub = context_pb2_grpc.ContextAssemblyServiceStub(channel)
-                request = context_pb2.AssembleContextRequest(
-                    org_id=ORG_X, agent_id=AGENT_X, model="gpt-4o", query="deploy"
-                )
-                first = stub.AssembleContext(request, timeout=10)
-            proc.send_signal(signal.SIGTERM)
-            assert proc.wait(timeout=30) == 0
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    with serving_alone(cmd, env, log_path):
+        first = assemble_once(port, ORG_X, AGENT_X)
     (directive,) = [b for b in first.branches if b.source == "directive"]
     assert (directive.status, directive.detail) == ("success", "cache")
     primed = [json.loads(x) for x in log_path.read_text().splitlines() if "directives_primed" in x]

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import grpc
@@ -259,6 +259,18 @@ while True:
 """
 
 
+@contextlib.asynccontextmanager
+async def supervising(sup: workers.Supervisor) -> AsyncIterator[workers.Supervisor]:
+    """`sup` running, from every worker ready to its stop."""
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sup.run)
+        with trio.fail_after(30):
+            await sup.all_ready.wait()
+        yield sup
+        await sup.stop()
+        nursery.cancel_scope.cancel()
+
+
 async def run_fake(monkeypatch: pytest.MonkeyPatch, start_s: float) -> workers.Supervisor:
     # Pings expected every 0.1 s, so 0.3 s of silence would count as hung.
     monkeypatch.setattr(worker_process, "WORKER_WATCHDOG_USEC", 200_000)
@@ -370,15 +382,10 @@ async def test_a_worker_starts_at_idle_priority_and_serves_at_the_normal_one(
     sup = workers.Supervisor(
         Settings(workers=1), drain_grace=1.0, argv=[sys.executable, "-c", IDLE_WORKER]
     )
-    async with trio.open_nursery() as nursery:
-        await nursery.start(sup.run)
-        with trio.fail_after(30):
-            await sup.all_ready.wait()
+    async with supervising(sup):
         run = sup.workers[0].current
         assert run is not None and run.pid is not None
         assert int((tmp_path / "policy").read_text()) == os.SCHED_IDLE
         tids = [int(t) for t in os.listdir(f"/proc/{run.pid}/task")]
         assert len(tids) == 2
         assert [os.sched_getscheduler(t) for t in tids] == [os.SCHED_OTHER] * 2
-        await sup.stop()
-        nursery.cancel_scope.cancel()
