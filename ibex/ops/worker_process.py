@@ -45,7 +45,7 @@ WORKER_START_TIMEOUT = 60.0
 # On a host with no idle CPU it would barely run: after START_IDLE_FOR it starts at
 # the normal priority.
 START_IDLE = True
-START_IDLE_FOR = 10.0
+START_IDLE_FOR = 30.0
 
 
 class Run:
