@@ -5,6 +5,9 @@ module runs one: it spawns `python -m ibex serve --worker` with the slot's
 environment, gives it its own notify socket (the systemd protocol, reused) to
 tell when it is ready and that its Trio loop is alive (WATCHDOG=1 pings), and
 kills it when it is not ready within WORKER_START_TIMEOUT or stops pinging.
+Its start-up runs at SCHED_IDLE where the kernel lets it go back to the normal
+policy at READY=1 (`START_IDLE`), and it reports, over the same socket, the
+agents its directive cache served last (`ibex.ops.handover`).
 
 The worker's options are hidden ones (`--worker-index i`, `--supervisor-fd`),
 not IBEX_CONTEXT_* variables: they are not settings an operator may set. With
