@@ -42,7 +42,7 @@ WATCHDOG_MISSES = 3  # a worker silent for 3 intervals is restarted
 # take far longer than the watchdog's 6 s, so a new worker gets this long to say
 # READY=1 instead (systemd's TimeoutStartSec in the unit is 60 s too).
 WORKER_START_TIMEOUT = 60.0
-# A worker's start-up (imports, catalog, tokenizers, warm-up) is about a second of CPU.
+# A worker's start-up (imports, catalog, tokenizers, warm-up) is about 1.5 s of CPU.
 # Run at SCHED_IDLE until READY=1, it takes only CPU no serving worker wants, so a
 # reload or a restart does not push the serving workers' calls past their deadlines.
 # On a host with no idle CPU it would barely run: after START_IDLE_FOR it starts at
@@ -151,7 +151,9 @@ async def run_process(
             os.close(theirs)
         run.process = process
         run.last_ping = trio.current_time()
-        if START_IDLE and may_leave_idle():
+        # Only next to a serving worker (a reload, a restart): a first start has no calls
+        # to protect and would only take longer.
+        if START_IDLE and any(r.serving.is_set() for r in live) and may_leave_idle():
             run.idle = _set_policy(process.pid, os.SCHED_IDLE)
         live.add(run)
         log.info("worker_started", extra={"worker": run.slot, "pid": process.pid})

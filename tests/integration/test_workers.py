@@ -21,7 +21,7 @@ import trio
 
 from ibex.cli import SAMPLE_AGENT, SAMPLE_ORG
 from ibex.config import Settings
-from ibex.ops import worker_process, workers
+from ibex.ops import rolling_reload, worker_process, workers
 from ibex.testing.grpcio_stubs import context_pb2, context_pb2_grpc
 
 
@@ -351,16 +351,17 @@ async def test_a_worker_outlives_the_thread_that_started_it(
         nursery.cancel_scope.cancel()
 
 
-# A stand-in worker that waits (at most 10 s) to be put at idle priority, starts a thread
-# (which inherits its policy) and writes the policy it saw to $POLICY_FILE, then READY=1.
+# A stand-in worker that, with EXPECT_IDLE=1, waits (at most 10 s) to be put at idle
+# priority; starts a thread (which inherits its policy), writes the policy it saw to
+# $POLICY_DIR/<pid>, then READY=1.
 IDLE_WORKER = """
 import os, signal, socket, sys, threading, time
 signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-end = time.monotonic() + 10
+end = time.monotonic() + (10 if os.environ["EXPECT_IDLE"] == "1" else 0)
 while os.sched_getscheduler(0) != os.SCHED_IDLE and time.monotonic() < end:
     time.sleep(0.01)
 threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()
-with open(os.environ["POLICY_FILE"], "w") as f:
+with open(os.path.join(os.environ["POLICY_DIR"], str(os.getpid())), "w") as f:
     f.write(str(os.sched_getscheduler(0)))
 s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
 s.sendto(b"READY=1", os.environ["NOTIFY_SOCKET"])
@@ -371,21 +372,35 @@ while True:
 
 
 @pytest.mark.skipif(not worker_process.may_leave_idle(), reason="SCHED_IDLE could not be left")
-async def test_a_worker_starts_at_idle_priority_and_serves_at_the_normal_one(
+async def test_a_worker_started_next_to_a_serving_one_starts_at_idle_priority(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """Start-up runs at SCHED_IDLE (it takes no CPU a serving worker wants); from READY=1
-    every thread of the worker is back at SCHED_OTHER."""
+    """A reload's (or a restart's) new worker starts at SCHED_IDLE, taking no CPU a
+    serving worker wants; from READY=1 every thread of it is back at SCHED_OTHER. A
+    first start, with nothing serving yet, starts at the normal policy."""
     monkeypatch.setattr(worker_process, "WORKER_WATCHDOG_USEC", 200_000)
+    monkeypatch.setattr(rolling_reload, "RELOAD_SETTLE", 0.0)
     monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
-    monkeypatch.setenv("POLICY_FILE", str(tmp_path / "policy"))
+    monkeypatch.setenv("POLICY_DIR", str(tmp_path))
+    env_file = tmp_path / "env"
+    env_file.write_text("EXPECT_IDLE=0\n")
     sup = workers.Supervisor(
-        Settings(workers=1), drain_grace=1.0, argv=[sys.executable, "-c", IDLE_WORKER]
+        Settings(workers=1),
+        drain_grace=1.0,
+        argv=[sys.executable, "-c", IDLE_WORKER],
+        env_file=env_file,
+        file_env={"EXPECT_IDLE": "0"},
     )
     async with supervising(sup):
+        first = sup.workers[0].current
+        assert first is not None and first.pid is not None
+        assert int((tmp_path / str(first.pid)).read_text()) == os.SCHED_OTHER
+        env_file.write_text("EXPECT_IDLE=1\n")
+        with trio.fail_after(30):
+            assert await sup.reload() is True
         run = sup.workers[0].current
-        assert run is not None and run.pid is not None
-        assert int((tmp_path / "policy").read_text()) == os.SCHED_IDLE
+        assert run is not None and run.pid is not None and run is not first
+        assert int((tmp_path / str(run.pid)).read_text()) == os.SCHED_IDLE
         tids = [int(t) for t in os.listdir(f"/proc/{run.pid}/task")]
         assert len(tids) == 2
         assert [os.sched_getscheduler(t) for t in tids] == [os.SCHED_OTHER] * 2
