@@ -46,8 +46,7 @@ WORKER_START_TIMEOUT = 60.0
 # Run at SCHED_IDLE until READY=1, it takes only CPU no serving worker wants, so a
 # reload or a restart does not push the serving workers' calls past their deadlines.
 # On a host with no idle CPU it would barely run: after START_IDLE_FOR it starts at
-# the normal priority (measured at load 6 on 2 cores, a 30 s bound made a reload of
-# two workers take about 60 s: the bound is what a saturated host's reload waits).
+# the normal priority: the bound is what a saturated host's reload waits per slot.
 START_IDLE = True
 START_IDLE_FOR = 10.0
 
