@@ -83,6 +83,7 @@ class Record:
     latency_ms: float = 0.0
     misses: tuple[str, ...] = ()  # "source:status" of each branch that did not succeed
     directive_read: bool = False  # its directive was read from Redis on its path (no cache hit)
+    detail: str = ""  # a failed call's status message
 
 
 @dataclass
@@ -113,6 +114,7 @@ async def one(call: Any, request: bytes, rec: Record, due: float, deadline_s: fl
         trailers = await c.trailing_metadata()
     except grpc.aio.AioRpcError as exc:
         rec.status = exc.code().name
+        rec.detail = (exc.details() or "")[:120]
     else:
         resp = pb.AssembleContextResponse.FromString(raw)
         rec.status = "OK"
@@ -174,25 +176,27 @@ def where(t: float, events: list[tuple[float, str, object]]) -> str:
 
 
 def incidents(run: Run, limit: int = 20) -> list[dict[str, Any]]:
-    """Each failed or degraded call since the SIGHUP: when (seconds since the SIGHUP), what,
-    which worker answered (none for a failed call), its latency and the reload's state."""
+    """Failed or degraded calls since the SIGHUP: when (seconds since the SIGHUP), what,
+    which worker answered (none for a failed call), its latency and the reload's state.
+    Every call that failed otherwise than by its deadline, then the first others."""
     rel = [(at - run.sighup_at, e, w) for at, e, w in run.timeline]
+    since = [r for r in run.records if r.sent >= run.sighup_at and (r.status != "OK" or r.degraded)]
+    rare = [r for r in since if r.status not in ("OK", "DEADLINE_EXCEEDED")]
     out = []
-    for r in run.records:
-        if r.sent < run.sighup_at or (r.status == "OK" and not r.degraded):
-            continue
+    for r in rare + [r for r in since if r not in rare][: max(0, limit - len(rare))]:
         t = r.sent - run.sighup_at
         out.append(
             {
                 "t": round(t, 3),
                 "status": r.status,
+                "detail": r.detail,
                 "misses": list(r.misses),
                 "worker": r.worker,
                 "latency_ms": round(r.latency_ms, 1),
                 "reload_state": where(t, rel),
             }
         )
-    return out[:limit]
+    return out
 
 
 async def measure(
