@@ -37,6 +37,7 @@ from tests.integration.test_workers import (
     children,
     free_port,
     free_port_run,
+    reloadable_fake,
     scrape,
     supervising,
     wait_ready,
@@ -350,18 +351,8 @@ async def test_a_reload_whose_worker_is_never_ready_keeps_the_old_one(
 ) -> None:
     """The new worker of a slot hangs in start-up: after WORKER_START_TIMEOUT it is killed,
     the old one serves on and no restart is counted; the next reload, once fixed, replaces."""
-    monkeypatch.setattr(worker_process, "WORKER_WATCHDOG_USEC", 200_000)
     monkeypatch.setattr(worker_process, "WORKER_START_TIMEOUT", 1.0)
-    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
-    env_file = tmp_path / "fake.env"
-    env_file.write_text("FAKE_START_S=0\n")
-    sup = workers.Supervisor(
-        Settings(workers=1),
-        drain_grace=1.0,
-        argv=[sys.executable, "-c", FAKE_WORKER],
-        env_file=env_file,
-        file_env={"FAKE_START_S": "0"},
-    )
+    sup, env_file = reloadable_fake(monkeypatch, tmp_path, FAKE_WORKER, "FAKE_START_S", "0")
     async with trio.open_nursery() as nursery:
         await nursery.start(sup.run)
         with trio.fail_after(30):

@@ -271,6 +271,27 @@ async def supervising(sup: workers.Supervisor) -> AsyncIterator[workers.Supervis
         nursery.cancel_scope.cancel()
 
 
+def reloadable_fake(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, script: str, name: str, value: str
+) -> tuple[workers.Supervisor, Path]:
+    """A one-slot supervisor of stand-in `script` workers, with an env file holding
+    `name=value` that each reload reads again (returned to be rewritten). The stand-ins
+    ping every 50 ms; a 1.5 s silence counts as hung (a stalled test process on a
+    loaded host is not a hung worker)."""
+    monkeypatch.setattr(worker_process, "WORKER_WATCHDOG_USEC", 1_000_000)
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    env_file = tmp_path / "fake.env"
+    env_file.write_text(f"{name}={value}\n")
+    sup = workers.Supervisor(
+        Settings(workers=1),
+        drain_grace=1.0,
+        argv=[sys.executable, "-c", script],
+        env_file=env_file,
+        file_env={name: value},
+    )
+    return sup, env_file
+
+
 async def run_fake(monkeypatch: pytest.MonkeyPatch, start_s: float) -> workers.Supervisor:
     # Pings expected every 0.1 s, so 0.3 s of silence would count as hung.
     monkeypatch.setattr(worker_process, "WORKER_WATCHDOG_USEC", 200_000)
@@ -378,19 +399,9 @@ async def test_a_worker_started_next_to_a_serving_one_starts_at_idle_priority(
     """A reload's (or a restart's) new worker starts at SCHED_IDLE, taking no CPU a
     serving worker wants; from READY=1 every thread of it is back at SCHED_OTHER. A
     first start, with nothing serving yet, starts at the normal policy."""
-    monkeypatch.setattr(worker_process, "WORKER_WATCHDOG_USEC", 200_000)
     monkeypatch.setattr(rolling_reload, "RELOAD_SETTLE", 0.0)
-    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
     monkeypatch.setenv("POLICY_DIR", str(tmp_path))
-    env_file = tmp_path / "env"
-    env_file.write_text("EXPECT_IDLE=0\n")
-    sup = workers.Supervisor(
-        Settings(workers=1),
-        drain_grace=1.0,
-        argv=[sys.executable, "-c", IDLE_WORKER],
-        env_file=env_file,
-        file_env={"EXPECT_IDLE": "0"},
-    )
+    sup, env_file = reloadable_fake(monkeypatch, tmp_path, IDLE_WORKER, "EXPECT_IDLE", "0")
     async with supervising(sup):
         first = sup.workers[0].current
         assert first is not None and first.pid is not None
