@@ -15,12 +15,17 @@ Reported per run and as the median over runs (targets, never asserted):
   retrieval branch that did not succeed) in the `--before` seconds before the
   SIGHUP versus from the SIGHUP to the end: no higher;
 - worker pids before and after: every one replaced;
+- directive reads on a call's path (answers whose directive was no cache hit), before
+  and since: a new worker whose cache starts cold reads once per agent;
+- each failed or degraded call since the SIGHUP, with the reload's state then;
 - the reload's duration and the latency percentiles of each phase.
 
-Run: ``python -m benchmarks.load.reload [--runs 3] [--rate 100] [--control 10]`` (JSON
-lines on stdout, a summary of the reload runs at the end). On a busy host the 45 ms
+Run: ``python -m benchmarks.load.reload [--runs 3] [--rate 100] [--control 10] [--root DIR]``
+(JSON lines on stdout, a summary of the reload runs at the end). On a busy host the 45 ms
 deadline fails calls whatever the daemon does: `--control` runs the same calls without
-a SIGHUP before each run, so the reload's own failures can be told apart.
+a SIGHUP before each run, so the reload's own failures can be told apart, and `--root`
+runs another checkout's daemon (the benchmark's code stays this one's), so two versions
+are compared in the same machine state by alternating runs.
 """
 
 from __future__ import annotations
@@ -37,13 +42,14 @@ import statistics
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
 
 from benchmarks.load.driver import DEADLINE_S, METHOD, build_requests
 from benchmarks.load.report import FULL_QUALITY, percentile
-from benchmarks.load.stack import Daemon, Stack, listeners
+from benchmarks.load.stack import ROOT, Daemon, Stack, listeners
 from ibex.testing.grpcio_stubs import context_pb2 as pb
 
 ROUND_ROBIN = json.dumps({"loadBalancingConfig": [{"round_robin": {}}]})
@@ -76,6 +82,8 @@ class Record:
     worker: str = ""
     latency_ms: float = 0.0
     misses: tuple[str, ...] = ()  # "source:status" of each branch that did not succeed
+    directive_read: bool = False  # its directive was read from Redis on its path (no cache hit)
+    detail: str = ""  # a failed call's status message
 
 
 @dataclass
@@ -106,11 +114,15 @@ async def one(call: Any, request: bytes, rec: Record, due: float, deadline_s: fl
         trailers = await c.trailing_metadata()
     except grpc.aio.AioRpcError as exc:
         rec.status = exc.code().name
+        rec.detail = (exc.details() or "")[:120]
     else:
         resp = pb.AssembleContextResponse.FromString(raw)
         rec.status = "OK"
         rec.degraded = degraded(resp)
         rec.misses = tuple(f"{b.source}:{b.status}" for b in resp.branches if b.status != "success")
+        rec.directive_read = any(
+            b.source == "directive" and b.detail != "cache" for b in resp.branches
+        )
         rec.worker = dict(trailers or ()).get("x-ibex-worker", "")
     rec.latency_ms = (loop.time() - due) * 1000.0
 
@@ -130,7 +142,16 @@ def log_events(daemon: Daemon) -> Counter[str]:
     return Counter(str(e.get("event", "")) for e in log_lines(daemon))
 
 
-LIFE = ("reload_started", "worker_started", "serving", "draining", "stopped", "worker_replaced")
+LIFE = (
+    "reload_started",
+    "worker_started",
+    "warmed",
+    "serving",
+    "draining",
+    "stopped",
+    "worker_settled",
+    "worker_replaced",
+)
 
 
 def timeline(daemon: Daemon, wall_start: float) -> list[tuple[float, str, object]]:
@@ -140,7 +161,41 @@ def timeline(daemon: Daemon, wall_start: float) -> list[tuple[float, str, object
         if e.get("event") in (*LIFE, "reload_done"):
             ts = datetime.datetime.fromisoformat(str(e["ts"]).replace("Z", "+00:00")).timestamp()
             if ts >= wall_start:
-                out.append((round(ts - wall_start, 2), str(e["event"]), e.get("worker")))
+                out.append((round(ts - wall_start, 3), str(e["event"]), e.get("worker")))
+    return out
+
+
+def where(t: float, events: list[tuple[float, str, object]]) -> str:
+    """The reload's state at `t` (seconds since the run's start): the last two events
+    before it and how long after the last one, e.g. `worker_started 1 +0.31s`."""
+    before = [(at, e, w) for at, e, w in events if at <= t]
+    if not before:
+        return "before the reload"
+    last = [f"{e} {w}" for _, e, w in before[-2:]]
+    return f"{' / '.join(last)} +{t - before[-1][0]:.2f}s"
+
+
+def incidents(run: Run, limit: int = 20) -> list[dict[str, Any]]:
+    """Failed or degraded calls since the SIGHUP: when (seconds since the SIGHUP), what,
+    which worker answered (none for a failed call), its latency and the reload's state.
+    Every call that failed otherwise than by its deadline, then the first others."""
+    rel = [(at - run.sighup_at, e, w) for at, e, w in run.timeline]
+    since = [r for r in run.records if r.sent >= run.sighup_at and (r.status != "OK" or r.degraded)]
+    rare = [r for r in since if r.status not in ("OK", "DEADLINE_EXCEEDED")]
+    out = []
+    for r in rare + [r for r in since if r not in rare][: max(0, limit - len(rare))]:
+        t = r.sent - run.sighup_at
+        out.append(
+            {
+                "t": round(t, 3),
+                "status": r.status,
+                "detail": r.detail,
+                "misses": list(r.misses),
+                "worker": r.worker,
+                "latency_ms": round(r.latency_ms, 1),
+                "reload_state": where(t, rel),
+            }
+        )
     return out
 
 
@@ -235,6 +290,9 @@ def phase(records: list[Record]) -> dict[str, Any]:
         "max_ms": round(lat[-1], 2) if lat else 0.0,
         "by_worker": dict(sorted(Counter(r.worker for r in ok).items())),
         "branch_misses": dict(Counter(m for r in ok for m in r.misses).most_common()),
+        # Answers whose directive was not a cache hit: a Redis read (or its timeout) inside
+        # the 5 ms branch. A warm worker has none; a new worker's cold cache has one per agent.
+        "directive_reads": sum(r.directive_read for r in ok),
     }
 
 
@@ -273,11 +331,14 @@ def summarize(run: Run, before_s: float) -> dict[str, Any]:
         "degraded_share_before": b["degraded_share"],
         "degraded_share_since_sighup": s["degraded_share"],
         "not_more_degraded": (s["degraded_share"] or 0.0) <= (b["degraded_share"] or 0.0),
+        "directive_reads_before": b["directive_reads"],
+        "directive_reads_since_sighup": s["directive_reads"],
         "before": b,
         "during": phase(during),
         "after": phase(after),
         "events_since_sighup_s": [(round(t - run.sighup_at, 2), e, w) for t, e, w in run.timeline],
         "buckets_since_sighup": buckets(run.records, run.sighup_at),
+        "incidents_since_sighup": incidents(run),
     }
 
 
@@ -290,7 +351,7 @@ async def one_run(
         "IBEX_CONTEXT_LOG_LEVEL": "info",  # reload_started / worker_replaced / reload_done
         **dict(kv.split("=", 1) for kv in args.daemon_env),
     }
-    with stack.daemon(2, **extra) as daemon:
+    with stack.daemon(2, args.root, **extra) as daemon:
         end = time.monotonic() + 60
         while listeners(base) < 1 or listeners(base + 1) < 1:
             if time.monotonic() > end:
@@ -326,6 +387,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--deadline-ms", type=float, default=DEADLINE_S * 1000.0)
     p.add_argument("--daemon-env", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument(
+        "--root",
+        type=Path,
+        default=ROOT,
+        help="the checkout whose daemon runs (default: this one); compare two checkouts "
+        "in the same machine state",
+    )
+    p.add_argument(
         "--control",
         type=float,
         default=0.0,
@@ -345,7 +413,14 @@ def main(argv: list[str] | None = None) -> None:
     rows = asyncio.run(main_async(args))
     med = {
         key: statistics.median(float(r[key] or 0.0) for r in rows)
-        for key in ("failed", "reload_s", "degraded_share_before", "degraded_share_since_sighup")
+        for key in (
+            "failed",
+            "failed_since_sighup",
+            "reload_s",
+            "degraded_share_before",
+            "degraded_share_since_sighup",
+            "directive_reads_since_sighup",
+        )
     }
     print(
         json.dumps(
@@ -354,6 +429,10 @@ def main(argv: list[str] | None = None) -> None:
                 "rate": args.rate,
                 "median": med,
                 "failed_per_run": [r["failed"] for r in rows],
+                "failed_since_sighup_per_run": [r["failed_since_sighup"] for r in rows],
+                "directive_reads_since_sighup_per_run": [
+                    r["directive_reads_since_sighup"] for r in rows
+                ],
                 "every_pid_replaced": [r["every_pid_replaced"] for r in rows],
                 "not_more_degraded": [r["not_more_degraded"] for r in rows],
             }

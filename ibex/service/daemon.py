@@ -38,7 +38,13 @@ from ibex.ops.sdnotify import Notifier, run_watchdog
 from ibex.service.admission import Admission, AdmissionConfig
 from ibex.service.assembler import Assembler
 from ibex.service.auth import Authenticator
-from ibex.service.dependencies import DependencyConfig, DependencyStates, keep, warm_all
+from ibex.service.dependencies import (
+    DependencyConfig,
+    DependencyStates,
+    keep,
+    report_recent,
+    warm_all,
+)
 from ibex.service.edge import (
     HEALTH_MAX_MESSAGE_BYTES,
     REFLECTION_MAX_MESSAGE_BYTES,
@@ -264,6 +270,8 @@ class Daemon:
                 for dep in assembler.dependencies:
                     nursery.start_soon(keep, dep, self.dependencies, self.config.dependencies)
                 nursery.start_soon(self.branch_errors.run)
+                if self.config.worker is not None:  # a reload's next worker reads these first
+                    nursery.start_soon(report_recent, notifier, assembler.directive_source)
                 await shutdown.wait()
                 notifier.stopping()
                 notifier.status("draining")

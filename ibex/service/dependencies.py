@@ -22,6 +22,12 @@ calls, decide the state: a branch timing out under load does not mean its
 dependency is down; calls' errors are counted apart (`ibex.ops.branch_errors`).
 Targets are logged redacted (the root passes them so), errors are SourceError
 texts, which hold no secret.
+
+A dependency may also have a `prime`, run once at start after its first warm
+succeeded and within the same `start_timeout`: Redis's reads the directives of
+the agents the workers being replaced served last (`ibex.ops.handover`), so a
+reload's new worker answers its first calls from its cache. `report_recent`
+is the other end: a supervised worker tells its supervisor those agents.
 """
 
 from __future__ import annotations
@@ -35,8 +41,19 @@ import msgspec
 import trio
 
 from ibex.errors import SourceError
+from ibex.ops import handover
+from ibex.ops.sdnotify import Notifier
+from ibex.sources.directive_cache import DirectiveCache
 
-__all__ = ["Dependency", "DependencyConfig", "DependencyStates", "keep", "warm_all"]
+__all__ = [
+    "Dependency",
+    "DependencyConfig",
+    "DependencyStates",
+    "keep",
+    "prime_directives",
+    "report_recent",
+    "warm_all",
+]
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +76,7 @@ class Dependency:
     name: str
     target: str
     warm: Callable[[], Awaitable[None]]
+    prime: Callable[[], Awaitable[None]] | None = None  # once, after the first warm at start
 
 
 class DependencyStates:
@@ -128,6 +146,9 @@ async def warm_all(
     async def one(dep: Dependency) -> None:
         t0 = trio.current_time()
         error = await probe(dep, config.start_timeout)
+        if not error and dep.prime is not None:
+            with trio.move_on_at(t0 + config.start_timeout):
+                await dep.prime()
         took[dep.name] = round(trio.current_time() - t0, 4)
         states.set(dep, not error, error, starting=True)
 
@@ -150,3 +171,38 @@ async def keep(dep: Dependency, states: DependencyStates, config: DependencyConf
             backoff = min(config.backoff_max, backoff * 2)
         error = await probe(dep, config.probe_timeout)
         states.set(dep, not error, error)
+
+
+async def prime_directives(cache: DirectiveCache, keys: Sequence[handover.Key]) -> None:
+    """Read `keys` into the cache before serving; never raises (a key not read is read by
+    its first call, as without the handover). Started together, the reads queue before
+    the cache's read task runs, so they are one batched read (one MGET)."""
+
+    errors: list[str] = []
+
+    async def one(org: str, agent: str) -> None:
+        try:
+            await cache.fetch(org, agent, "")
+        except SourceError as exc:
+            errors.append(str(exc)[:200])
+
+    async with trio.open_nursery() as nursery:
+        for org, agent in keys[: handover.MAX_KEYS]:
+            nursery.start_soon(one, org, agent)
+    log.info(
+        "directives_primed",
+        extra={"agents": len(keys), "cached": len(cache), "error": errors[0] if errors else ""},
+    )
+
+
+async def report_recent(notifier: Notifier, cache: object, interval: float = 2.0) -> None:
+    """In a supervised worker: every `interval`, when they changed, send the supervisor the
+    agents whose directives the cache served last (a reload's next worker reads them)."""
+    if not isinstance(cache, DirectiveCache) or not notifier.enabled:
+        return
+    sent = ""
+    while True:
+        await trio.sleep(interval)
+        text = handover.encode(cache.recent(handover.MAX_KEYS))
+        if text and text != sent and notifier.notify(f"{handover.NOTIFY_FIELD}={text}"):
+            sent = text

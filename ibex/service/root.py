@@ -20,8 +20,9 @@ asyncio and is crossed into Trio with trio-asyncio.
 from __future__ import annotations
 
 import functools
+import os
 import ssl
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any, TypeVar
 
@@ -34,13 +35,14 @@ from ibex.assembly.tokens import TokenizerError, Tokenizers
 from ibex.config import DURATIONS, LAYERS, PREFIX, TABLE, Settings, format_duration, redact_url
 from ibex.errors import ConfigFileError
 from ibex.netaddr import split_host_port
+from ibex.ops import handover
 from ibex.ops.metrics import Metrics
 from ibex.ops.tracing import setup_tracing
 from ibex.service.admission import AdmissionConfig
 from ibex.service.assembler import Assembler
 from ibex.service.auth import Authenticator
 from ibex.service.daemon import Daemon
-from ibex.service.dependencies import Dependency
+from ibex.service.dependencies import Dependency, prime_directives
 from ibex.service.edge.connections import ConnectionsConfig, default_max_connections
 from ibex.service.startup_checks import check_bind_policy
 from ibex.sources.base import DirectiveSource, MemorySource
@@ -215,8 +217,12 @@ async def open_assembler(
     *,
     catalog: Catalog | None = None,
     tokenizers: Tokenizers | None = None,
+    handed: Sequence[handover.Key] = (),
 ) -> AsyncIterator[Assembler]:
-    """Open the configured sources for the life of the block (one pool per process)."""
+    """Open the configured sources for the life of the block (one pool per process).
+
+    `handed`: agents whose directives the directive cache reads before serving (the
+    ones a reload's old workers served last, see `ibex.ops.handover`)."""
     if catalog is None or tokenizers is None:
         catalog, tokenizers = load_static(settings)
     directive_source: DirectiveSource | None = None
@@ -238,15 +244,17 @@ async def open_assembler(
             redis, kind = redis_directive_source(settings)
             directive_source = redis
             backend.append(kind)
-            # Two connections: a burst whose calls come in two socket reads sends two
-            # batched reads at once, and the second must not connect on its calls' path.
-            dependencies.append(
-                Dependency("redis", redis_target(settings), functools.partial(redis.warm, 2))
-            )
+            prime = None
             cache_config = settings.directive_cache
             if cache_config.max_entries > 0:
                 cache = DirectiveCache(redis, cache_config)
                 directive_source = await background.enter_async_context(cache)
+                if handed:
+                    prime = functools.partial(prime_directives, cache, handed)
+            # Two connections: a burst whose calls come in two socket reads sends two
+            # batched reads at once, and the second must not connect on its calls' path.
+            warm_redis = functools.partial(redis.warm, 2)
+            dependencies.append(Dependency("redis", redis_target(settings), warm_redis, prime))
         if settings.memory_base_url is not None:
             http = memory_http_source(settings)
             await background.enter_async_context(http)
@@ -314,6 +322,8 @@ def make_daemon(
     """
     host, port = split_host_port(settings.grpc_addr)
     own = settings.worker_port(worker_index or 0)
+    # A supervised worker's predecessors' agents (the supervisor sets it, see ibex.ops.handover).
+    handed = handover.decode(os.environ.get(handover.ENV, "")) if worker_index is not None else []
     config = msgspec.structs.replace(
         settings.daemon,
         host=host,
@@ -325,7 +335,7 @@ def make_daemon(
     )
     return Daemon(
         config,
-        open_assembler=lambda: open_assembler(settings),
+        open_assembler=lambda: open_assembler(settings, handed=handed),
         authenticator=authenticator(settings),
         admission=admission_config(settings),
         edge=settings.edge,

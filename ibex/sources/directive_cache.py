@@ -184,6 +184,16 @@ class DirectiveCache:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def recent(self, limit: int) -> list[tuple[str, str]]:
+        """The (org_id, agent_id) keys of the `limit` entries used last, the latest first:
+        what a worker hands its successor so that one reads them before serving."""
+        keys: list[tuple[str, str]] = []
+        for key in reversed(self._entries):
+            if len(keys) >= limit:
+                break
+            keys.append(key)
+        return keys
+
     def cached(self, org_id: str, agent_id: str, version: str) -> DirectiveAnswer | None:
         """The cached answer (detail `cache`) when it may serve, else None; no I/O.
 

@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -27,14 +28,18 @@ import trio
 
 from ibex.cli import SAMPLE_AGENT, SAMPLE_ORG
 from ibex.config import Settings
-from ibex.ops import workers
+from ibex.ops import handover, rolling_reload, worker_process, workers
+from ibex.sources.directive_envelope import directive_key
 from ibex.testing.grpcio_stubs import context_pb2, context_pb2_grpc
+from ibex.testing.redis_server import RedisServer
 from tests.integration.test_workers import (
     ROUND_ROBIN,
     children,
     free_port,
     free_port_run,
+    reloadable_fake,
     scrape,
+    supervising,
     wait_ready,
 )
 
@@ -277,6 +282,42 @@ def test_sighups_during_a_reload_make_one_more_reload_after_it(supervised: Super
     assert len(final) == 2 and final.isdisjoint(after_first)
 
 
+@contextlib.contextmanager
+def serving_alone(
+    cmd: list[str], env: dict[str, str], log_path: Path
+) -> Iterator[subprocess.Popen[bytes]]:
+    """A daemon process serving on its own, from its `serving` line until it exits 0
+    on SIGTERM (killed instead if the block fails)."""
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(cmd, env=env, stderr=log, stdout=subprocess.DEVNULL)
+        try:
+            wait_logged(proc, log_path, "serving")
+            yield proc
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=30) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def wait_logged(proc: subprocess.Popen[bytes], log_path: Path, event: str) -> None:
+    end = time.monotonic() + DEADLINE
+    while f'"event":"{event}"' not in log_path.read_text():
+        assert proc.poll() is None and time.monotonic() < end, log_path.read_text()
+        time.sleep(0.05)
+
+
+def assemble_once(port: int, org: str, agent: str) -> context_pb2.AssembleContextResponse:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = context_pb2_grpc.ContextAssemblyServiceStub(channel)
+        request = context_pb2.AssembleContextRequest(
+            org_id=org, agent_id=agent, model="gpt-4o", query="deploy"
+        )
+        answer: context_pb2.AssembleContextResponse = stub.AssembleContext(request, timeout=10)
+        return answer
+
+
 def test_sighup_to_a_process_serving_alone_is_logged_not_fatal(tmp_path: Path) -> None:
     """Without the supervisor (one worker, no metrics, no env file) SIGHUP's default
     action would end the process: it says a reload needs the supervisor and serves on."""
@@ -286,31 +327,10 @@ def test_sighup_to_a_process_serving_alone_is_logged_not_fatal(tmp_path: Path) -
     port = free_port()
     env["IBEX_CONTEXT_GRPC_ADDR"] = f"127.0.0.1:{port}"
     log_path = tmp_path / "stderr.log"
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "ibex", "serve"], env=env, stderr=log, stdout=subprocess.DEVNULL
-        )
-        try:
-            end = time.monotonic() + DEADLINE
-            while '"event":"serving"' not in log_path.read_text():
-                assert proc.poll() is None and time.monotonic() < end, log_path.read_text()
-                time.sleep(0.05)
-            proc.send_signal(signal.SIGHUP)
-            while '"event":"reload_needs_supervisor"' not in log_path.read_text():
-                assert proc.poll() is None and time.monotonic() < end, log_path.read_text()
-                time.sleep(0.05)
-            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-                stub = context_pb2_grpc.ContextAssemblyServiceStub(channel)
-                request = context_pb2.AssembleContextRequest(
-                    org_id=SAMPLE_ORG, agent_id=SAMPLE_AGENT, model="gpt-4o", query="deploy"
-                )
-                assert stub.AssembleContext(request, timeout=10).degradation_level == "L0"
-            proc.send_signal(signal.SIGTERM)
-            assert proc.wait(timeout=30) == 0
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    with serving_alone([sys.executable, "-m", "ibex", "serve"], env, log_path) as proc:
+        proc.send_signal(signal.SIGHUP)
+        wait_logged(proc, log_path, "reload_needs_supervisor")
+        assert assemble_once(port, SAMPLE_ORG, SAMPLE_AGENT).degradation_level == "L0"
 
 
 # A stand-in worker: READY=1 after $FAKE_START_S seconds, then pings; SIGTERM ends it.
@@ -331,18 +351,8 @@ async def test_a_reload_whose_worker_is_never_ready_keeps_the_old_one(
 ) -> None:
     """The new worker of a slot hangs in start-up: after WORKER_START_TIMEOUT it is killed,
     the old one serves on and no restart is counted; the next reload, once fixed, replaces."""
-    monkeypatch.setattr(workers, "WORKER_WATCHDOG_USEC", 200_000)
-    monkeypatch.setattr(workers, "WORKER_START_TIMEOUT", 1.0)
-    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
-    env_file = tmp_path / "fake.env"
-    env_file.write_text("FAKE_START_S=0\n")
-    sup = workers.Supervisor(
-        Settings(workers=1),
-        drain_grace=1.0,
-        argv=[sys.executable, "-c", FAKE_WORKER],
-        env_file=env_file,
-        file_env={"FAKE_START_S": "0"},
-    )
+    monkeypatch.setattr(worker_process, "WORKER_START_TIMEOUT", 1.0)
+    sup, env_file = reloadable_fake(monkeypatch, tmp_path, FAKE_WORKER, "FAKE_START_S", "0")
     async with trio.open_nursery() as nursery:
         await nursery.start(sup.run)
         with trio.fail_after(30):
@@ -366,3 +376,90 @@ async def test_a_reload_whose_worker_is_never_ready_keeps_the_old_one(
         assert sup.restart_metric.counts == {"exited": 0, "unresponsive": 0}
         await sup.stop()
         nursery.cancel_scope.cancel()
+
+
+# A stand-in worker that reports the agents its cache served last and writes the agents
+# it was handed (its IBEX_WORKER_DIRECTIVES) to $HANDED_DIR/<pid>.
+REPORTING_WORKER = """
+import os, signal, socket, sys, time
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+with open(os.path.join(os.environ["HANDED_DIR"], str(os.getpid())), "w") as f:
+    f.write(os.environ.get("IBEX_WORKER_DIRECTIVES", ""))
+s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+s.sendto(b"READY=1", os.environ["NOTIFY_SOCKET"])
+while True:
+    time.sleep(0.05)
+    report = b"WATCHDOG=1\\nX_IBEX_DIRECTIVES=" + os.environ["REPORT"].encode()
+    s.sendto(report, os.environ["NOTIFY_SOCKET"])
+"""
+ORG_X = "0b6f8f1e-5c3a-4f51-9a8e-0d6f1c2b3a4d"
+AGENT_X = "7c9e6679-7425-40de-944b-e07fc1f90ae7"
+
+
+async def test_a_reloads_new_worker_is_handed_the_agents_the_workers_served(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Each worker's report (notify field X_IBEX_DIRECTIVES) reaches the next worker's
+    environment (IBEX_WORKER_DIRECTIVES), merged over the live workers, malformed keys
+    dropped, at most handover.MAX_KEYS and handover.MAX_BYTES."""
+    monkeypatch.setattr(worker_process, "WORKER_WATCHDOG_USEC", 200_000)
+    monkeypatch.setattr(rolling_reload, "RELOAD_SETTLE", 0.0)
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    handed = tmp_path / "handed"
+    handed.mkdir()
+    many = " ".join(f"{uuid.UUID(int=2 * i)}/{uuid.UUID(int=2 * i + 1)}" for i in range(100))
+    report = f"{ORG_X}/{AGENT_X} not-a-key bad/id/with/slashes {'x' * 200}/y {many}"
+    monkeypatch.setenv("HANDED_DIR", str(handed))
+    monkeypatch.setenv("REPORT", report)
+    sup = workers.Supervisor(
+        Settings(workers=2), drain_grace=1.0, argv=[sys.executable, "-c", REPORTING_WORKER]
+    )
+    async with supervising(sup):
+        with trio.fail_after(30):
+            while not all(w.current and w.current.directives for w in sup.workers):  # noqa: ASYNC110
+                await trio.sleep(0.05)
+        first = {w.current.pid for w in sup.workers if w.current}
+        assert all((handed / str(pid)).read_text() == "" for pid in first)  # nothing to hand
+
+        with trio.fail_after(30):
+            assert await sup.reload() is True
+        second = [w.current.pid for w in sup.workers if w.current]
+        assert not set(second) & first
+        for pid in second:
+            keys = handover.decode((handed / str(pid)).read_text())
+            assert keys[0] == (ORG_X, AGENT_X)  # the latest first
+            assert (str(uuid.UUID(int=0)), str(uuid.UUID(int=1))) in keys
+            assert all(len(org) == len(agent) == 36 for org, agent in keys)
+            assert len(keys) == handover.MAX_KEYS
+            assert len((handed / str(pid)).read_text()) <= handover.MAX_BYTES
+
+
+def test_a_worker_handed_agents_reads_their_directives_before_serving(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """`ibex serve --worker` with IBEX_WORKER_DIRECTIVES (as a reload starts one): its first
+    call for a handed agent is answered from its directive cache (detail `cache`), no
+    Redis read on the call's path."""
+    envelope = {"v": 1, "content": "Answer in haiku.", "injection_mode": "system_first"}
+    redis_server.set(directive_key(ORG_X, AGENT_X), json.dumps(envelope))
+    port = free_port()
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("IBEX_CONTEXT_", "PROMETHEUS_"))
+    }
+    env.update(
+        IBEX_CONTEXT_GRPC_ADDR=f"127.0.0.1:{port}",
+        IBEX_CONTEXT_REDIS_URL=redis_server.url,
+        IBEX_CONTEXT_LOG_LEVEL="info",
+        IBEX_CONTEXT_DIRECTIVE_CACHE_TTL="10m",
+        IBEX_WORKER_DIRECTIVES=f"{ORG_X}/{AGENT_X} {uuid.UUID(int=1)}/{uuid.UUID(int=2)} {ORG_X}/x",
+    )
+    env.update({f"IBEX_CONTEXT_{name}": "2s" for name in GENEROUS})
+    log_path = tmp_path / "stderr.log"
+    cmd = [sys.executable, "-m", "ibex", "serve", "--worker", "--worker-index", "0"]
+    with serving_alone(cmd, env, log_path):
+        first = assemble_once(port, ORG_X, AGENT_X)
+    (directive,) = [b for b in first.branches if b.source == "directive"]
+    assert (directive.status, directive.detail) == ("success", "cache")
+    primed = [json.loads(x) for x in log_path.read_text().splitlines() if "directives_primed" in x]
+    # The key that is no UUID pair is dropped; the unknown agent is cached as having none.
+    assert [(p["agents"], p["cached"]) for p in primed] == [(2, 2)]

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import grpc
@@ -21,7 +21,7 @@ import trio
 
 from ibex.cli import SAMPLE_AGENT, SAMPLE_ORG
 from ibex.config import Settings
-from ibex.ops import workers
+from ibex.ops import rolling_reload, worker_process, workers
 from ibex.testing.grpcio_stubs import context_pb2, context_pb2_grpc
 
 
@@ -259,9 +259,42 @@ while True:
 """
 
 
+@contextlib.asynccontextmanager
+async def supervising(sup: workers.Supervisor) -> AsyncIterator[workers.Supervisor]:
+    """`sup` running, from every worker ready to its stop."""
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sup.run)
+        with trio.fail_after(30):
+            await sup.all_ready.wait()
+        yield sup
+        await sup.stop()
+        nursery.cancel_scope.cancel()
+
+
+def reloadable_fake(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, script: str, name: str, value: str
+) -> tuple[workers.Supervisor, Path]:
+    """A one-slot supervisor of stand-in `script` workers, with an env file holding
+    `name=value` that each reload reads again (returned to be rewritten). The stand-ins
+    ping every 50 ms; a 1.5 s silence counts as hung (a stalled test process on a
+    loaded host is not a hung worker)."""
+    monkeypatch.setattr(worker_process, "WORKER_WATCHDOG_USEC", 1_000_000)
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    env_file = tmp_path / "fake.env"
+    env_file.write_text(f"{name}={value}\n")
+    sup = workers.Supervisor(
+        Settings(workers=1),
+        drain_grace=1.0,
+        argv=[sys.executable, "-c", script],
+        env_file=env_file,
+        file_env={name: value},
+    )
+    return sup, env_file
+
+
 async def run_fake(monkeypatch: pytest.MonkeyPatch, start_s: float) -> workers.Supervisor:
     # Pings expected every 0.1 s, so 0.3 s of silence would count as hung.
-    monkeypatch.setattr(workers, "WORKER_WATCHDOG_USEC", 200_000)
+    monkeypatch.setattr(worker_process, "WORKER_WATCHDOG_USEC", 200_000)
     monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
     argv = [sys.executable, "-c", FAKE_WORKER, str(start_s)]
     return workers.Supervisor(Settings(workers=1), drain_grace=1.0, argv=argv)
@@ -283,7 +316,7 @@ async def test_slow_start_is_not_mistaken_for_a_hung_worker(
 
 
 async def test_worker_never_ready_is_restarted(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(workers, "WORKER_START_TIMEOUT", 0.5)
+    monkeypatch.setattr(worker_process, "WORKER_START_TIMEOUT", 0.5)
     sup = await run_fake(monkeypatch, 3600)
     async with trio.open_nursery() as nursery:
         await nursery.start(sup.run)
@@ -337,3 +370,48 @@ async def test_a_worker_outlives_the_thread_that_started_it(
         assert sup.restart_metric.counts == {"exited": 0, "unresponsive": 0}
         await sup.stop()
         nursery.cancel_scope.cancel()
+
+
+# A stand-in worker that, with EXPECT_IDLE=1, waits (at most 10 s) to be put at idle
+# priority; starts a thread (which inherits its policy), writes the policy it saw to
+# $POLICY_DIR/<pid>, then READY=1.
+IDLE_WORKER = """
+import os, signal, socket, sys, threading, time
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+end = time.monotonic() + (10 if os.environ["EXPECT_IDLE"] == "1" else 0)
+while os.sched_getscheduler(0) != os.SCHED_IDLE and time.monotonic() < end:
+    time.sleep(0.01)
+threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()
+with open(os.path.join(os.environ["POLICY_DIR"], str(os.getpid())), "w") as f:
+    f.write(str(os.sched_getscheduler(0)))
+s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+s.sendto(b"READY=1", os.environ["NOTIFY_SOCKET"])
+while True:
+    time.sleep(0.05)
+    s.sendto(b"WATCHDOG=1", os.environ["NOTIFY_SOCKET"])
+"""
+
+
+@pytest.mark.skipif(not worker_process.may_leave_idle(), reason="SCHED_IDLE could not be left")
+async def test_a_worker_started_next_to_a_serving_one_starts_at_idle_priority(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A reload's (or a restart's) new worker starts at SCHED_IDLE, taking no CPU a
+    serving worker wants; from READY=1 every thread of it is back at SCHED_OTHER. A
+    first start, with nothing serving yet, starts at the normal policy."""
+    monkeypatch.setattr(rolling_reload, "RELOAD_SETTLE", 0.0)
+    monkeypatch.setenv("POLICY_DIR", str(tmp_path))
+    sup, env_file = reloadable_fake(monkeypatch, tmp_path, IDLE_WORKER, "EXPECT_IDLE", "0")
+    async with supervising(sup):
+        first = sup.workers[0].current
+        assert first is not None and first.pid is not None
+        assert int((tmp_path / str(first.pid)).read_text()) == os.SCHED_OTHER
+        env_file.write_text("EXPECT_IDLE=1\n")
+        with trio.fail_after(30):
+            assert await sup.reload() is True
+        run = sup.workers[0].current
+        assert run is not None and run.pid is not None and run is not first
+        assert int((tmp_path / str(run.pid)).read_text()) == os.SCHED_IDLE
+        tids = [int(t) for t in os.listdir(f"/proc/{run.pid}/task")]
+        assert len(tids) == 2
+        assert [os.sched_getscheduler(t) for t in tids] == [os.SCHED_OTHER] * 2
