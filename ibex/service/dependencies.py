@@ -77,6 +77,10 @@ class Dependency:
     target: str
     warm: Callable[[], Awaitable[None]]
     prime: Callable[[], Awaitable[None]] | None = None  # once, after the first warm at start
+    # The probe while serving (`warm` when None). A probe holds what it checks, so one
+    # that leased every warmed connection at once would send a call arriving meanwhile
+    # to open a new connection on its path.
+    check: Callable[[], Awaitable[None]] | None = None
 
 
 class DependencyStates:
@@ -123,11 +127,13 @@ class DependencyStates:
             self._on_change(dep.name, up)
 
 
-async def probe(dep: Dependency, within: float) -> str:
-    """One `warm` bounded to `within` seconds: "" when it answered, else why not (no secret)."""
+async def probe(dep: Dependency, within: float, *, serving: bool = False) -> str:
+    """One `warm` (`check` when `serving` and the dependency has one) bounded to `within`
+    seconds: "" when it answered, else why not (no secret)."""
+    attempt = dep.check if serving and dep.check is not None else dep.warm
     with trio.move_on_after(within):
         try:
-            await dep.warm()
+            await attempt()
         except SourceError as exc:
             return str(exc)[:200]
         except Exception as exc:  # a bug or an unexpected library error: contained, logged
@@ -169,7 +175,7 @@ async def keep(dep: Dependency, states: DependencyStates, config: DependencyConf
             # Jittered, so the workers of a host do not reconnect in step.
             await trio.sleep(backoff * random.uniform(0.5, 1.0))
             backoff = min(config.backoff_max, backoff * 2)
-        error = await probe(dep, config.probe_timeout)
+        error = await probe(dep, config.probe_timeout, serving=True)
         states.set(dep, not error, error)
 
 

@@ -254,7 +254,9 @@ async def open_assembler(
             # Two connections: a burst whose calls come in two socket reads sends two
             # batched reads at once, and the second must not connect on its calls' path.
             warm_redis = functools.partial(redis.warm, 2)
-            dependencies.append(Dependency("redis", redis_target(settings), warm_redis, prime))
+            check = functools.partial(redis.warm, 1)  # leaves the other warmed one idle
+            redis_dep = Dependency("redis", redis_target(settings), warm_redis, prime, check)
+            dependencies.append(redis_dep)
         if settings.memory_base_url is not None:
             http = memory_http_source(settings)
             await background.enter_async_context(http)

@@ -21,6 +21,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import msgspec
+import trio
 import trio_asyncio
 
 from ibex.assembly.catalog import Catalog
@@ -402,3 +403,29 @@ async def test_a_memory_id_that_is_not_a_uuid_fails_both_memory_branches(
     assert "NOT A UUID TEXT" not in result.assembled_context
     assert not included_ids(result) and not ids_in_text(result, data.expected_ids | {"not-a-uuid"})
     assert has_directive(result, "a") and history_present(result)
+
+
+def pool_clients(redis: RedisServer) -> int:
+    """Connections Redis holds other than the one asking (CLIENT LIST, one line each)."""
+    return len(redis.command("CLIENT", "LIST").strip().splitlines()) - 1
+
+
+async def test_the_redis_probe_leaves_a_warmed_connection_for_a_read_meanwhile(
+    redis_server: RedisServer, memory_server: FakeMemoryServer
+) -> None:
+    """Start-up warms two Redis connections; the liveness probe while serving holds one,
+    so a read started while it runs takes the other instead of connecting on its path."""
+    seed_directive(redis_server, "a")
+    org, agent = TENANTS["a"]
+    async with open_stack(redis_server, memory_server, RELAXED_TIMEOUTS) as assembler:
+        (redis_dep,) = [d for d in assembler.dependencies if d.name == "redis"]
+        assert redis_dep.check is not None
+        await redis_dep.warm()
+        assert pool_clients(redis_server) == 2
+        source = assembler.directive_source
+        assert source is not None
+        for _ in range(20):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(redis_dep.check)
+                nursery.start_soon(source.get_directive, org, agent, "")
+        assert pool_clients(redis_server) == 2

@@ -161,3 +161,23 @@ def test_the_redis_target_in_logs_carries_no_password() -> None:
     assert redis_target(url) == "redis://<redacted>@10.0.0.5:6379/0"
     assert redis_target(cluster) == "cluster rediss://<redacted>@10.0.0.5:6379/0"
     assert redis_target(sentinel) == "sentinel 10.0.0.1:26379,10.0.0.2:26379 master main"
+
+
+async def test_while_serving_a_dependency_is_probed_with_its_check_not_its_warm(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Start-up warms (for Redis: every connection a burst needs); the probe every interval
+    runs `check`, which holds less (one connection), and a failed check is a down state
+    like a failed warm."""
+    states = DependencyStates()
+    warm = Scripted()
+    check = Scripted("ok", "ok", "fail")
+    dep = Dependency("redis", "redis://h:1/0", warm, check=check)
+    await warm_all([dep], states, CONFIG)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(keep, dep, states, CONFIG)
+        while len(check.calls) < 3:  # noqa: ASYNC110  (mock clock)
+            await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+    assert len(warm.calls) == 1
+    assert states.up("redis") is False
