@@ -72,6 +72,7 @@ from ibex.assembly.structs import Directive
 from ibex.errors import SourceError
 from ibex.sources.directive_envelope import MAX_VALUE_BYTES, decode_directive, directive_key
 from ibex.sources.redis_cluster import ClusterReader
+from ibex.sources.redis_pool_reader import PoolReader
 
 __all__ = ["RedisDirectiveSource", "RedisOptions", "decode_directive", "directive_key"]
 
@@ -181,13 +182,13 @@ class RedisDirectiveSource:
             pool = aredis.ConnectionPool.from_url(url, **options.pool(**pool_kwargs))
         except ValueError:
             raise _malformed_url() from None
-        self._over(_PoolReader(pool, options.retries), options)
+        self._over(PoolReader(pool, options.retries), options)
 
     def _over(self, reader: _Reader, options: RedisOptions) -> None:
         self._reader = reader
         # One endpoint or Sentinel's master: `get_directives` is one MGET. A cluster's
         # keys live on any master, one GET each: a cache reads them apart (`batch_reader`).
-        self.batch_reads = isinstance(reader, _PoolReader)
+        self.batch_reads = isinstance(reader, PoolReader)
         self._max_value_bytes = options.max_value_bytes
         self._closed = False
 
@@ -238,7 +239,7 @@ class RedisDirectiveSource:
         manager = Sentinel(list(sentinels), sentinel_kwargs=sentinel_options)
         pool = SentinelConnectionPool(master, manager, **pool_options)
         source = cls.__new__(cls)
-        source._over(_PoolReader(pool, options.retries, manager), options)
+        source._over(PoolReader(pool, options.retries, manager), options)
         return source
 
     @classmethod
@@ -396,7 +397,7 @@ class RedisDirectiveSource:
         """asyncio side: every key through the reader (`get` for one, `get_many`),
         errors mapped to SourceError (a whole round trip's raised, a key's own in its
         place), values decoded; `on_answers` told before they are returned, on one
-        endpoint or Sentinel as soon as the reply's bytes arrive (`_PoolReader.get_early`)."""
+        endpoint or Sentinel as soon as the reply's bytes arrive (`PoolReader.get_early`)."""
         told = False
 
         def early(raws: list[bytes | None]) -> None:
@@ -407,7 +408,7 @@ class RedisDirectiveSource:
 
         reader = self._reader
         try:
-            if on_answers is not None and isinstance(reader, _PoolReader):
+            if on_answers is not None and isinstance(reader, PoolReader):
                 replies: list[object] = await reader.get_early(keys, early, self._max_value_bytes)
             elif len(keys) == 1:
                 replies = [await reader.get(keys[0])]
@@ -461,243 +462,3 @@ def _source_error(exc: BaseException) -> SourceError:
     if isinstance(exc, RedisClusterException):
         return SourceError(f"redis cluster: {type(exc).__name__}")
     return SourceError(f"redis: {type(exc).__name__}")
-
-
-class _PoolReader:
-    """GETs on leased connections of one pool (one endpoint, or Sentinel's master)."""
-
-    def __init__(
-        self, pool: aredis.ConnectionPool, retries: int, sentinel: Sentinel | None = None
-    ) -> None:
-        self.pool = pool
-        self._retries = retries
-        self._sentinel = sentinel
-
-    async def get(self, key: str) -> object:
-        return await self._command("GET", key)
-
-    async def get_many(self, keys: list[str]) -> list[object]:
-        """One MGET: the keys share one connection and one round trip."""
-        reply = await self._command("MGET", *keys)
-        if not isinstance(reply, list):
-            raise SourceError(f"redis: unexpected reply type {type(reply).__name__}")
-        return reply
-
-    async def get_early(
-        self, keys: list[str], early: Callable[[list[bytes | None]], None], limit: int
-    ) -> list[object]:
-        """GET (one key) or MGET, with `early` told the values in the transport's data
-        callback, as soon as the whole reply has arrived: the task that reads the reply
-        (and whatever waits on it) runs a pass of the loop later. A reply that is not a
-        plain one (an error, a value over `limit` bytes, bytes before it such as a
-        health-check PONG) is never told early; the usual parse still answers."""
-        command = ("GET", *keys) if len(keys) == 1 else ("MGET", *keys)
-        reply = await self._command(*command, early=_EarlyReply(len(keys) > 1, keys, limit, early))
-        if len(keys) == 1:
-            return [reply]
-        if not isinstance(reply, list):
-            raise SourceError(f"redis: unexpected reply type {type(reply).__name__}")
-        return reply
-
-    async def _command(self, *command: str, early: _EarlyReply | None = None) -> object:
-        retries = self._retries
-        while True:
-            try:
-                return await self._leased(*command, early=early)
-            except _BrokenConnection:
-                if retries <= 0:
-                    raise
-                retries -= 1
-                # One broken pooled socket usually means the server restarted: its
-                # idle siblings are stale too, so drop them rather than burn requests.
-                await _drop_idle(self.pool)
-
-    async def warm(self, connections: int) -> None:
-        """Lease `connections` connections at once, PING each, release them (LIFO: the
-        last released is the next GET's). A failed one is closed before release."""
-        pool = self.pool
-        leased: list[Any] = []
-        try:
-            for _ in range(max(1, connections)):
-                leased.append(await pool.get_connection())
-            for conn in leased:
-                await conn.send_command("PING")
-                await conn.read_response()
-        except BaseException:
-            for conn in leased:
-                await conn.disconnect(nowait=True)
-            raise
-        finally:
-            for conn in reversed(leased):
-                await pool.release(conn)
-
-    async def close(self) -> None:
-        try:
-            await self.pool.disconnect()
-        finally:
-            if self._sentinel is not None:
-                await self._sentinel.aclose()
-
-    async def _leased(self, *command: str, early: _EarlyReply | None = None) -> object:
-        pool = self.pool
-        conn = await pool.get_connection()
-        watched = None if early is None else early.watch(conn)
-        try:
-            await conn.send_command(*command)
-            return await conn.read_response(disable_decoding=True)
-        except BaseException as exc:
-            # Close before release, so a reply still on the wire (cancellation,
-            # timeout) can never be read by the next lease. disconnect(nowait=True)
-            # closes the transport before its first suspension point, so even a
-            # second cancellation cannot skip the close.
-            await conn.disconnect(nowait=True)
-            if isinstance(exc, RedisConnectionError):
-                raise _BrokenConnection(str(exc)) from exc
-            raise
-        finally:
-            if watched is not None:
-                watched.unwatch()
-            await pool.release(conn)
-
-
-class _EarlyReply:
-    """Watches one leased connection's incoming bytes for the reply to a GET or MGET, and
-    tells `early` its values in the transport's data callback once it is whole.
-
-    Only the bytes fed after the lease are parsed, from their first byte (a leased
-    connection has none pending: redis-py checks that when it leases), and only a
-    reply of exactly the expected shape, ending at the last byte received, is told:
-    anything else (an error reply, a health-check PONG first, a value over `limit`,
-    bytes past the reply) stops the watch, and the usual parse answers alone. The
-    value bytes are never taken for framing: each bulk's length is read first."""
-
-    __slots__ = ("_buf", "_early", "_limit", "_many", "_n", "_reader", "_told")
-
-    def __init__(
-        self, many: bool, keys: list[str], limit: int, early: Callable[[list[bytes | None]], None]
-    ) -> None:
-        self._many, self._n, self._limit, self._early = many, len(keys), limit, early
-        self._buf = bytearray()
-        self._told = False
-        self._reader: Any = None
-
-    def watch(self, conn: Any) -> _EarlyReply | None:
-        """Watch `conn`, just leased (a re-lease after a broken connection starts over:
-        the bytes the broken one got are not part of the new reply)."""
-        self._buf = bytearray()
-        reader = getattr(conn, "_reader", None)
-        if self._told or not isinstance(reader, asyncio.StreamReader):
-            return None
-        if "feed_data" in vars(reader):
-            return None
-        feed = reader.feed_data
-
-        def fed(data: bytes) -> None:
-            feed(data)
-            if not self._told:
-                self._seen(data)
-
-        reader.feed_data = fed  # type: ignore[method-assign, assignment]
-        self._reader = reader
-        return self
-
-    def unwatch(self) -> None:
-        vars(self._reader).pop("feed_data", None)
-
-    def _seen(self, data: bytes) -> None:
-        self._buf += data
-        try:
-            values = parse_values(self._buf, self._n if self._many else None, self._limit)
-        except ValueError:
-            self._told = True  # not a plain reply: leave it to the usual parse
-            return
-        if values is not None:
-            self._told = True
-            try:
-                self._early(values)
-            except Exception:  # raised into the transport's callback, it would close it
-                log.exception("directive_early_answers_failed")
-
-
-def parse_values(
-    buf: bytes | bytearray, count: int | None, limit: int
-) -> list[bytes | None] | None:
-    """The values of a whole GET reply (`count` None: one bulk string) or MGET reply (an
-    array of `count` bulk strings), a missing key's value a null (RESP2's `$-1`, RESP3's
-    `_`), ending exactly at the end of `buf`; None while it is incomplete. ValueError for
-    anything else, or a value over `limit` bytes."""
-    pos = 0
-    if count is not None:
-        head = _line(buf, 0, b"*")
-        if head is None:
-            return None
-        digits, pos = head
-        if digits != str(count).encode():
-            raise ValueError("not the expected array")
-    values: list[bytes | None] = []
-    for _ in range(1 if count is None else count):
-        if buf[pos : pos + 1] == b"_":  # RESP3's null (redis-py speaks RESP3 when it can)
-            if len(buf) < pos + 3:
-                return None
-            if buf[pos + 1 : pos + 3] != b"\r\n":
-                raise ValueError("not a plain null")
-            values.append(None)
-            pos += 3
-            continue
-        head = _line(buf, pos, b"$")
-        if head is None:
-            return None
-        digits, pos = head
-        if digits == b"-1":
-            values.append(None)
-            continue
-        if not digits.isdigit() or len(digits) > 10 or int(digits) > limit:
-            raise ValueError("not a plain bulk string")
-        end = pos + int(digits)
-        if len(buf) < end + 2:
-            return None
-        if buf[end : end + 2] != b"\r\n":
-            raise ValueError("not a plain bulk string")
-        values.append(bytes(buf[pos:end]))
-        pos = end + 2
-    if pos != len(buf):
-        raise ValueError("bytes past the reply")
-    return values
-
-
-def _line(buf: bytes | bytearray, pos: int, kind: bytes) -> tuple[bytes, int] | None:
-    """The header line at `pos` of type `kind` (its digits, the position after it); None
-    while it is incomplete. ValueError for another type or an overlong line."""
-    if len(buf) <= pos:
-        return None
-    if buf[pos : pos + 1] != kind:
-        raise ValueError("unexpected reply type")
-    end = buf.find(b"\r\n", pos, pos + 16)
-    if end < 0:
-        if len(buf) - pos >= 16:
-            raise ValueError("overlong header")
-        return None
-    return bytes(buf[pos + 1 : end]), end + 2
-
-
-async def _drop_idle(pool: aredis.ConnectionPool) -> None:
-    """Best effort: disconnect the pool's idle connections.
-
-    redis-py gathers the disconnects with `return_exceptions=True` and re-raises
-    the first failure, including an asyncio.CancelledError that belongs to one
-    of those connections (seen during a sentinel failover), not to this task.
-    Raised out of a GET, it escaped the directive branch as a cancellation. Only
-    this task's own cancellation propagates.
-    """
-    try:
-        await pool.disconnect(inuse_connections=False)
-    except (RedisError, OSError):
-        pass
-    except asyncio.CancelledError:
-        task = asyncio.current_task()
-        if task is not None and task.cancelling():
-            raise
-
-
-class _BrokenConnection(RedisConnectionError):
-    """An established (maybe stale) connection failed mid-command: worth one re-lease."""

@@ -38,7 +38,7 @@ import trio_asyncio
 from ibex.assembly.structs import AssemblyResult
 from ibex.service.root import Assembler
 from ibex.sources.memory_http import MemoryHttpSource
-from ibex.sources.redis_directive import RedisDirectiveSource, _PoolReader
+from ibex.sources.redis_directive import PoolReader, RedisDirectiveSource
 from ibex.testing.memory_server import (
     FakeMemoryServer,
     Fault,
@@ -165,7 +165,7 @@ class Chaos:
         # (reset), so its count may be lower, never higher.
         assert await self.memory.settle_open_connections(live) <= live
         reader = self.directive_source._reader
-        assert isinstance(reader, _PoolReader)
+        assert isinstance(reader, PoolReader)
         redis_pool = reader.pool
         assert not redis_pool._in_use_connections
         assert not asyncio.all_tasks(trio_asyncio.current_loop.get())

@@ -20,9 +20,9 @@ import trio_asyncio
 
 from ibex.sources.base import SourceError
 from ibex.sources.redis_directive import (
+    PoolReader,
     RedisDirectiveSource,
     RedisOptions,
-    _PoolReader,
     directive_key,
 )
 from ibex.testing.redis_server import RedisServer
@@ -217,7 +217,7 @@ async def test_a_stray_cancellation_from_dropping_stale_connections_stays_inside
     of them (seen in a sentinel failover); it must not leave the GET as a cancellation."""
     assert await content_of(source, "a") == "directive of tenant a"
     reader = source._reader
-    assert isinstance(reader, _PoolReader)
+    assert isinstance(reader, PoolReader)
     pool = reader.pool
     real = pool.disconnect
     calls: list[bool] = []

@@ -27,9 +27,9 @@ from ibex.assembly.structs import Directive
 from ibex.service.patches import batch_ready_callbacks
 from ibex.sources.directive_cache import DirectiveCache, DirectiveCacheConfig
 from ibex.sources.redis_directive import (
+    PoolReader,
     RedisDirectiveSource,
     RedisOptions,
-    _PoolReader,
     directive_key,
 )
 from ibex.testing.redis_server import RedisServer
@@ -83,13 +83,13 @@ async def redis_source(
 def commands(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
     """Each Redis command the pool readers send: (name, keys), appended as it is issued."""
     sent: list[tuple[str, int]] = []
-    leased = _PoolReader._leased
+    leased = PoolReader._leased
 
-    async def counted(self: _PoolReader, *command: str, **options: Any) -> object:
+    async def counted(self: PoolReader, *command: str, **options: Any) -> object:
         sent.append((command[0], len(command) - 1))
         return await leased(self, *command, **options)
 
-    monkeypatch.setattr(_PoolReader, "_leased", counted)
+    monkeypatch.setattr(PoolReader, "_leased", counted)
     return sent
 
 

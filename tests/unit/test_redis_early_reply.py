@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from ibex.sources.redis_directive import _EarlyReply, parse_values
+from ibex.sources.redis_early_reply import EarlyReply, parse_values
 
 MGET = b'*3\r\n$13\r\n{"v": 1, "x"}\r\n$-1\r\n$12\r\nline\r\n$3\r\nab\r\n'
 
@@ -63,7 +63,7 @@ def test_a_re_lease_after_a_broken_connection_parses_only_the_new_connections_by
     loop = asyncio.new_event_loop()
     try:
         told: list[list[bytes | None]] = []
-        early = _EarlyReply(True, ["k1", "k2"], 100, told.append)
+        early = EarlyReply(True, ["k1", "k2"], 100, told.append)
         for data in (b"*2\r\n$5\r\nhel", b"*2\r\n$5\r\nhello\r\n$-1\r\n"):
             reader = asyncio.StreamReader(loop=loop)
             watched = early.watch(SimpleNamespace(_reader=reader))
