@@ -154,15 +154,58 @@ def versus_floor(rate: int, seconds: float, pythonpath: str = "") -> dict[str, o
     return out
 
 
+def alternate(other: Path, rate: int | None, seconds: float, rounds: int) -> dict[str, list[float]]:
+    """CPU ms per answer of this checkout and of checkout `other`, in turns, `rounds` times,
+    one stack for both (Redis, the memory stand-in): a change's saving is the difference
+    of the medians, kept only when it is beyond the spread. `rate` None drives closed-loop
+    (saturated) and also reports answers/s."""
+    from benchmarks.load import h2load
+    from benchmarks.load.driver import build_requests
+    from benchmarks.load.stack import ROOT, Stack, cpu_seconds
+
+    out: dict[str, list[float]] = {"this": [], "other": [], "this_rps": [], "other_rps": []}
+    with Stack() as stack:
+        messages = build_requests(stack.tenants, len(stack.tenants), 0, versions=True)
+        for i in range(rounds):
+            order = (("this", ROOT), ("other", other)) if i % 2 == 0 else (
+                ("other", other), ("this", ROOT))  # fmt: skip
+            for name, root in order:
+                with stack.daemon(1, root) as daemon:
+                    h2load.run(daemon.addr, messages, h2load.Load(rate), 1.5)  # warm
+                    cpu0 = cpu_seconds(daemon.root_pid)
+                    run = h2load.run(daemon.addr, messages, h2load.Load(rate), seconds)
+                    cpu = cpu_seconds(daemon.root_pid) - cpu0
+                out[name].append(round(1000 * cpu / max(1, run.succeeded), 3))
+                out[name + "_rps"].append(round(run.succeeded / seconds, 1))
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     import argparse
     import json
+    import statistics
 
     p = argparse.ArgumentParser(description=USAGE.splitlines()[0])
     p.add_argument("--rate", type=int, default=100)
     p.add_argument("--seconds", type=float, default=20.0)
     p.add_argument("--pythonpath", default="", help="a directory put before the checkout")
+    p.add_argument(
+        "--versus",
+        type=Path,
+        default=None,
+        help="another checkout: alternate the two (CPU per answer) instead",
+    )
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--saturated", action="store_true", help="with --versus: closed loop")
     args = p.parse_args(argv)
+    if args.versus is not None:
+        ab = alternate(args.versus, None if args.saturated else args.rate, args.seconds,
+                       args.rounds)  # fmt: skip
+        for name in ("this", "other"):
+            v, r = ab[name], ab[name + "_rps"]
+            print(f"{name:6s} CPU ms/answer median {statistics.median(v):.3f} "
+                  f"(min {min(v):.3f} max {max(v):.3f}) answers/s {statistics.median(r):.0f}  {v}")  # fmt: skip
+        return
     res = versus_floor(args.rate, args.seconds, args.pythonpath)
     ibex, floor = res["ibex"], res["floor"]
     assert isinstance(ibex, dict) and isinstance(floor, dict)
