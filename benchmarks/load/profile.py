@@ -204,7 +204,8 @@ def main(argv: list[str] | None = None) -> None:
         for name in ("this", "other"):
             v, r = ab[name], ab[name + "_rps"]
             print(f"{name:6s} CPU ms/answer median {statistics.median(v):.3f} "
-                  f"(min {min(v):.3f} max {max(v):.3f}) answers/s {statistics.median(r):.0f}  {v}")  # fmt: skip
+                  f"(min {min(v):.3f} max {max(v):.3f}) "
+                  f"answers/s {statistics.median(r):.0f}  {v}")  # fmt: skip
         return
     res = versus_floor(args.rate, args.seconds, args.pythonpath)
     ibex, floor = res["ibex"], res["floor"]
