@@ -180,6 +180,86 @@ def alternate(other: Path, rate: int | None, seconds: float, rounds: int) -> dic
     return out
 
 
+CALLS_PROBE = Path(__file__).resolve().parent / "calls_probe"
+
+
+def _profiled(pid: int, addr: str, messages: list[bytes], rate: int, seconds: float,
+              out: Path) -> int:  # fmt: skip
+    """cProfile on `pid` (its `calls_probe`) while h2load drives `addr`: answers."""
+    import os
+    import signal
+    import time
+
+    from benchmarks.load import h2load
+
+    h2load.run(addr, messages, h2load.Load(rate), 1.5)  # warm
+    os.kill(pid, signal.SIGUSR1)
+    run = h2load.run(addr, messages, h2load.Load(rate), seconds)
+    os.kill(pid, signal.SIGUSR2)
+    deadline = time.monotonic() + 30
+    while not out.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.5)  # let the dump finish writing
+    return run.succeeded
+
+
+def _per_answer(stats_path: Path, answers: int) -> dict[str, tuple[float, float]]:
+    """function -> (calls, cProfile's own seconds) per answer."""
+    import pstats
+
+    out: dict[str, tuple[float, float]] = {}
+    raw = pstats.Stats(str(stats_path)).stats  # type: ignore[attr-defined]
+    for (path, line, name), (_, calls, own, _cum, _callers) in raw.items():
+        short = path.split("site-packages/")[-1].split("/ibex/", 1)[-1]
+        key = f"{name} ({short}:{line})"
+        c, t = out.get(key, (0.0, 0.0))
+        out[key] = (c + calls / answers, t + own / answers)
+    return out
+
+
+def calls_versus_floor(rate: int, seconds: float) -> dict[str, object]:
+    """Python function calls per answer, the daemon against the floor, under cProfile."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    from benchmarks.load.driver import build_requests
+    from benchmarks.load.stack import ROOT, Stack, free_port, wait_listening
+
+    tmp = Path(tempfile.mkdtemp(prefix="ibex-calls-"))
+    res: dict[str, object] = {"rate": rate, "seconds": seconds}
+    with Stack() as stack:
+        messages = build_requests(stack.tenants, len(stack.tenants), 0, versions=True)
+        probe = {"PYTHONPATH": f"{CALLS_PROBE}:{ROOT}", "IBEX_CALLS_PROBE_OUT": str(tmp / "i")}
+        with stack.daemon(1, ROOT, **probe) as daemon:
+            n_ibex = _profiled(daemon.root_pid, daemon.addr, messages, rate, seconds, tmp / "i")
+        port = free_port()
+        env = {**os.environ, **probe, "IBEX_CALLS_PROBE_OUT": str(tmp / "f")}
+        cmd = [sys.executable, "-m", "benchmarks.load.floor", "--serve", "trio-asyncio", str(port)]
+        floor = subprocess.Popen(  # its stderr: asyncio's notes on connections h2load drops
+            cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        try:
+            if not wait_listening(floor, port):
+                raise RuntimeError("the floor server did not start")
+            n_floor = _profiled(floor.pid, f"127.0.0.1:{port}", messages, rate, seconds,
+                                tmp / "f")  # fmt: skip
+        finally:
+            floor.kill()
+            floor.wait()
+    ibex, base = _per_answer(tmp / "i", max(1, n_ibex)), _per_answer(tmp / "f", max(1, n_floor))
+    res["answers"] = {"ibex": n_ibex, "floor": n_floor}
+    res["calls_per_answer"] = {"ibex": round(sum(c for c, _ in ibex.values())),
+                               "floor": round(sum(c for c, _ in base.values()))}  # fmt: skip
+    rows = sorted(set(ibex) | set(base),
+                  key=lambda k: -(ibex.get(k, (0, 0))[0] - base.get(k, (0, 0))[0]))  # fmt: skip
+    res["most_added_calls"] = [
+        (k, round(ibex.get(k, (0, 0))[0], 1), round(base.get(k, (0, 0))[0], 1)) for k in rows[:40]
+    ]
+    return res
+
+
 def main(argv: list[str] | None = None) -> None:
     import argparse
     import json
@@ -197,7 +277,24 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--saturated", action="store_true", help="with --versus: closed loop")
+    p.add_argument(
+        "--calls", action="store_true", help="function calls per answer (cProfile), ibex vs floor"
+    )
     args = p.parse_args(argv)
+    if args.calls:
+        res = calls_versus_floor(args.rate, args.seconds)
+        per = res["calls_per_answer"]
+        assert isinstance(per, dict)
+        print(f"Python function calls per answer at {args.rate} rps: ibex {per['ibex']}, "
+              f"floor {per['floor']} (answers {res['answers']})")  # fmt: skip
+        print(f"{'ibex':>8s} {'floor':>8s}  function (most calls added first)")
+        for name, a, b in res["most_added_calls"]:  # type: ignore[attr-defined]
+            print(f"{a:8.1f} {b:8.1f}  {name}")
+        out = Path(__file__).resolve().parents[1] / "results" / "load.profile_calls.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(res, indent=1) + "\n")
+        print(f"wrote {out}")
+        return
     if args.versus is not None:
         ab = alternate(args.versus, None if args.saturated else args.rate, args.seconds,
                        args.rounds)  # fmt: skip
