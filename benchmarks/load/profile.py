@@ -86,6 +86,12 @@ waiting for a core as busy where it last stopped (the epoll wait, a socket
 send), so on a loaded machine those groups read high.
 
 Run: ``python -m benchmarks.load.profile [--rate 100] [--seconds 20]``
+
+``--versus DIR [--rounds 6] [--saturated]``: this checkout's CPU per answer and
+checkout DIR's, in turns on one stack (a change is kept when the medians differ
+by more than the spread). ``--calls``: Python function calls per answer under
+cProfile, the daemon against the floor; counts do not move with the machine's
+load, so they show added work where sampled time cannot.
 """
 
 
