@@ -129,8 +129,8 @@ class FrameGuard:
             # the size changes only in `take`: paid in one sum before it, they leave the
             # tokens exactly where paying each at once would.
             owed, self._owed = self._owed, 0
-            for bucket in self._buckets.values():
-                bucket.earn(owed)
+            for earner in self._buckets.values():
+                earner.earn(owed)
         now = self._clock()
         authenticated = self.authenticated()
         for kind, n in counts.items():
