@@ -91,7 +91,8 @@ Run: ``python -m benchmarks.load.profile [--rate 100] [--seconds 20]``
 checkout DIR's, in turns on one stack (a change is kept when the medians differ
 by more than the spread). ``--calls``: Python function calls per answer under
 cProfile, the daemon against the floor; counts do not move with the machine's
-load, so they show added work where sampled time cannot.
+load, so they show added work where sampled time cannot. ``--micro``: the
+memory pool's request-path steps in µs of CPU, both ways of each in turns.
 """
 
 
@@ -183,6 +184,89 @@ def alternate(other: Path, rate: int | None, seconds: float, rounds: int) -> dic
                     cpu = cpu_seconds(daemon.root_pid) - cpu0
                 out[name].append(round(1000 * cpu / max(1, run.succeeded), 3))
                 out[name + "_rps"].append(round(run.succeeded / seconds, 1))
+    return out
+
+
+def micro(rounds: int = 8) -> dict[str, list[float]]:
+    """CPU µs of the memory pool's request-path steps, alternating the two ways of each:
+    a connect to an IP literal (`tcp_connect`'s direct path against trio's
+    `open_tcp_stream`, accept and close included in both) and one pooled call on an
+    in-memory connection with the caller's deadline first (no safety-net scope of the
+    pool's) against one with the pool's deadline first."""
+    import socket
+    import time
+
+    import trio
+    import trio.testing
+
+    from ibex.sources.http_connect import tcp_connect
+    from ibex.sources.http_pool import HttpPool
+
+    out: dict[str, list[float]] = {
+        "connect_direct": [], "connect_open_tcp_stream": [],
+        "call_caller_deadline_first": [], "call_pool_deadline_first": [],
+    }  # fmt: skip
+    ok = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+
+    class _Link:
+        def close(self) -> None:
+            pass
+
+        def unusable(self) -> bool:
+            return False
+
+    async def serve(stream: trio.abc.Stream) -> None:
+        buf = b""
+        while chunk := await stream.receive_some():
+            buf += chunk
+            while b"\r\n\r\n" in buf:
+                _, _, buf = buf.partition(b"\r\n\r\n")
+                await stream.send_all(ok)
+
+    async def run() -> None:
+        with socket.socket() as ls:
+            ls.bind(("127.0.0.1", 0))
+            ls.listen(1024)
+            port = ls.getsockname()[1]
+            direct = tcp_connect("127.0.0.1", port, None)
+
+            async def via_trio() -> None:
+                (await trio.open_tcp_stream("127.0.0.1", port)).socket.close()
+
+            async def via_direct() -> None:
+                _stream, link = await direct()
+                link.close()
+
+            async with trio.open_nursery() as nursery:
+
+                async def connect() -> tuple[trio.abc.Stream, _Link]:
+                    client, server = trio.testing.memory_stream_pair()
+                    nursery.start_soon(serve, server)
+                    return client, _Link()
+
+                pool = HttpPool("http://memory.test", headers={"Authorization": "Bearer x"},
+                                max_connections=4, keepalive_expiry=60.0, timeout=2.0,
+                                max_response_bytes=10_000, connect=connect)  # fmt: skip
+                for _ in range(200):
+                    await pool.request("GET", "/a")
+                for r in range(rounds):
+                    ways = [("connect_direct", via_direct, None, 300),
+                            ("connect_open_tcp_stream", via_trio, None, 300),
+                            ("call_caller_deadline_first", None, 0.5, 2000),
+                            ("call_pool_deadline_first", None, 5.0, 2000)]  # fmt: skip
+                    for name, fn, outer, n in ways if r % 2 == 0 else ways[::-1]:
+                        t = time.thread_time()
+                        for _ in range(n):
+                            if fn is not None:
+                                await fn()
+                                ls.accept()[0].close()
+                            else:
+                                with trio.move_on_after(outer or 0.0):
+                                    await pool.request("GET", "/a")
+                        out[name].append(round((time.thread_time() - t) / n * 1e6, 2))
+                nursery.cancel_scope.cancel()
+
+    trio.run(run)
     return out
 
 
@@ -286,7 +370,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--calls", action="store_true", help="function calls per answer (cProfile), ibex vs floor"
     )
+    p.add_argument("--micro", action="store_true", help="the memory pool's steps, µs of CPU")
     args = p.parse_args(argv)
+    if args.micro:
+        for name, v in micro(args.rounds).items():
+            print(f"{name:28s} µs CPU median {statistics.median(v):7.1f} "
+                  f"(min {min(v):.1f} max {max(v):.1f}, {len(v)} rounds)")  # fmt: skip
+        return
     if args.calls:
         res = calls_versus_floor(args.rate, args.seconds)
         per = res["calls_per_answer"]
