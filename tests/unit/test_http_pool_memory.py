@@ -449,14 +449,19 @@ async def _silent_connect() -> tuple[trio.abc.Stream, Link]:
     return client, MemoryLink(client)
 
 
+def _silent_pool() -> HttpPool:
+    """One connection at a time, a 30 s safety-net timeout, a server that never answers."""
+    return HttpPool(
+        "http://memory.test", headers={}, max_connections=1, keepalive_expiry=60.0,
+        timeout=30.0, max_response_bytes=1000, connect=_silent_connect,
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize("caller_deadline", [None, 60.0])
 async def test_the_pool_timeout_ends_a_call_the_caller_would_let_run_longer(
     autojump_clock: trio.testing.MockClock, caller_deadline: float | None
 ) -> None:
-    pool = HttpPool(
-        "http://memory.test", headers={}, max_connections=1, keepalive_expiry=60.0,
-        timeout=30.0, max_response_bytes=1000, connect=_silent_connect,
-    )  # fmt: skip
+    pool = _silent_pool()
     start = trio.current_time()
     caller = trio.CancelScope(deadline=start + (caller_deadline or float("inf")))
     with caller, pytest.raises(TransportTimeout, match=r"^transport timeout \(ReadTimeout\)$"):
@@ -468,10 +473,7 @@ async def test_the_pool_timeout_ends_a_call_the_caller_would_let_run_longer(
 async def test_a_caller_deadline_before_the_pool_timeout_cancels_the_caller(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    pool = HttpPool(
-        "http://memory.test", headers={}, max_connections=1, keepalive_expiry=60.0,
-        timeout=30.0, max_response_bytes=1000, connect=_silent_connect,
-    )  # fmt: skip
+    pool = _silent_pool()
     start = trio.current_time()
     with trio.move_on_after(5.0) as scope:
         await pool.request("GET", "/a")
