@@ -105,3 +105,24 @@ async def test_a_host_name_still_connects(listener: socket.socket) -> None:
     finally:
         link.close()
         peer.close()
+
+
+async def test_an_ipv6_literal_connects() -> None:
+    try:
+        ls = socket.socket(socket.AF_INET6)
+        ls.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    with ls:
+        ls.listen(1)
+        connect = tcp_connect("::1", ls.getsockname()[1], None)
+        with trio.fail_after(10):
+            stream, link = await connect()
+        peer, _ = ls.accept()
+        try:
+            with trio.fail_after(10):
+                await stream.send_all(b"v6")
+                assert peer.recv(2) == b"v6"
+        finally:
+            link.close()
+            peer.close()
