@@ -365,7 +365,7 @@ def table(out: Mapping[str, Any]) -> str:
         f"{'ratio':>6} | {'answers/s ibex':>14} {'floor':>6} | {'p50/p99 ms ibex':>16} "
         f"{'floor':>12} | {'client cores':>12}"
     ]
-    for wkey, by_client in out["stack"].items():
+    for wkey, by_client in out.get("stack", {}).items():
         for client, by_load in by_client.items():
             for label, cell in by_load.items():
                 i, f = cell["ibex"], cell["floor"]
@@ -382,7 +382,7 @@ def table(out: Mapping[str, Any]) -> str:
                 if bad:
                     lines.append(f"{'':>25} ibex statuses other than OK: {bad}")
     lines.append("ratios (target):")
-    for wkey, by_client in out["stack"].items():
+    for wkey, by_client in out.get("stack", {}).items():
         for client, by_load in by_client.items():
             parts = []
             for label, limit in CPU_LIMITS.items():
@@ -397,7 +397,7 @@ def table(out: Mapping[str, Any]) -> str:
             f"1 worker {_f(s['w1']['answers_per_s'], '.0f')}/s: {_f(s['scaling'], '.2f')}x "
             f"(>= {SCALING_TARGET}x {verdict(s['scaling'], SCALING_TARGET, True)})"
         )
-    stack = out["stack"]
+    stack = out.get("stack", {})
     if "w1" in stack and "w2" in stack:
         for client in CLIENTS:
             a1 = stack["w1"][client]["closed"]["ibex"]["answers_per_s"]
@@ -415,7 +415,7 @@ def figures_of(out: Mapping[str, Any]) -> list[figures.Figure]:
     """The figures this benchmark contributes to docs/performance.md's current table."""
     found: list[figures.Figure] = []
     src = "load.capacity"
-    for wkey, by_client in out["stack"].items():
+    for wkey, by_client in out.get("stack", {}).items():
         w = wkey[1:]
         workers = f"{w} worker" + ("" if w == "1" else "s")
         for client, by_load in by_client.items():
@@ -480,7 +480,8 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {
         "command": " ".join(["python -m benchmarks.load.capacity", *sys.argv[1:]])
     }
-    out["stack"] = await stack_part(args, speed)
+    if not args.sample_only:
+        out["stack"] = await stack_part(args, speed)
     if not args.no_sample:
         out["sample"] = await sample_part(args, speed)
     out["machine_speed"] = spread(speed)
@@ -494,6 +495,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seconds", type=float, default=4.0)
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="worker counts")
     p.add_argument("--no-sample", action="store_true", help="skip the bundled-sample scaling")
+    p.add_argument("--sample-only", action="store_true", help="only the bundled-sample scaling")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument(
         "--no-figures", action="store_true", help="do not update the results file of figures"

@@ -86,6 +86,13 @@ waiting for a core as busy where it last stopped (the epoll wait, a socket
 send), so on a loaded machine those groups read high.
 
 Run: ``python -m benchmarks.load.profile [--rate 100] [--seconds 20]``
+
+``--versus DIR [--rounds 6] [--saturated]``: this checkout's CPU per answer and
+checkout DIR's, in turns on one stack (a change is kept when the medians differ
+by more than the spread). ``--calls``: Python function calls per answer under
+cProfile, the daemon against the floor; counts do not move with the machine's
+load, so they show added work where sampled time cannot. ``--micro``: the
+memory pool's request-path steps in µs of CPU, both ways of each in turns.
 """
 
 
@@ -154,15 +161,245 @@ def versus_floor(rate: int, seconds: float, pythonpath: str = "") -> dict[str, o
     return out
 
 
+def alternate(other: Path, rate: int | None, seconds: float, rounds: int) -> dict[str, list[float]]:
+    """CPU ms per answer of this checkout and of checkout `other`, in turns, `rounds` times,
+    one stack for both (Redis, the memory stand-in): a change's saving is the difference
+    of the medians, kept only when it is beyond the spread. `rate` None drives closed-loop
+    (saturated) and also reports answers/s."""
+    from benchmarks.load import h2load
+    from benchmarks.load.driver import build_requests
+    from benchmarks.load.stack import ROOT, Stack, cpu_seconds
+
+    out: dict[str, list[float]] = {"this": [], "other": [], "this_rps": [], "other_rps": []}
+    with Stack() as stack:
+        messages = build_requests(stack.tenants, len(stack.tenants), 0, versions=True)
+        for i in range(rounds):
+            order = (("this", ROOT), ("other", other)) if i % 2 == 0 else (
+                ("other", other), ("this", ROOT))  # fmt: skip
+            for name, root in order:
+                with stack.daemon(1, root) as daemon:
+                    h2load.run(daemon.addr, messages, h2load.Load(rate), 1.5)  # warm
+                    cpu0 = cpu_seconds(daemon.root_pid)
+                    run = h2load.run(daemon.addr, messages, h2load.Load(rate), seconds)
+                    cpu = cpu_seconds(daemon.root_pid) - cpu0
+                out[name].append(round(1000 * cpu / max(1, run.succeeded), 3))
+                out[name + "_rps"].append(round(run.succeeded / seconds, 1))
+    return out
+
+
+def micro(rounds: int = 8) -> dict[str, list[float]]:
+    """CPU µs of the memory pool's request-path steps, alternating the two ways of each:
+    a connect to an IP literal (`tcp_connect`'s direct path against trio's
+    `open_tcp_stream`, accept and close included in both) and one pooled call on an
+    in-memory connection with the caller's deadline first (no safety-net scope of the
+    pool's) against one with the pool's deadline first."""
+    import socket
+    import time
+
+    import trio
+    import trio.testing
+
+    from ibex.sources.http_connect import tcp_connect
+    from ibex.sources.http_pool import HttpPool
+
+    out: dict[str, list[float]] = {
+        "connect_direct": [], "connect_open_tcp_stream": [],
+        "call_caller_deadline_first": [], "call_pool_deadline_first": [],
+    }  # fmt: skip
+    ok = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+
+    class _Link:
+        def close(self) -> None:
+            pass
+
+        def unusable(self) -> bool:
+            return False
+
+    async def serve(stream: trio.abc.Stream) -> None:
+        buf = b""
+        while chunk := await stream.receive_some():
+            buf += chunk
+            while b"\r\n\r\n" in buf:
+                _, _, buf = buf.partition(b"\r\n\r\n")
+                await stream.send_all(ok)
+
+    async def run() -> None:
+        with socket.socket() as ls:
+            ls.bind(("127.0.0.1", 0))
+            ls.listen(1024)
+            port = ls.getsockname()[1]
+            direct = tcp_connect("127.0.0.1", port, None)
+
+            async def via_trio() -> None:
+                (await trio.open_tcp_stream("127.0.0.1", port)).socket.close()
+
+            async def via_direct() -> None:
+                _stream, link = await direct()
+                link.close()
+
+            async with trio.open_nursery() as nursery:
+
+                async def connect() -> tuple[trio.abc.Stream, _Link]:
+                    client, server = trio.testing.memory_stream_pair()
+                    nursery.start_soon(serve, server)
+                    return client, _Link()
+
+                pool = HttpPool("http://memory.test", headers={"Authorization": "Bearer x"},
+                                max_connections=4, keepalive_expiry=60.0, timeout=2.0,
+                                max_response_bytes=10_000, connect=connect)  # fmt: skip
+                for _ in range(200):
+                    await pool.request("GET", "/a")
+                for r in range(rounds):
+                    ways = [("connect_direct", via_direct, None, 300),
+                            ("connect_open_tcp_stream", via_trio, None, 300),
+                            ("call_caller_deadline_first", None, 0.5, 2000),
+                            ("call_pool_deadline_first", None, 5.0, 2000)]  # fmt: skip
+                    for name, fn, outer, n in ways if r % 2 == 0 else ways[::-1]:
+                        t = time.thread_time()
+                        for _ in range(n):
+                            if fn is not None:
+                                await fn()
+                                ls.accept()[0].close()
+                            else:
+                                with trio.move_on_after(outer or 0.0):
+                                    await pool.request("GET", "/a")
+                        out[name].append(round((time.thread_time() - t) / n * 1e6, 2))
+                nursery.cancel_scope.cancel()
+
+    trio.run(run)
+    return out
+
+
+CALLS_PROBE = Path(__file__).resolve().parent / "calls_probe"
+
+
+def _profiled(pid: int, addr: str, messages: list[bytes], rate: int, seconds: float,
+              out: Path) -> int:  # fmt: skip
+    """cProfile on `pid` (its `calls_probe`) while h2load drives `addr`: answers."""
+    import os
+    import signal
+    import time
+
+    from benchmarks.load import h2load
+
+    h2load.run(addr, messages, h2load.Load(rate), 1.5)  # warm
+    os.kill(pid, signal.SIGUSR1)
+    run = h2load.run(addr, messages, h2load.Load(rate), seconds)
+    os.kill(pid, signal.SIGUSR2)
+    deadline = time.monotonic() + 30
+    while not out.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.5)  # let the dump finish writing
+    return run.succeeded
+
+
+def _per_answer(stats_path: Path, answers: int) -> dict[str, tuple[float, float]]:
+    """function -> (calls, cProfile's own seconds) per answer."""
+    import pstats
+
+    out: dict[str, tuple[float, float]] = {}
+    raw = pstats.Stats(str(stats_path)).stats  # type: ignore[attr-defined]
+    for (path, line, name), (_, calls, own, _cum, _callers) in raw.items():
+        short = path.split("site-packages/")[-1].split("/ibex/", 1)[-1]
+        key = f"{name} ({short}:{line})"
+        c, t = out.get(key, (0.0, 0.0))
+        out[key] = (c + calls / answers, t + own / answers)
+    return out
+
+
+def calls_versus_floor(rate: int, seconds: float) -> dict[str, object]:
+    """Python function calls per answer, the daemon against the floor, under cProfile."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    from benchmarks.load.driver import build_requests
+    from benchmarks.load.stack import ROOT, Stack, free_port, wait_listening
+
+    tmp = Path(tempfile.mkdtemp(prefix="ibex-calls-"))
+    res: dict[str, object] = {"rate": rate, "seconds": seconds}
+    with Stack() as stack:
+        messages = build_requests(stack.tenants, len(stack.tenants), 0, versions=True)
+        probe = {"PYTHONPATH": f"{CALLS_PROBE}:{ROOT}", "IBEX_CALLS_PROBE_OUT": str(tmp / "i")}
+        with stack.daemon(1, ROOT, **probe) as daemon:
+            n_ibex = _profiled(daemon.root_pid, daemon.addr, messages, rate, seconds, tmp / "i")
+        port = free_port()
+        env = {**os.environ, **probe, "IBEX_CALLS_PROBE_OUT": str(tmp / "f")}
+        cmd = [sys.executable, "-m", "benchmarks.load.floor", "--serve", "trio-asyncio", str(port)]
+        floor = subprocess.Popen(  # its stderr: asyncio's notes on connections h2load drops
+            cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        try:
+            if not wait_listening(floor, port):
+                raise RuntimeError("the floor server did not start")
+            n_floor = _profiled(floor.pid, f"127.0.0.1:{port}", messages, rate, seconds,
+                                tmp / "f")  # fmt: skip
+        finally:
+            floor.kill()
+            floor.wait()
+    ibex, base = _per_answer(tmp / "i", max(1, n_ibex)), _per_answer(tmp / "f", max(1, n_floor))
+    res["answers"] = {"ibex": n_ibex, "floor": n_floor}
+    res["calls_per_answer"] = {"ibex": round(sum(c for c, _ in ibex.values())),
+                               "floor": round(sum(c for c, _ in base.values()))}  # fmt: skip
+    rows = sorted(set(ibex) | set(base),
+                  key=lambda k: -(ibex.get(k, (0, 0))[0] - base.get(k, (0, 0))[0]))  # fmt: skip
+    res["most_added_calls"] = [
+        (k, round(ibex.get(k, (0, 0))[0], 1), round(base.get(k, (0, 0))[0], 1)) for k in rows[:40]
+    ]
+    return res
+
+
 def main(argv: list[str] | None = None) -> None:
     import argparse
     import json
+    import statistics
 
     p = argparse.ArgumentParser(description=USAGE.splitlines()[0])
     p.add_argument("--rate", type=int, default=100)
     p.add_argument("--seconds", type=float, default=20.0)
     p.add_argument("--pythonpath", default="", help="a directory put before the checkout")
+    p.add_argument(
+        "--versus",
+        type=Path,
+        default=None,
+        help="another checkout: alternate the two (CPU per answer) instead",
+    )
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--saturated", action="store_true", help="with --versus: closed loop")
+    p.add_argument(
+        "--calls", action="store_true", help="function calls per answer (cProfile), ibex vs floor"
+    )
+    p.add_argument("--micro", action="store_true", help="the memory pool's steps, µs of CPU")
     args = p.parse_args(argv)
+    if args.micro:
+        for name, v in micro(args.rounds).items():
+            print(f"{name:28s} µs CPU median {statistics.median(v):7.1f} "
+                  f"(min {min(v):.1f} max {max(v):.1f}, {len(v)} rounds)")  # fmt: skip
+        return
+    if args.calls:
+        res = calls_versus_floor(args.rate, args.seconds)
+        per = res["calls_per_answer"]
+        assert isinstance(per, dict)
+        print(f"Python function calls per answer at {args.rate} rps: ibex {per['ibex']}, "
+              f"floor {per['floor']} (answers {res['answers']})")  # fmt: skip
+        print(f"{'ibex':>8s} {'floor':>8s}  function (most calls added first)")
+        for name, a, b in res["most_added_calls"]:  # type: ignore[attr-defined]
+            print(f"{a:8.1f} {b:8.1f}  {name}")
+        out = Path(__file__).resolve().parents[1] / "results" / "load.profile_calls.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(res, indent=1) + "\n")
+        print(f"wrote {out}")
+        return
+    if args.versus is not None:
+        ab = alternate(args.versus, None if args.saturated else args.rate, args.seconds,
+                       args.rounds)  # fmt: skip
+        for name in ("this", "other"):
+            v, r = ab[name], ab[name + "_rps"]
+            print(f"{name:6s} CPU ms/answer median {statistics.median(v):.3f} "
+                  f"(min {min(v):.3f} max {max(v):.3f}) "
+                  f"answers/s {statistics.median(r):.0f}  {v}")  # fmt: skip
+        return
     res = versus_floor(args.rate, args.seconds, args.pythonpath)
     ibex, floor = res["ibex"], res["floor"]
     assert isinstance(ibex, dict) and isinstance(floor, dict)

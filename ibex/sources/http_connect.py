@@ -8,6 +8,9 @@ and pool tests run on in-memory streams.
 from __future__ import annotations
 
 import contextlib
+import errno
+import ipaddress
+import os
 import select
 import socket
 import ssl
@@ -19,7 +22,15 @@ import trio
 from ibex.sources.http_framing import transport_error
 from ibex.sources.raw_socket_stream import RECV_BYTES, RawSocketStream
 
-__all__ = ["Connect", "Link", "SocketLink", "link_unusable", "settle", "tcp_connect"]
+__all__ = [
+    "Connect",
+    "Link",
+    "SocketLink",
+    "connect_ip",
+    "link_unusable",
+    "settle",
+    "tcp_connect",
+]
 
 
 class Link(Protocol):
@@ -86,10 +97,19 @@ def tcp_connect(host: str, port: int, ssl_context: ssl.SSLContext | None) -> Con
     """The default `connect`: TCP to host:port, then a TLS handshake when a context is given.
 
     Failures are `TransportError` (ConnectError); on any failure or
-    cancellation the socket is closed before the exception leaves.
+    cancellation the socket is closed before the exception leaves. Plain TCP to
+    an IP literal (the usual sidecar or in-cluster address) is connected
+    directly (`connect_ip`): no resolver, no Happy Eyeballs nursery.
     """
+    family = _ip_family(host)
 
     async def connect() -> tuple[trio.abc.Stream, Link]:
+        if family is not None and ssl_context is None:
+            try:
+                raw = await connect_ip(family, host, port)
+            except OSError:
+                raise transport_error("ConnectError") from None
+            return RawSocketStream(raw), SocketLink(raw)
         try:
             stream = await trio.open_tcp_stream(host, port)
         except OSError:
@@ -110,6 +130,45 @@ def tcp_connect(host: str, port: int, ssl_context: ssl.SSLContext | None) -> Con
         return tls, SocketLink(sock, tls)
 
     return connect
+
+
+def _ip_family(host: str) -> socket.AddressFamily | None:
+    """AF_INET or AF_INET6 for an IP literal, None for a name to resolve."""
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    return socket.AF_INET6 if address.version == 6 else socket.AF_INET
+
+
+async def connect_ip(family: socket.AddressFamily, host: str, port: int) -> socket.socket:
+    """A non-blocking TCP socket connected to an IP literal, with the options trio's
+    `open_tcp_stream` sets (TCP_NODELAY, TCP_NOTSENT_LOWAT where there is one).
+
+    One socket and one wait for writability: `open_tcp_stream` spends a resolver
+    call, a nursery and its cancel scopes on each connection, which the pool opens
+    on the request path whenever no idle connection is free. OSError when the
+    connect fails; the socket is closed on any failure or cancellation.
+    """
+    await trio.lowlevel.checkpoint_if_cancelled()
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        lowat = getattr(socket, "TCP_NOTSENT_LOWAT", None)
+        if lowat is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, lowat, 16 * 1024)
+        err = sock.connect_ex((host, port))
+        if err in (errno.EINPROGRESS, errno.EAGAIN):
+            await trio.lowlevel.wait_writable(sock)
+            err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        if err:
+            raise OSError(err, os.strerror(err))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def link_unusable(link: Link) -> bool:

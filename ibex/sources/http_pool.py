@@ -243,17 +243,28 @@ class HttpPool:
             raise RuntimeError("HTTP pool is closed")
         data = self._encoder.encode(method, target, body, content_type, headers)
         lease = _Lease()
-        with trio.move_on_after(self._timeout):
-            try:  # a free slot is taken without a trip through the scheduler
-                self._slots.acquire_nowait()
-            except trio.WouldBlock:
-                await self._slots.acquire()
-            try:
-                return await self._leased(data, lease)
-            finally:
-                if not lease.detached:  # else the drain holds the slot and releases it
-                    self._slots.release()
+        deadline = trio.current_time() + self._timeout
+        if trio.current_effective_deadline() < deadline:
+            # The caller's own deadline comes first, so the safety net could never fire:
+            # no cancel scope of its own (each costs a timer entry and its bookkeeping,
+            # twice per answer).
+            return await self._slotted(data, lease)
+        with trio.CancelScope(deadline=deadline):
+            return await self._slotted(data, lease)
         raise TransportTimeout(f"transport timeout ({lease.stage})")
+
+    async def _slotted(self, data: bytes, lease: _Lease) -> Response:
+        """The request once a slot is held; the slot is released on every exit unless a
+        drain took it."""
+        try:  # a free slot is taken without a trip through the scheduler
+            self._slots.acquire_nowait()
+        except trio.WouldBlock:
+            await self._slots.acquire()
+        try:
+            return await self._leased(data, lease)
+        finally:
+            if not lease.detached:  # else the drain holds the slot and releases it
+                self._slots.release()
 
     async def _leased(self, data: bytes, lease: _Lease) -> Response:
         """The request on an idle connection, or on a fresh one.

@@ -148,3 +148,26 @@ def test_resets_h2_queued_are_counted_and_the_rest_skipped() -> None:
     assert g.offend("reset_flood", BUDGETS["reset_flood"].unauthenticated) is None
     assert g.offend("reset_flood", 0) is None
     assert g.offend("reset_flood") == "reset_flood"
+
+
+def test_answered_calls_never_raise_a_budget_past_its_size() -> None:
+    g = guard(Clock())
+    budget = BUDGETS["rapid_reset"]
+    reset = OFFENDING["rapid_reset"]
+    for _ in range(3 * budget.unauthenticated):
+        g.earned()
+    assert g.scan(reset * budget.unauthenticated) is None
+    assert g.scan(reset) == "rapid_reset"
+
+
+def test_each_answered_call_buys_back_one_frame_of_every_kind() -> None:
+    g = guard(Clock())
+    resets, pings = BUDGETS["rapid_reset"], BUDGETS["ping_flood"]
+    assert g.scan(OFFENDING["rapid_reset"] * resets.unauthenticated) is None
+    assert g.scan(OFFENDING["ping_flood"] * pings.unauthenticated) is None
+    g.earned()
+    g.earned()
+    assert g.scan(OFFENDING["rapid_reset"] * 2) is None
+    assert g.scan(OFFENDING["ping_flood"] * 2) is None
+    assert g.scan(OFFENDING["rapid_reset"]) == "rapid_reset"
+    assert g.scan(OFFENDING["ping_flood"]) == "ping_flood"

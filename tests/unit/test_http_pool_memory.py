@@ -16,7 +16,7 @@ import trio
 import trio.testing
 
 from ibex.sources.http_connect import Link
-from ibex.sources.http_framing import TransportError
+from ibex.sources.http_framing import TransportError, TransportTimeout
 from ibex.sources.http_pool import HttpPool
 
 OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
@@ -441,3 +441,42 @@ async def test_a_closed_nursery_means_close_not_drain() -> None:
         assert h.links[0].closed
         assert (pool.stats().draining, pool.stats().leases) == (0, 0)
         nursery.cancel_scope.cancel()
+
+
+async def _silent_connect() -> tuple[trio.abc.Stream, Link]:
+    """A connection whose server reads the request and never answers."""
+    client, _server = trio.testing.memory_stream_pair()
+    return client, MemoryLink(client)
+
+
+def _silent_pool() -> HttpPool:
+    """One connection at a time, a 30 s safety-net timeout, a server that never answers."""
+    return HttpPool(
+        "http://memory.test", headers={}, max_connections=1, keepalive_expiry=60.0,
+        timeout=30.0, max_response_bytes=1000, connect=_silent_connect,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("caller_deadline", [None, 60.0])
+async def test_the_pool_timeout_ends_a_call_the_caller_would_let_run_longer(
+    autojump_clock: trio.testing.MockClock, caller_deadline: float | None
+) -> None:
+    pool = _silent_pool()
+    start = trio.current_time()
+    caller = trio.CancelScope(deadline=start + (caller_deadline or float("inf")))
+    with caller, pytest.raises(TransportTimeout, match=r"^transport timeout \(ReadTimeout\)$"):
+        await pool.request("GET", "/a")
+    assert trio.current_time() - start == pytest.approx(30.0)
+    assert (pool.stats().leases, pool.stats().connections) == (0, 0)
+
+
+async def test_a_caller_deadline_before_the_pool_timeout_cancels_the_caller(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    pool = _silent_pool()
+    start = trio.current_time()
+    with trio.move_on_after(5.0) as scope:
+        await pool.request("GET", "/a")
+    assert scope.cancelled_caught
+    assert trio.current_time() - start == pytest.approx(5.0)
+    assert (pool.stats().leases, pool.stats().connections) == (0, 0)

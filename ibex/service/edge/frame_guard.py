@@ -98,15 +98,15 @@ class _Bucket:
         self.tokens = min(self.size, self.tokens + elapsed * budget.per_second) - n
         return self.tokens >= 0
 
-    def earn(self) -> None:
-        self.tokens = min(self.size, self.tokens + 1)
+    def earn(self, n: int) -> None:
+        self.tokens = min(self.size, self.tokens + n)
 
 
 class FrameGuard:
     """Counts one connection's offending frames; `scan` and the others return the reason
     to close it (a key of `BUDGETS`), or None."""
 
-    __slots__ = ("_buckets", "_clock", "_head", "_skip", "authenticated")
+    __slots__ = ("_buckets", "_clock", "_head", "_owed", "_skip", "authenticated")
 
     def __init__(
         self,
@@ -120,9 +120,17 @@ class FrameGuard:
         self._buckets = {kind: _Bucket(b, now) for kind, b in budgets.items()}
         self._skip = preface  # bytes still to pass over: the preface, then a frame's payload
         self._head = b""  # a frame header split across two reads
+        self._owed = 0  # answered calls not yet paid into the buckets (`earned`)
         self.authenticated: Callable[[], bool] = lambda: False
 
     def _spend(self, counts: dict[str, int]) -> str | None:
+        if self._owed:
+            # Earnings and time refills only add, each capped at the bucket's size, and
+            # the size changes only in `take`: paid in one sum before it, they leave the
+            # tokens exactly where paying each at once would.
+            owed, self._owed = self._owed, 0
+            for earner in self._buckets.values():
+                earner.earn(owed)
         now = self._clock()
         authenticated = self.authenticated()
         for kind, n in counts.items():
@@ -132,9 +140,11 @@ class FrameGuard:
         return None
 
     def earned(self) -> None:
-        """A call was answered: useful work, which buys back one frame of every kind."""
-        for bucket in self._buckets.values():
-            bucket.earn()
+        """A call was answered: useful work, which buys back one frame of every kind.
+
+        Counted here and paid into the buckets when a frame is next spent: once per
+        answer, where offending frames are rare."""
+        self._owed += 1
 
     def scan(self, data: bytes | bytearray | memoryview) -> str | None:
         """Read the frame headers in `data` (the next bytes from the peer).
