@@ -39,6 +39,7 @@ import argparse
 import asyncio
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -245,9 +246,21 @@ def main_versus(args: argparse.Namespace, argv: list[str]) -> None:
     print(f"wrote {RESULTS}")
     if not args.no_figures:
         command = " ".join(["python -m benchmarks.load.after_wall", *argv])
-        both = figures_of(res["this"]) + figures_of(res["versus"], "versus", str(args.versus))
+        name = _short_commit(args.versus)
+        both = figures_of(res["this"]) + figures_of(res["versus"], "versus", name)
         path = figures.record("load.after_wall", command, res["this"]["machine_speed"], both)
         print(f"recorded in {path}")
+
+
+def _short_commit(checkout: Path) -> str:
+    """The checkout's commit, as the figures name it."""
+    got = subprocess.run(
+        ["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return got.stdout.strip() or str(checkout)
 
 
 def figures_of(res: dict[str, Any], side: str = "", name: str = "") -> list[figures.Figure]:
@@ -255,7 +268,7 @@ def figures_of(res: dict[str, Any], side: str = "", name: str = "") -> list[figu
     n, rate = len(res["runs"]), res["rate"]
     where = f"cold +100 ms, 1 s deadlines, {rate} rps, h2load, median of {n}"
     if side:
-        where = f"{name}'s daemon, alternating with this code: {where}"
+        where = f"the daemon of {name}, alternating with this code: {where}"
     figs = _figures(res, where)
     if not side:
         return figs

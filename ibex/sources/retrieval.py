@@ -126,12 +126,8 @@ class _Wall:
         wall_scope: trio.CancelScope,
         time_left: float,
     ) -> None:
-        self.listener = listener
-        self.last = last
-        self.children = children
-        self.started = started
-        self.wall_scope = wall_scope
-        self.wall = time_left
+        self.listener, self.last, self.children = listener, last, children
+        self.started, self.wall_scope, self.wall = started, wall_scope, time_left
         self.scope = trio.CancelScope()
         self.cut: Retrieved | None = None  # what was handed over at the wall
 

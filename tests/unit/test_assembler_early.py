@@ -90,7 +90,7 @@ def handed(monkeypatch: pytest.MonkeyPatch) -> list[EarlyAssembly | None]:
     return seen
 
 
-def assembler(tokenizers: Tokenizers, memory: HotThenHang) -> Assembler:
+def assembler(tokenizers: Tokenizers, memory: HotThenHang, **options: Any) -> Assembler:
     return Assembler(
         catalog=load_catalog(),
         tokenizers=tokenizers,
@@ -98,6 +98,7 @@ def assembler(tokenizers: Tokenizers, memory: HotThenHang) -> Assembler:
         memory_source=memory,
         retrieval=RetrievalConfig(timeout=0.05, deadline=0.05, cold_timeout=1.0),
         offload_chars=OFFLOAD,
+        **options,
     )
 
 
@@ -209,13 +210,9 @@ async def test_the_answer_made_before_the_wall_is_byte_identical_to_the_one_made
     monkeypatch.setattr(assembler_module.time, "time", lambda: 1_800_000_000.0)
     made: dict[float | None, tuple[Any, list[Any]]] = {}
     for ahead in (SPECULATE_AHEAD, None):
-        a = Assembler(
-            catalog=load_catalog(),
-            tokenizers=tokenizers,
-            directive_source=CachedDirective(),
-            memory_source=HotThenHang("Deploys go through the staging gate first."),
-            retrieval=RetrievalConfig(timeout=0.05, deadline=0.05, cold_timeout=1.0),
-            offload_chars=OFFLOAD,
+        a = assembler(
+            tokenizers,
+            HotThenHang("Deploys go through the staging gate first."),
             nonce_key=NonceKey("k" * 40),
             wall_clock=lambda: 1_800_000_000.0,
             speculate_ahead=ahead,
@@ -260,14 +257,7 @@ async def test_an_answer_made_before_the_wall_is_dropped_when_the_last_branch_la
                 for h in self.hits[:1]
             ]
 
-    a = Assembler(
-        catalog=load_catalog(),
-        tokenizers=tokenizers,
-        directive_source=CachedDirective(),
-        memory_source=LateCold("Deploys go through the staging gate first."),
-        retrieval=RetrievalConfig(timeout=0.05, deadline=0.05, cold_timeout=1.0),
-        offload_chars=OFFLOAD,
-    )
+    a = assembler(tokenizers, LateCold("Deploys go through the staging gate first."))
     handed: list[Any] = []
     with trio.fail_after(5):
         result = await a.assemble_checked(a.check_request(request()), handoff=handed.append)
