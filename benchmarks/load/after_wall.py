@@ -42,6 +42,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -337,6 +338,54 @@ def main_h2load(args: argparse.Namespace, argv: list[str] | None) -> None:
         print(f"recorded in {path}")
 
 
+def retrieval_cost(blocks: int = 10, calls: int = 300) -> dict[str, list[float]]:
+    """CPU µs per `retrieve` with and without a wall listener, alternating blocks of
+    `calls`, the branches landing in time (hot after 0.5 ms, cold after 1 ms): what
+    waiting for the wall costs a call that never reaches it."""
+    import trio
+
+    from ibex.assembly.structs import AssemblyRequest
+    from ibex.sources.retrieval import RetrievalConfig, retrieve
+    from ibex.testing.samples import AGENT, ORG
+
+    class Sources:
+        async def hot(self, *args: Any, **kwargs: Any) -> list[Any]:
+            await trio.sleep(0.0005)
+            return []
+
+        async def cold(self, *args: Any, **kwargs: Any) -> list[Any]:
+            await trio.sleep(0.001)
+            return []
+
+    class Listener:
+        ahead = 0.003
+
+        def before_wall(self, got: Any) -> None: ...
+
+        def wall_reached(self, got: Any) -> None: ...
+
+    out: dict[str, list[float]] = {"without": [], "with": []}
+    request = AssemblyRequest(agent_id=AGENT, org_id=ORG, query="q", model="gpt-4o")
+
+    async def run() -> None:
+        for i in range(blocks):
+            sides = [("without", None), ("with", Listener())]
+            for side, listener in sides if i % 2 == 0 else sides[::-1]:
+                t0 = time.process_time()
+                for _ in range(calls):
+                    await retrieve(
+                        request,
+                        directive_source=None,
+                        memory_source=Sources(),  # type: ignore[arg-type]
+                        config=RetrievalConfig(),
+                        wall_listener=listener,  # type: ignore[arg-type]
+                    )
+                out[side].append((time.process_time() - t0) / calls * 1e6)
+
+    trio.run(run)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rate", type=float, default=100.0)
@@ -349,7 +398,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--versus", type=Path, help="with --client h2load: alternate with this checkout's daemon"
     )
+    p.add_argument(
+        "--retrieval-cost",
+        action="store_true",
+        help="CPU per retrieval with and without waiting for the wall (in-process)",
+    )
     args = p.parse_args(argv)
+    if args.retrieval_cost:
+        for side, values in retrieval_cost().items():
+            print(
+                f"{side} a wall listener: CPU µs per retrieval, median "
+                f"{statistics.median(values):.0f} (blocks {min(values):.0f}-{max(values):.0f})"
+            )
+        return
     if args.versus is not None:
         if args.client != "h2load":
             p.error("--versus goes with --client h2load")
