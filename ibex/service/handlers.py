@@ -281,9 +281,8 @@ class ContextService:
             self.auth.authorize(caller, request.org_id, request.agent_id, _principal(msg))
             key = caller.fairness_key(request.org_id)
             self.assembler.prefetch(request)
-            traced = () if call is None else (trace_id, call)
             result, end = await in_trio_handing(
-                self._assemble_in_trio, request, ticket, key, *traced
+                self._assemble_in_trio, request, ticket, key, trace_id, call
             )
             if end is not None:
                 # Handed over at the wall while the cut branch unwinds: the whole answer
@@ -315,12 +314,12 @@ class ContextService:
 
     async def _assemble_in_trio(
         self,
-        hand: Callable[[AssemblyResult], None],
         request: AssemblyRequest,
         ticket: Ticket,
         key: str,
         trace_id: str = "",
         call: CallTrace | None = None,
+        hand: Callable[[AssemblyResult], None] | None = None,
     ) -> AssemblyResult:
         """`key` is the call's share of the slots (`Caller.fairness_key`); `hand` gets an
         answer made before the wall as soon as the wall passes."""

@@ -83,7 +83,7 @@ _ENDED = object()  # the Trio call ended without handing anything over
 async def in_trio_handing(
     proc: Callable[..., Awaitable[T]], *args: Any
 ) -> tuple[T, Coroutine[Any, Any, T] | None]:
-    """`await proc(hand, *args)` in a Trio task, returning as soon as `proc` calls
+    """`await proc(*args, hand)` in a Trio task, returning as soon as `proc` calls
     `hand(answer)` (synchronously, in the loop) or ends.
 
     Returns the answer and, when it was handed over before the call ended, the
@@ -102,7 +102,7 @@ async def in_trio_handing(
         if not first.done():
             first.set_result(_ENDED)
 
-    fut: asyncio.Future[T | _Raised] = loop.trio_as_future(_captured, proc, hand, *args)
+    fut: asyncio.Future[T | _Raised] = loop.trio_as_future(_captured, proc, *args, hand)
     fut.add_done_callback(ended)
     try:
         got = await first
