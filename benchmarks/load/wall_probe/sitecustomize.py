@@ -81,8 +81,8 @@ def _install() -> None:
         if cancel is not None:
             steps["2 cold branch cancelled"].append((cancel - wall_at) * 1000)
         if listener is not None and getattr(listener, "answer", None) is not None:
-            # Handed over at the wall: the wake and the rest are the hand-over's steps.
-            steps["3 retrieval returns (after the hand-over)"].append((now - wall_at) * 1000)
+            # Made before the wall: the wake and the rest are the hand-over's steps.
+            steps["3 retrieval returns (answer made early)"].append((now - wall_at) * 1000)
             return got
         seen = list(wakes)
         i = bisect.bisect_left(seen, wall_at)
@@ -121,7 +121,7 @@ def _install() -> None:
             i = bisect.bisect_left(seen, wall_at)
             if i < len(seen):
                 steps["1 loop wakes after the wall"].append((seen[i] - wall_at) * 1000)
-            steps["3h answer handed over at the wall"].append((now - wall_at) * 1000)
+            steps["3h answer ready (handed over) at the wall"].append((now - wall_at) * 1000)
             if len(answers) >= 4096:
                 answers.clear()
             answers[id(self.answer[1])] = [wall_at, now, now]
