@@ -23,8 +23,14 @@ gRPC statuses from the daemon's counters, and the medians over the repeats.
 The figures go to the results file (`benchmarks.figures`, source
 ``load.after_wall``) unless ``--no-figures``.
 
+With ``--versus DIR`` (h2load only) the rounds alternate this checkout's daemon and
+DIR's (ABBA, one run of `--seconds` each, `--repeats` rounds), each with its own
+stack, so both see the same moments of a shared machine; both sides' medians and
+ranges are printed and recorded (DIR's under ``after_wall.h2load.versus.*``).
+
 Run: ``python -m benchmarks.load.after_wall [--rate 100] [--seconds 8] [--root DIR]``
 or ``python -m benchmarks.load.after_wall --client h2load [--repeats 5] [--seconds 8]``
+or ``python -m benchmarks.load.after_wall --client h2load --versus DIR [--probe]``
 """
 
 from __future__ import annotations
@@ -33,8 +39,10 @@ import argparse
 import asyncio
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -156,9 +164,129 @@ def _median(rows: list[dict[str, Any]], key: str) -> float | None:
     return round(statistics.median(values), 2) if values else None
 
 
-def figures_of(res: dict[str, Any]) -> list[figures.Figure]:
+async def measure_versus(
+    root: Path, base: Path, rate: int, seconds: float, rounds: int, probe: bool
+) -> dict[str, Any]:
+    """`rounds` alternating h2load runs of `root`'s daemon and `base`'s (ABBA)."""
+    runs: dict[str, list[dict[str, Any]]] = {"this": [], "versus": []}
+    for i in range(rounds):
+        order = [("this", root), ("versus", base)]
+        for side, where in order if i % 2 == 0 else order[::-1]:
+            runs[side].append(await measure_h2load(where, rate, seconds, 1, probe))
+            row = runs[side][-1]["runs"][0]
+            print(f"round {i + 1} {side}: {json.dumps(row)}", flush=True)
+    return {side: _merged(results) for side, results in runs.items()}
+
+
+def _merged(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One side's runs as one result: its rows, medians, and its steps' medians per run."""
+    rows = [r["runs"][0] for r in results]
+    steps: dict[str, list[tuple[int, float, float]]] = {}
+    for r in results:
+        for name, n, p50, p90 in r["steps"]:
+            steps.setdefault(name, []).append((n, p50, p90))
+    speed = [r["machine_speed"]["median_ms"] for r in results if "median_ms" in r["machine_speed"]]
+    return {
+        **{k: results[0][k] for k in ("rate", "seconds", "probe", "wall_ms")},
+        "runs": rows,
+        "steps": [
+            (
+                name,
+                sum(n for n, _, _ in got),
+                [p50 for _, p50, _ in got],
+                [p90 for _, _, p90 in got],
+            )
+            for name, got in sorted(steps.items())
+        ],
+        "machine_speed": spread(speed) if speed else results[0]["machine_speed"],
+        "client_p99_ms": _median(rows, "client_p99_ms"),
+        "server_p99_after_wall_ms": _median(rows, "server_p99_after_wall_ms"),
+        "server_p50_after_wall_ms": _median(rows, "server_p50_after_wall_ms"),
+    }
+
+
+def _range(rows: list[dict[str, Any]], key: str) -> str:
+    values = sorted(r[key] for r in rows if r[key] is not None)
+    return f"{values[0]:g}-{values[-1]:g}" if values else "-"
+
+
+def main_versus(args: argparse.Namespace, argv: list[str]) -> None:
+    res = asyncio.run(
+        measure_versus(
+            args.root.resolve(),
+            args.versus.resolve(),
+            int(args.rate),
+            args.seconds,
+            args.repeats,
+            args.probe,
+        )
+    )
+    print(
+        f"cold +100 ms, 1 s deadlines, {args.rate:.0f} rps, h2load, {args.repeats} alternating "
+        f"rounds of {args.seconds:g} s; medians (ranges):"
+    )
+    for side, label in (("this", str(args.root)), ("versus", str(args.versus))):
+        r = res[side]
+        print(
+            f"  {label}: client p99 {r['client_p99_ms']} ({_range(r['runs'], 'client_p99_ms')}) "
+            f"ms; daemon past the wall p99 {r['server_p99_after_wall_ms']} "
+            f"({_range(r['runs'], 'server_p99_after_wall_ms')}) ms, p50 "
+            f"{r['server_p50_after_wall_ms']} ({_range(r['runs'], 'server_p50_after_wall_ms')}) ms"
+        )
+    if res["this"]["steps"]:
+        print(f"{'step (ms from the wall): p50 per run':44s} this | versus")
+        names = sorted({n for side in res.values() for n, *_ in side["steps"]})
+        for name in names:
+            cells = []
+            for side in ("this", "versus"):
+                got = [p50s for n, _, p50s, _ in res[side]["steps"] if n == name]
+                cells.append(" ".join(f"{v:.2f}" for v in got[0]) if got else "-")
+            print(f"  {name:42s} {cells[0]} | {cells[1]}")
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(res, indent=1) + "\n")
+    print(f"wrote {RESULTS}")
+    if not args.no_figures:
+        command = " ".join(["python -m benchmarks.load.after_wall", *argv])
+        name = _short_commit(args.versus)
+        both = figures_of(res["this"]) + figures_of(res["versus"], "versus", name)
+        path = figures.record("load.after_wall", command, res["this"]["machine_speed"], both)
+        print(f"recorded in {path}")
+
+
+def _short_commit(checkout: Path) -> str:
+    """The checkout's commit, as the figures name it."""
+    got = subprocess.run(
+        ["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return got.stdout.strip() or str(checkout)
+
+
+def figures_of(res: dict[str, Any], side: str = "", name: str = "") -> list[figures.Figure]:
+    """The run's figures; `side` (e.g. "versus") keys those of the compared checkout `name`."""
     n, rate = len(res["runs"]), res["rate"]
     where = f"cold +100 ms, 1 s deadlines, {rate} rps, h2load, median of {n}"
+    if side:
+        where = f"the daemon of {name}, alternating with this code: {where}"
+    figs = _figures(res, where)
+    if not side:
+        return figs
+    return [
+        figures.Figure(
+            f.key.replace("h2load.", f"h2load.{side}.", 1),
+            f.label,
+            f.value,
+            f.unit,
+            f.source,
+            f.beside,
+        )
+        for f in figs
+    ]
+
+
+def _figures(res: dict[str, Any], where: str) -> list[figures.Figure]:
     return [
         figures.Figure(
             "after_wall.h2load.client_p99_ms",
@@ -210,6 +338,54 @@ def main_h2load(args: argparse.Namespace, argv: list[str] | None) -> None:
         print(f"recorded in {path}")
 
 
+def retrieval_cost(blocks: int = 10, calls: int = 300) -> dict[str, list[float]]:
+    """CPU µs per `retrieve` with and without a wall listener, alternating blocks of
+    `calls`, the branches landing in time (hot after 0.5 ms, cold after 1 ms): what
+    waiting for the wall costs a call that never reaches it."""
+    import trio
+
+    from ibex.assembly.structs import AssemblyRequest
+    from ibex.sources.retrieval import RetrievalConfig, retrieve
+    from ibex.testing.samples import AGENT, ORG
+
+    class Sources:
+        async def hot(self, *args: Any, **kwargs: Any) -> list[Any]:
+            await trio.sleep(0.0005)
+            return []
+
+        async def cold(self, *args: Any, **kwargs: Any) -> list[Any]:
+            await trio.sleep(0.001)
+            return []
+
+    class Listener:
+        ahead = 0.003
+
+        def before_wall(self, got: Any) -> None: ...
+
+        def wall_reached(self, got: Any) -> None: ...
+
+    out: dict[str, list[float]] = {"without": [], "with": []}
+    request = AssemblyRequest(agent_id=AGENT, org_id=ORG, query="q", model="gpt-4o")
+
+    async def run() -> None:
+        for i in range(blocks):
+            sides = [("without", None), ("with", Listener())]
+            for side, listener in sides if i % 2 == 0 else sides[::-1]:
+                t0 = time.process_time()
+                for _ in range(calls):
+                    await retrieve(
+                        request,
+                        directive_source=None,
+                        memory_source=Sources(),  # type: ignore[arg-type]
+                        config=RetrievalConfig(),
+                        wall_listener=listener,  # type: ignore[arg-type]
+                    )
+                out[side].append((time.process_time() - t0) / calls * 1e6)
+
+    trio.run(run)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rate", type=float, default=100.0)
@@ -219,7 +395,27 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=5, help="h2load runs (with --client h2load)")
     p.add_argument("--no-figures", action="store_true", help="do not update figures.json")
     p.add_argument("--probe", action="store_true", help="with --client h2load: the step probe too")
+    p.add_argument(
+        "--versus", type=Path, help="with --client h2load: alternate with this checkout's daemon"
+    )
+    p.add_argument(
+        "--retrieval-cost",
+        action="store_true",
+        help="CPU per retrieval with and without waiting for the wall (in-process)",
+    )
     args = p.parse_args(argv)
+    if args.retrieval_cost:
+        for side, values in retrieval_cost().items():
+            print(
+                f"{side} a wall listener: CPU µs per retrieval, median "
+                f"{statistics.median(values):.0f} (blocks {min(values):.0f}-{max(values):.0f})"
+            )
+        return
+    if args.versus is not None:
+        if args.client != "h2load":
+            p.error("--versus goes with --client h2load")
+        main_versus(args, argv if argv is not None else sys.argv[1:])
+        return
     if args.probe and args.client != "h2load":
         p.error("--probe goes with --client h2load (the grpcio run always has it)")
     if args.client == "h2load":

@@ -20,6 +20,13 @@ timing changes:
 - memory prices are counted into a `DeferredCache` and cached only once the fixed
   sections are known to fit, as `price` would have cached them.
 
+A `Speculation` goes one step further for a call whose last branch still runs
+shortly before the wall: the whole answer made as if the wall will cut that
+branch, so at the wall only the timing facts (each branch's latency, the total)
+are filled in. It is used only when what retrieval returns at the wall is what
+it was made from (same directive and hits, same branch statuses and details);
+otherwise the pipeline runs as usual.
+
 Pure and synchronous: the service decides when to call it and bounds how much
 text it hands over in the loop (see ibex.service.assembler).
 """
@@ -29,17 +36,21 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Literal
 
+import msgspec
+
 from ibex.assembly.candidates import BranchCandidates, branch_candidates
 from ibex.assembly.catalog import Catalog, resolve_model
 from ibex.assembly.fixed_sections import FixedSections, count_fixed_sections
 from ibex.assembly.history import Counter, DeferredCache
 from ibex.assembly.output_format import Format, SectionOrder
-from ibex.assembly.pipeline import DEFAULT_CONFIG, CounterSource, PipelineConfig
+from ibex.assembly.pipeline import DEFAULT_CONFIG, AssemblyInputs, CounterSource, PipelineConfig
 from ibex.assembly.pricing import pricer
-from ibex.assembly.structs import AssemblyRequest, Directive, MemoryHit
+from ibex.assembly.result import degradation_level
+from ibex.assembly.stage_timer import whole_ms
+from ibex.assembly.structs import AssemblyRequest, AssemblyResult, Directive, MemoryHit
 from ibex.errors import TooLargeError
 
-__all__ = ["EarlyAssembly"]
+__all__ = ["EarlyAssembly", "Speculation"]
 
 MemoryBranch = Literal["hot", "cold"]
 
@@ -166,3 +177,50 @@ class EarlyAssembly:
         if deferred.counts or deferred.bodies:
             deferred.commit()
             self.deferred = DeferredCache(self.counter, self.fmt)
+
+
+class Speculation:
+    """A whole answer made before the wall from `inputs`, as if the wall cut the last branch.
+
+    `work` is the seconds the pipeline took (reported in `total_ms` with the
+    retrieval time, as the pipeline reports its own).
+    """
+
+    __slots__ = ("inputs", "result", "work")
+
+    def __init__(self, inputs: AssemblyInputs, result: AssemblyResult, work: float) -> None:
+        self.inputs = inputs
+        self.result = result
+        self.work = work
+
+    def matches(self, inputs: AssemblyInputs) -> bool:
+        """Whether `inputs` differ from those it was made from only in timing facts."""
+        made = self.inputs
+        return (
+            inputs.request is made.request
+            and inputs.nonce == made.nonce
+            and inputs.now == made.now
+            and inputs.directive == made.directive
+            and inputs.hot == made.hot
+            and inputs.cold == made.cold
+            and [(b.source, b.status, b.detail) for b in inputs.branches]
+            == [(b.source, b.status, b.detail) for b in made.branches]
+        )
+
+    def answer(self, inputs: AssemblyInputs) -> AssemblyResult:
+        """The answer for `inputs` (which `matches`): the branches' latencies and the
+        totals as `build_result` reports them, the rest as made."""
+        ms = {b.source: round(b.latency_ms) for b in inputs.branches}
+        metrics = msgspec.structs.replace(
+            self.result.metrics,
+            directive_load_ms=ms.get("directive", 0),
+            hot_memory_retrieval_ms=ms.get("hot", 0),
+            cold_memory_retrieval_ms=ms.get("cold", 0),
+            total_ms=whole_ms(self.work + inputs.retrieval_ms / 1000.0),
+        )
+        return msgspec.structs.replace(
+            self.result,
+            branches=inputs.branches,
+            degradation_level=degradation_level(inputs.branches),
+            metrics=metrics,
+        )

@@ -27,7 +27,7 @@ from ibex.assembly.pipeline import (
     assemble_pure,
     resolve_model,
 )
-from ibex.assembly.prepare import EarlyAssembly
+from ibex.assembly.prepare import EarlyAssembly, Speculation
 from ibex.assembly.structs import (
     AssemblyRequest,
     AssemblyResult,
@@ -39,7 +39,7 @@ from ibex.assembly.structs import (
 from ibex.assembly.tokens import Tokenizers
 from ibex.assembly.validation import RequestLimits, validate_request, validate_search
 from ibex.assembly.xml_format import new_nonce
-from ibex.errors import SourceError
+from ibex.errors import IbexError, SourceError
 from ibex.service.dependencies import Dependency
 from ibex.service.queues import WorkerThreads, default_threads
 from ibex.sources.base import DirectiveSource, MemorySource, prefetch_directive
@@ -56,6 +56,14 @@ log = logging.getLogger(__name__)
 # counts of CJK text run at thousands of characters per millisecond
 # (`python -m benchmarks.code_costs`, docs/performance.md).
 OFFLOAD_CHARS = 16 * 1024
+
+# Seconds before the wall at which a call whose last branch still runs has its answer
+# made as if the wall will cut that branch: more than the pipeline takes on a loaded
+# loop (`python -m benchmarks.load.after_wall`, docs/performance.md), so the answer is
+# ready when the wall passes; the branch still has until the wall to land.
+SPECULATE_AHEAD = 0.003
+
+Handoff = Callable[[AssemblyResult], None]
 
 
 def _request_chars(request: AssemblyRequest) -> int:
@@ -89,16 +97,74 @@ class _EarlyAssemblyFeed:
     An answer known before the branches started (a cached directive) is worked
     on when the first branch ends, so no branch starts later for it. Any failure but
     a kept refusal drops the early work: the pipeline then does it all itself.
+
+    It is also the call's `WallListener` when `speculate` is given: `SPECULATE_AHEAD`
+    before the wall, with only the request's own branch still running, it makes the
+    whole answer as if the wall will cut that branch (within the same budget); when
+    the wall does, that answer (its timing facts filled in) is the call's, handed
+    to `handoff` at once, while the cut branch unwinds.
     """
 
-    __slots__ = ("assembly", "budget", "directive", "directive_known")
+    __slots__ = (
+        "ahead",
+        "answer",
+        "assembly",
+        "budget",
+        "directive",
+        "directive_known",
+        "handoff",
+        "inputs",
+        "speculate",
+        "speculation",
+    )
 
-    def __init__(self, assembly: EarlyAssembly, budget: int) -> None:
+    ahead: float
+
+    def __init__(
+        self,
+        assembly: EarlyAssembly,
+        budget: int,
+        inputs: Callable[[Retrieved], AssemblyInputs],
+        speculate: Callable[[AssemblyInputs], Speculation] | None = None,
+        handoff: Handoff | None = None,
+    ) -> None:
         self.assembly: EarlyAssembly | None = assembly
         self.budget = budget
         self.directive: Directive | None = None
         # The directive branch has answered and its fixed sections are not counted yet.
         self.directive_known = False
+        self.ahead = SPECULATE_AHEAD
+        self.inputs = inputs
+        self.speculate = speculate
+        self.speculation: Speculation | None = None
+        self.handoff = handoff
+        # The answer made before the wall, and the retrieval it answers.
+        self.answer: tuple[Retrieved, AssemblyResult] | None = None
+
+    def before_wall(self, got: Retrieved) -> None:
+        if self.assembly is None or self.budget < 0 or self.speculate is None:
+            return
+        try:
+            self.speculation = self.speculate(self.inputs(got))
+        except IbexError:
+            pass  # a refusal: the pipeline raises it at the wall, where it always has
+        except Exception:
+            log.exception("early_assembly_failed")
+
+    def wall_reached(self, got: Retrieved) -> None:
+        speculation = self.speculation
+        if speculation is None:
+            return
+        try:
+            inputs = self.inputs(got)
+            if not speculation.matches(inputs):
+                return
+            result = speculation.answer(inputs)
+            self.answer = (got, result)
+            if self.handoff is not None:
+                self.handoff(result)
+        except Exception:
+            log.exception("early_assembly_failed")
 
     def answered_at_start(self, source: BranchSource, value: Any) -> None:
         if source == "directive":
@@ -170,6 +236,7 @@ class Assembler:
         nonce_key: NonceKey | None = None,
         wall_clock: Callable[[], float] = time.time,
         dependencies: Sequence[Dependency] = (),
+        speculate_ahead: float | None = SPECULATE_AHEAD,
     ) -> None:
         self.catalog = catalog
         self.tokenizers = tokenizers
@@ -187,6 +254,9 @@ class Assembler:
         self.wall_clock = wall_clock
         # What the sources depend on (Redis, the memory service): warmed before serving.
         self.dependencies = tuple(dependencies)
+        # Seconds before the wall at which a call's answer is made as if the wall will cut
+        # its last branch (`_EarlyAssemblyFeed`); None: only at the wall.
+        self.speculate_ahead = speculate_ahead
 
     def nonce(self, request: AssemblyRequest) -> str:
         """Session-scoped with a key and a session (the provider can cache the prefix), else fresh.
@@ -239,6 +309,7 @@ class Assembler:
         thread_held: bool = False,
         trace: CallTrace | None = None,
         retrieving: contextlib.AbstractContextManager[object] | None = None,
+        handoff: Handoff | None = None,
     ) -> AssemblyResult:
         """Retrieve within the wall (and the caller's deadline), then run the pipeline.
 
@@ -250,6 +321,10 @@ class Assembler:
         A `trace` receives each branch's and stage's times once the answer is made.
         `retrieving` is entered for the retrieval alone (admission counts calls waiting
         on their branches, see `Admission.retrieving_for`).
+        A call whose last branch is cut by the wall gets the answer made just before
+        the wall (`_EarlyAssemblyFeed`), the same as the pipeline would make then; it is
+        handed to `handoff` at the wall, before the cut branch has unwound, and returned
+        once it has. Not for a traced call (its stage spans time the pipeline at the wall).
         """
         starts: dict[BranchSource, float] | None = None
         timer: StageTimer | None = None
@@ -258,7 +333,8 @@ class Assembler:
         # One nonce and one "now" per request, before retrieval: the work done as
         # branches land and the pipeline at the wall must see the same values.
         nonce, now = self.nonce(request), time.time()
-        early = None if thread_held else self._early(request, nonce, now)
+        speculate = trace is None and self.speculate_ahead is not None
+        early = None if thread_held else self._early(request, nonce, now, speculate, handoff)
         with retrieving if retrieving is not None else contextlib.nullcontext():
             got = await retrieve(
                 request,
@@ -269,17 +345,33 @@ class Assembler:
                 arrived=arrived,
                 branch_starts=starts,
                 listener=early,
+                wall_listener=early if early is not None and early.speculate else None,
             )
-        inputs = AssemblyInputs(
-            request=request,
-            directive=got.directive,
-            hot=got.hot,
-            cold=got.cold,
-            branches=got.branches,
-            nonce=nonce,
-            now=now,
-            retrieval_ms=got.elapsed_ms,
+        if early is not None and early.answer is not None and early.answer[0] is got:
+            result = early.answer[1]  # made before the wall, for what the wall cut
+        else:
+            inputs = _inputs(request, nonce, now, got)
+            result = await self._pipeline(inputs, thread_held, timer, early)
+            if trace is not None:
+                assert starts is not None and timer is not None
+                _record(trace, got, starts, timer, result)
+        _log_tenant_filtered(
+            result.pack.tenant_filtered,
+            org_id=request.org_id,
+            agent_id=request.agent_id,
+            request_id=request.request_id,
         )
+        return result
+
+    async def _pipeline(
+        self,
+        inputs: AssemblyInputs,
+        thread_held: bool,
+        timer: StageTimer | None,
+        early: _EarlyAssemblyFeed | None,
+    ) -> AssemblyResult:
+        """The pure pipeline over what retrieval returned: in the loop, or in a worker
+        thread when the caller holds one or the text is too much for the loop."""
         run = functools.partial(
             assemble_pure,
             inputs,
@@ -290,30 +382,27 @@ class Assembler:
             early=early.assembly if early is not None else None,
         )
         if thread_held:
-            result = await self.threads.run_held(run)
-        elif _text_chars(inputs) <= self.offload_chars:
-            result = run()
-        else:
-            # Counting this much text would hold the loop (1 M CJK characters are hundreds
-            # of ms of tiktoken): do it in a worker thread, where tiktoken releases the GIL, so
-            # other calls keep their deadlines. Only the retrieved memories made this
-            # call large (a large request queued for its thread before its slot): it
-            # waits in the urgent line, since it holds a slot while it waits.
-            result = await self.threads.run(run)
-        if trace is not None:
-            assert starts is not None and timer is not None
-            _record(trace, got, starts, timer, result)
-        _log_tenant_filtered(
-            result.pack.tenant_filtered,
-            org_id=request.org_id,
-            agent_id=request.agent_id,
-            request_id=request.request_id,
-        )
-        return result
+            return await self.threads.run_held(run)
+        if _text_chars(inputs) <= self.offload_chars:
+            return run()
+        # Counting this much text would hold the loop (1 M CJK characters are hundreds
+        # of ms of tiktoken): do it in a worker thread, where tiktoken releases the GIL, so
+        # other calls keep their deadlines. Only the retrieved memories made this
+        # call large (a large request queued for its thread before its slot): it
+        # waits in the urgent line, since it holds a slot while it waits.
+        return await self.threads.run(run)
 
-    def _early(self, request: AssemblyRequest, nonce: str, now: float) -> _EarlyAssemblyFeed | None:
+    def _early(
+        self,
+        request: AssemblyRequest,
+        nonce: str,
+        now: float,
+        speculate: bool = True,
+        handoff: Handoff | None = None,
+    ) -> _EarlyAssemblyFeed | None:
         """The call's early work, or None when its own text already sends its pipeline
-        to a worker thread (or the request is one the pipeline will refuse at once)."""
+        to a worker thread (or the request is one the pipeline will refuse at once).
+        With `speculate`, it makes the answer before the wall too (`_EarlyAssemblyFeed`)."""
         budget = self.offload_chars - _request_chars(request)
         if budget < 0:
             return None
@@ -328,7 +417,29 @@ class Assembler:
             )
         except Exception:
             return None  # an unchecked request: the pipeline raises it where it always has
-        return _EarlyAssemblyFeed(assembly, budget)
+        feed = _EarlyAssemblyFeed(
+            assembly,
+            budget,
+            functools.partial(_inputs, request, nonce, now),
+            functools.partial(self._speculate, assembly) if speculate else None,
+            handoff,
+        )
+        if self.speculate_ahead is not None:
+            feed.ahead = self.speculate_ahead
+        return feed
+
+    def _speculate(self, early: EarlyAssembly, inputs: AssemblyInputs) -> Speculation:
+        """The whole pipeline for `inputs` now, in the loop (the feed's budget bounds its text)."""
+        timer = StageTimer()
+        result = assemble_pure(
+            inputs,
+            catalog=self.catalog,
+            tokenizers=self.tokenizers,
+            config=self.pipeline,
+            timer=timer,
+            early=early,
+        )
+        return Speculation(inputs, result, timer.total())
 
     def check_search(self, request: SearchRequest) -> SearchFilter:
         """Validate a SearchMemories request before any I/O (and before it waits for a
@@ -361,6 +472,20 @@ class Assembler:
         found = rank_search(hits, flt, time.time())
         _log_tenant_filtered(found.tenant_filtered, org_id=flt.org_id)
         return found
+
+
+def _inputs(request: AssemblyRequest, nonce: str, now: float, got: Retrieved) -> AssemblyInputs:
+    """The pipeline's inputs for what retrieval returned."""
+    return AssemblyInputs(
+        request=request,
+        directive=got.directive,
+        hot=got.hot,
+        cold=got.cold,
+        branches=got.branches,
+        nonce=nonce,
+        now=now,
+        retrieval_ms=got.elapsed_ms,
+    )
 
 
 def _record(

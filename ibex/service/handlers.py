@@ -49,7 +49,7 @@ from ibex.service.assembler import Assembler
 from ibex.service.auth import Authenticator, Caller
 from ibex.service.budgets import Reservation
 from ibex.service.edge.calls import call_deadline, caller_authenticated, handler_started
-from ibex.service.edge.crossing import in_trio
+from ibex.service.edge.crossing import in_trio, in_trio_handing
 from ibex.service.edge.status import grpc_error
 from ibex.service.edge.stream_reads import connection_of, recv_bounded, request_complete
 from ibex.service.edge.wire_counts import Rules, check_counts, request_rules
@@ -281,9 +281,22 @@ class ContextService:
             self.auth.authorize(caller, request.org_id, request.agent_id, _principal(msg))
             key = caller.fairness_key(request.org_id)
             self.assembler.prefetch(request)
-            traced = () if call is None else (trace_id, call)
-            result = await _cross(self._assemble_in_trio, request, ticket, key, *traced)
-            await self._send_assembly(stream, result)
+            result, end = await in_trio_handing(
+                self._assemble_in_trio, request, ticket, key, trace_id, call
+            )
+            if end is not None:
+                # Handed over at the wall while the cut branch unwinds: the whole answer
+                # (trailers too) leaves now; the call ends once its branches have.
+                try:
+                    if not _cancel_swallowed():  # as in `_cross`
+                        await self._send_assembly(stream, result)
+                        await stream.send_trailing_metadata()
+                finally:
+                    await end
+            if _cancel_swallowed():  # as in `_cross`
+                raise asyncio.CancelledError
+            if end is None:
+                await self._send_assembly(stream, result)
 
     async def _send_assembly(
         self, stream: grpclib.server.Stream[Any, Any], result: AssemblyResult
@@ -306,8 +319,10 @@ class ContextService:
         key: str,
         trace_id: str = "",
         call: CallTrace | None = None,
+        hand: Callable[[AssemblyResult], None] | None = None,
     ) -> AssemblyResult:
-        """`key` is the call's share of the slots (`Caller.fairness_key`)."""
+        """`key` is the call's share of the slots (`Caller.fairness_key`); `hand` gets an
+        answer made before the wall as soon as the wall passes."""
         threads = self.assembler.threads if self.assembler.needs_thread(request) else None
         async with self.admission.slot(ticket, key, threads) as thread_held:
             arrived, deadline = ticket.deadline.on_trio_clock()
@@ -319,6 +334,7 @@ class ContextService:
                     thread_held=thread_held,
                     trace=call,
                     retrieving=self.admission.retrieving_for(ticket),
+                    handoff=hand,
                 )
 
     # --- SearchMemories ------------------------------------------------------

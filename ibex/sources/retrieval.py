@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Annotated, Any, Protocol
 
 import msgspec
@@ -89,6 +89,72 @@ class BranchListener(Protocol):
 
     def branch_ended(self, source: BranchSource, value: Any) -> None:
         """A running branch has ended; the others may still be in flight."""
+
+
+class WallListener(Protocol):
+    """Told when a call's answer can be made before its wall and when the wall cuts it.
+
+    Once every branch but the one in the request's own task (the last, usually cold)
+    has ended and that one still runs `ahead` seconds before the wall, `before_wall`
+    gets what retrieval would return if the wall cut it then; when the wall does cut
+    it, `wall_reached` gets what retrieval returns. Both run synchronously in the
+    loop, inside retrieval, and must not raise. `ahead` is read once per call.
+    """
+
+    ahead: float
+
+    def before_wall(self, got: Retrieved) -> None:
+        """The last branch is still running `ahead` before the wall."""
+
+    def wall_reached(self, got: Retrieved) -> None:
+        """The wall has cut the last branch: `got` is what `retrieve` returns."""
+
+
+class _Wall:
+    """One call's view of its wall for a `WallListener`: the branch that ends last
+    among the others' tasks waits in its task for the wall (or for the request's own
+    branch to end, which cancels `scope`), so no task is started for it."""
+
+    __slots__ = ("children", "cut", "last", "listener", "scope", "started", "wall", "wall_scope")
+
+    def __init__(
+        self,
+        listener: WallListener,
+        last: BranchSource,
+        children: int,
+        started: float,
+        wall_scope: trio.CancelScope,
+        time_left: float,
+    ) -> None:
+        self.listener, self.last, self.children = listener, last, children
+        self.started, self.wall_scope, self.wall = started, wall_scope, time_left
+        self.scope = trio.CancelScope()
+        self.cut: Retrieved | None = None  # what was handed over at the wall
+
+    async def wait(
+        self,
+        request: AssemblyRequest,
+        outcomes: dict[BranchSource, BranchOutcome],
+        values: dict[BranchSource, Any],
+    ) -> None:
+        """In the task of a branch that has ended: when it is the last of the others'
+        tasks and the request's branch still runs, wait there for the wall."""
+        self.children -= 1
+        if self.children or self.last in outcomes:
+            return
+        listener = self.listener
+        with self.scope:
+            try:
+                await trio.sleep_until(self.wall_scope.deadline - listener.ahead)
+                listener.before_wall(_collected(request, outcomes, values, self.started, self.wall))
+                await trio.sleep_forever()
+            except trio.Cancelled:
+                # The wall (not the request's own branch ending, nor the caller going):
+                # the answer can leave now, while the cut branch unwinds.
+                if self.wall_scope.cancel_called and self.last not in outcomes:
+                    self.cut = _collected(request, outcomes, values, self.started, self.wall)
+                    listener.wall_reached(self.cut)
+                raise
 
 
 class _Branch(msgspec.Struct, frozen=True):
@@ -258,6 +324,7 @@ async def retrieve(
     arrived: float | None = None,
     branch_starts: dict[BranchSource, float] | None = None,
     listener: BranchListener | None = None,
+    wall_listener: WallListener | None = None,
 ) -> Retrieved:
     """Run the branch table concurrently within the call's retrieval time
     (`retrieval_time_left`).
@@ -265,6 +332,9 @@ async def retrieve(
     `branch_starts`, when given (a traced call), receives each started branch's start
     time on the Trio clock. `listener`, when given, is told each branch's answer as
     soon as it is known (a branch cut by the time limit is never reported).
+    `wall_listener`, when given, is told when the answer can be made before the wall
+    and when the wall cuts the last branch (`WallListener`); a call it was told was
+    cut returns exactly what it was told.
     """
     outcomes: dict[BranchSource, BranchOutcome] = {}
     values: dict[BranchSource, Any] = {}
@@ -284,40 +354,76 @@ async def retrieve(
                 listener.answered_at_start(row.source, None)
         else:
             calls.append(row)
-    with trio.move_on_after(time_left):
+    wall_scope = trio.CancelScope(deadline=trio.current_time() + time_left)
+    wall = None
+    if wall_listener is not None and len(calls) > 1:
+        last = calls[-1].source
+        wall = _Wall(wall_listener, last, len(calls) - 1, started, wall_scope, time_left)
+    with wall_scope:
         async with trio.open_nursery() as nursery:
             for row in calls[:-1]:
-                nursery.start_soon(_run_branch, row, outcomes, values, branch_starts, listener)
+                nursery.start_soon(
+                    _run_child, row, outcomes, values, branch_starts, listener, wall, request
+                )
             if calls:
                 # The last branch (cold, usually the slowest) runs in this task: its answer
                 # then wakes the request directly instead of a branch task that wakes the
                 # request, one task and one task step less per answer.
                 await _run_branch(calls[-1], outcomes, values, branch_starts, listener)
+                if wall is not None:
+                    wall.scope.cancel()  # it ended before the wall: nothing to wait for
+    if wall is not None and wall.cut is not None:
+        return wall.cut  # what was handed over at the wall is what the call returns
+    return _collected(request, outcomes, values, started, time_left)
 
+
+async def _run_child(
+    row: _Branch,
+    outcomes: dict[BranchSource, BranchOutcome],
+    values: dict[BranchSource, Any],
+    starts: dict[BranchSource, float] | None,
+    listener: BranchListener | None,
+    wall: _Wall | None,
+    request: AssemblyRequest,
+) -> None:
+    """A branch in a task of its own; with a `_Wall`, the last of them waits for the wall."""
+    await _run_branch(row, outcomes, values, starts, listener)
+    if wall is not None:
+        await wall.wait(request, outcomes, values)
+
+
+def _collected(
+    request: AssemblyRequest,
+    outcomes: Mapping[BranchSource, BranchOutcome],
+    values: Mapping[BranchSource, Any],
+    started: float,
+    time_left: float,
+) -> Retrieved:
+    """What retrieval returns now: the branches that ended, every other one cut by the wall."""
     elapsed = (trio.current_time() - started) * 1000.0
+    ended = dict(outcomes)
     for source in BRANCH_ORDER:
-        if source not in outcomes:
+        if source not in ended:
             # Cancelled at the call's time limit (the retrieval wall) rather than by
             # its own timeout.
-            outcomes[source] = BranchOutcome(
+            ended[source] = BranchOutcome(
                 source, "timeout", elapsed, f"request wall of {time_left * 1000:.0f}ms reached"
             )
-        if outcomes[source].status != "success":
-            values.pop(source, None)
-    directive = values.get("directive")
+    kept = {s: v for s, v in values.items() if ended[s].status == "success"}
+    directive = kept.get("directive")
     expected = request.directive_version_id
     if directive is not None and expected and (directive.version_id or "").lower() != expected:
         # The cache holds another version than the caller expects (a fill in flight,
         # or a stale proxy): serve what is cached, and say so where it is logged.
         found = directive.version_id or "none"
-        outcomes["directive"] = msgspec.structs.replace(
-            outcomes["directive"], detail=f"version {found} cached, {expected} expected"
+        ended["directive"] = msgspec.structs.replace(
+            ended["directive"], detail=f"version {found} cached, {expected} expected"
         )
     return Retrieved(
         directive=directive,
-        hot=tuple(values.get("hot", ())),
-        cold=tuple(values.get("cold", ())),
-        branches=tuple(outcomes[s] for s in BRANCH_ORDER),
+        hot=tuple(kept.get("hot", ())),
+        cold=tuple(kept.get("cold", ())),
+        branches=tuple(ended[s] for s in BRANCH_ORDER),
         elapsed_ms=elapsed,
         started=started,
     )

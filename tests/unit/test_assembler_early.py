@@ -90,7 +90,7 @@ def handed(monkeypatch: pytest.MonkeyPatch) -> list[EarlyAssembly | None]:
     return seen
 
 
-def assembler(tokenizers: Tokenizers, memory: HotThenHang) -> Assembler:
+def assembler(tokenizers: Tokenizers, memory: HotThenHang, **options: Any) -> Assembler:
     return Assembler(
         catalog=load_catalog(),
         tokenizers=tokenizers,
@@ -98,6 +98,7 @@ def assembler(tokenizers: Tokenizers, memory: HotThenHang) -> Assembler:
         memory_source=memory,
         retrieval=RetrievalConfig(timeout=0.05, deadline=0.05, cold_timeout=1.0),
         offload_chars=OFFLOAD,
+        **options,
     )
 
 
@@ -169,3 +170,103 @@ async def test_a_failing_early_step_is_dropped_and_the_pipeline_does_it_all(
     )
     assert result.degradation_level == "L1" and len(result.memories_used) == 3
     assert handed == [None]
+
+
+def untimed(result: Any) -> bytes:
+    """The answer on the wire without the stage timings, its branch latencies to the
+    microsecond (each run has its own clock: the mock clock's float offsets differ)."""
+    import msgspec
+
+    from ibex.assembly.structs import AssemblyMetrics
+    from ibex.service import convert
+
+    m = result.metrics
+    metrics = AssemblyMetrics(
+        directive_load_ms=m.directive_load_ms,
+        hot_memory_retrieval_ms=m.hot_memory_retrieval_ms,
+        cold_memory_retrieval_ms=m.cold_memory_retrieval_ms,
+        candidates_evaluated=m.candidates_evaluated,
+    )
+    branches = tuple(
+        msgspec.structs.replace(b, latency_ms=round(b.latency_ms, 6)) for b in result.branches
+    )
+    encoded: bytes = convert.response_to_proto(
+        msgspec.structs.replace(result, metrics=metrics, branches=branches)
+    ).SerializeToString()
+    return encoded
+
+
+async def test_the_answer_made_before_the_wall_is_byte_identical_to_the_one_made_at_it(
+    autojump_clock: trio.testing.MockClock,
+    tokenizers: Tokenizers,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Cold hangs past the wall: the answer made `SPECULATE_AHEAD` before it (handed over
+    at the wall) encodes to the same bytes as the pipeline's at the wall, timings aside;
+    the branches' latencies are those at the wall."""
+    from ibex.assembly.nonce import NonceKey
+    from ibex.service.assembler import SPECULATE_AHEAD
+
+    monkeypatch.setattr(assembler_module.time, "time", lambda: 1_800_000_000.0)
+    made: dict[float | None, tuple[Any, list[Any]]] = {}
+    for ahead in (SPECULATE_AHEAD, None):
+        a = assembler(
+            tokenizers,
+            HotThenHang("Deploys go through the staging gate first."),
+            nonce_key=NonceKey("k" * 40),
+            wall_clock=lambda: 1_800_000_000.0,
+            speculate_ahead=ahead,
+        )
+        req = a.check_request(
+            AssemblyRequest(
+                agent_id=AGENT, org_id=ORG, query="deploy?", model="gpt-4o", session_id="s-1"
+            )
+        )
+        handed: list[Any] = []
+        with trio.fail_after(5):
+            made[ahead] = (await a.assemble_checked(req, handoff=handed.append), handed)
+    early, early_handed = made[SPECULATE_AHEAD]
+    plain, plain_handed = made[None]
+    assert early_handed == [early] and early_handed[0] is early
+    assert plain_handed == []
+    assert [(b.source, b.status) for b in early.branches] == [
+        ("directive", "success"),
+        ("hot", "success"),
+        ("cold", "timeout"),
+    ]
+    # Cut at the wall: 50 ms on the mock clock, the latency as at the wall.
+    assert early.branches[2].latency_ms == pytest.approx(50.0)
+    assert plain.branches[2].latency_ms == pytest.approx(50.0)
+    assert len(early.memories_used) == 3
+    assert untimed(early) == untimed(plain)
+
+
+async def test_an_answer_made_before_the_wall_is_dropped_when_the_last_branch_lands(
+    autojump_clock: trio.testing.MockClock, tokenizers: Tokenizers
+) -> None:
+    """Cold lands after the answer was made (between it and the wall): nothing is
+    handed over, and the answer has cold's memories."""
+
+    class LateCold(HotThenHang):
+        async def cold(
+            self, org_id: str, agent_id: str, query: str, *, limit: int, min_confidence: float
+        ) -> list[MemoryHit]:
+            await trio.sleep(0.049)  # after the answer is made (47 ms), before the wall (50)
+            return [
+                msgspec_replace(h, memory_id=h.memory_id[:-1] + "9", branch="cold")
+                for h in self.hits[:1]
+            ]
+
+    a = assembler(tokenizers, LateCold("Deploys go through the staging gate first."))
+    handed: list[Any] = []
+    with trio.fail_after(5):
+        result = await a.assemble_checked(a.check_request(request()), handoff=handed.append)
+    assert handed == []
+    assert [b.status for b in result.branches] == ["success", "success", "success"]
+    assert result.degradation_level == "L0"
+
+
+def msgspec_replace(hit: MemoryHit, **changes: Any) -> MemoryHit:
+    import msgspec
+
+    return msgspec.structs.replace(hit, **changes)

@@ -4,7 +4,10 @@ Times each step of a call whose retrieval was cut by its wall, from the wall
 instant (the call's arrival on the Trio clock plus `RetrievalConfig.time_limit`):
 the first wake of the loop after it, the cold branch's cancellation reaching
 `MemoryHttpSource.cold`, retrieval's return, the pipeline, the crossing back
-to asyncio, and the send. It wraps the daemon's functions from outside;
+to asyncio, and the send; for an answer made before the wall and handed over
+at it (`_EarlyAssemblyFeed.wall_reached`), the hand-over instead of retrieval's
+return and the pipeline, and the speculation's own time. It wraps the daemon's
+functions from outside (those a checkout lacks are left alone);
 nothing here is part of ibex. Figures (milliseconds per call) are written as
 JSON to $IBEX_WALL_PROBE_OUT when the daemon exits.
 """
@@ -39,30 +42,52 @@ def _install() -> None:
     wakes: collections.deque[float] = collections.deque(maxlen=4096)
     installed = [False]
 
+    def timed(name: str, fn: Any) -> Any:
+        def run(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                steps[name].append((time.perf_counter() - t0) * 1000)
+
+        return run
+
     class Wakes(trio.abc.Instrument):
         def after_io_wait(self, timeout: float) -> None:
             wakes.append(trio.current_time())
 
     retrieve = assembler_module.retrieve
+    walls: dict[int, float] = {}  # a call's wall instant, by its wall listener
 
     async def timed_retrieve(request: Any, **kw: Any) -> Any:
         if not installed[0]:
             trio.lowlevel.add_instrument(Wakes())
             installed[0] = True
         arrived = kw.get("arrived")
-        got = await retrieve(request, **kw)
+        listener = kw.get("wall_listener")
+        if listener is not None and arrived is not None:
+            walls[id(listener)] = arrived + kw["config"].time_limit
+        try:
+            got = await retrieve(request, **kw)
+        finally:
+            if listener is not None:
+                walls.pop(id(listener), None)
         now = trio.current_time()
         task = trio.lowlevel.current_task()
         cancel = cancelled.pop(task, None)
         if arrived is None or not any(b.status == "timeout" for b in got.branches):
             return got
         wall_at = arrived + kw["config"].time_limit
+        if cancel is not None:
+            steps["2 cold branch cancelled"].append((cancel - wall_at) * 1000)
+        if listener is not None and getattr(listener, "answer", None) is not None:
+            # Made before the wall: the wake and the rest are the hand-over's steps.
+            steps["3 retrieval returns (answer made early)"].append((now - wall_at) * 1000)
+            return got
         seen = list(wakes)
         i = bisect.bisect_left(seen, wall_at)
         if i < len(seen):
             steps["1 loop wakes after the wall"].append((seen[i] - wall_at) * 1000)
-        if cancel is not None:
-            steps["2 cold branch cancelled"].append((cancel - wall_at) * 1000)
         steps["3 retrieval returns"].append((now - wall_at) * 1000)
         if len(calls) >= 4096:  # calls that never reached the pipeline
             calls.clear()
@@ -81,6 +106,32 @@ def _install() -> None:
             raise
 
     memory_http.MemoryHttpSource.cold = timed_cold  # type: ignore[method-assign]
+
+    feed = getattr(assembler_module, "_EarlyAssemblyFeed", None)
+    wall_reached = getattr(feed, "wall_reached", None)
+    if feed is not None and wall_reached is not None:
+
+        def timed_wall_reached(self: Any, got: Any) -> None:
+            wall_at = walls.get(id(self))
+            wall_reached(self, got)
+            if wall_at is None or self.answer is None:
+                return
+            now = trio.current_time()
+            seen = list(wakes)
+            i = bisect.bisect_left(seen, wall_at)
+            if i < len(seen):
+                steps["1 loop wakes after the wall"].append((seen[i] - wall_at) * 1000)
+            steps["3h answer ready (handed over) at the wall"].append((now - wall_at) * 1000)
+            if len(answers) >= 4096:
+                answers.clear()
+            answers[id(self.answer[1])] = [wall_at, now, now]
+
+        feed.wall_reached = timed_wall_reached
+        speculate = getattr(assembler_module.Assembler, "_speculate", None)
+        if speculate is not None:
+            assembler_module.Assembler._speculate = timed(  # type: ignore[attr-defined]
+                "0 answer made before the wall (its own time)", speculate
+            )
 
     pure = assembler_module.assemble_pure
 
@@ -109,22 +160,13 @@ def _install() -> None:
         if mark is None or len(mark) < 3:
             return
         wall_at, retrieved, piped = mark
-        steps["4 pipeline (after retrieval)"].append((piped - retrieved) * 1000)
+        if piped > retrieved:
+            steps["4 pipeline (after retrieval)"].append((piped - retrieved) * 1000)
         steps["5 crossing back to asyncio"].append((start - piped) * 1000)
         steps["6 send (convert, metrics, grpclib)"].append((end - start) * 1000)
         steps["after the wall, in all"].append((end - wall_at) * 1000)
 
     handlers_module.ContextService._send_assembly = timed_send  # type: ignore[method-assign]
-
-    def timed(name: str, fn: Any) -> Any:
-        def run(*a: Any, **k: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                steps[name].append((time.perf_counter() - t0) * 1000)
-
-        return run
 
     convert_module.response_to_proto = timed(
         "6a of which response_to_proto", convert_module.response_to_proto
