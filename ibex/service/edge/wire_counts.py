@@ -205,7 +205,9 @@ def _skip_group(data: bytes, pos: int, end: int, number: int, left: int) -> tupl
     while pos < end:
         tag, pos = _varint(data, pos, end)
         inner, wire = tag >> 3, tag & 7
-        if inner == 0 or inner > _MAX_FIELD_NUMBER:
+        # Field number 0 is no field, but upb skips it inside a group like any other
+        # (it refuses it only where a message's own fields are read): so does the walk.
+        if inner > _MAX_FIELD_NUMBER:
             break
         if wire == 4:
             if open_groups.pop() != inner:
