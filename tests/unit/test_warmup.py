@@ -47,18 +47,25 @@ class Untouchable:
         return None
 
 
-async def test_the_warm_up_assembles_every_family_and_touches_no_source(
-    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def untouchable_assembler(source: Untouchable, **kw: object) -> Assembler:
+    """The real assembler, with the bundled catalog and tokenizers, over `source`."""
     catalog, tokenizers = load_static(Settings())
-    source = Untouchable()
-    assembler = Assembler(
+    return Assembler(
         catalog=catalog,
         tokenizers=tokenizers,
         directive_source=source,
         memory_source=source,
         feedback_sink=source,  # type: ignore[arg-type]
+        **kw,  # type: ignore[arg-type]
     )
+
+
+async def test_the_warm_up_assembles_every_family_and_touches_no_source(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    source = Untouchable()
+    assembler = untouchable_assembler(source)
+    catalog = assembler.catalog
     assembled: list[tuple[str, str, int, tuple[str, ...]]] = []
     real = Assembler.assemble_checked
 
@@ -90,19 +97,10 @@ async def test_the_warm_up_runs_every_branch_to_success_whatever_the_configured_
     """Budgets far below any first-use cost: the warm-up still exercises every branch's
     success path (a timed-out branch would leave its decoding unwarmed), and the
     serving assembler keeps its own budgets."""
-    catalog, tokenizers = load_static(Settings())
-    source = Untouchable()
     tiny = RetrievalConfig(
         timeout=1e-6, deadline=1e-6, directive_timeout=1e-6, hot_timeout=1e-6, cold_timeout=1e-6
     )
-    assembler = Assembler(
-        catalog=catalog,
-        tokenizers=tokenizers,
-        directive_source=source,
-        memory_source=source,
-        feedback_sink=source,  # type: ignore[arg-type]
-        retrieval=tiny,
-    )
+    assembler = untouchable_assembler(Untouchable(), retrieval=tiny)
     statuses: list[tuple[str, ...]] = []
     real = Assembler.assemble_checked
 
