@@ -145,22 +145,24 @@ def stack_daemon(
     env = stack.env(port, root, **extra)
     env["IBEX_CONTEXT_METRICS_ADDR"] = f"127.0.0.1:{metrics_port}"
     env.update(auth_env(token))
-    d = Daemon(env, workers, port, root)
-    try:
-        if not wait_listening(d.proc, metrics_port):
-            raise RuntimeError("the daemon's /metrics did not start")
-        yield Metered(d, metrics_port)
-    finally:
-        d.stop()
+    with _metered(Daemon(env, workers, port, root), metrics_port, "the daemon") as metered:
+        yield metered
 
 
 @contextmanager
 def sample_daemon(workers: int, token: str | None = None) -> Iterator[Metered]:
     port, metrics_port = free_port(), free_port()
-    d = Daemon(sample_env(port, metrics_port, token), workers, port)
+    daemon = Daemon(sample_env(port, metrics_port, token), workers, port)
+    with _metered(daemon, metrics_port, "the sample daemon") as metered:
+        yield metered
+
+
+@contextmanager
+def _metered(d: Daemon, metrics_port: int, what: str) -> Iterator[Metered]:
+    """`d` once its /metrics listens, stopped on the way out (also when it never does)."""
     try:
         if not wait_listening(d.proc, metrics_port):
-            raise RuntimeError("the sample daemon's /metrics did not start")
+            raise RuntimeError(f"{what}'s /metrics did not start")
         yield Metered(d, metrics_port)
     finally:
         d.stop()
