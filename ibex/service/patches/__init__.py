@@ -6,8 +6,8 @@ A private API can change in any release: each install function first calls
 range the patch was written for stops start-up with a message instead of
 misbehaving at run time. Nothing here is applied at import.
 
-- `grpclib_h2`: `answer_expired_deadlines` (grpclib) and `lighten_h2` (grpclib,
-  h2, hpack, hyperframe);
+- `grpclib_h2`: `answer_expired_deadlines` (grpclib), `lighten_h2` (grpclib,
+  h2, hpack, hyperframe) and `count_open_streams_inline` (h2);
 - `trio_asyncio_loop`: `batch_ready_callbacks`, trio-asyncio's main loop batching
   ready callbacks;
 - `redis_wait_for`: `honour_cancellation_in_redis_writes`, redis-py's asyncio
@@ -18,7 +18,11 @@ misbehaving at run time. Nothing here is applied at import.
 
 from __future__ import annotations
 
-from ibex.service.patches.grpclib_h2 import answer_expired_deadlines, lighten_h2
+from ibex.service.patches.grpclib_h2 import (
+    answer_expired_deadlines,
+    count_open_streams_inline,
+    lighten_h2,
+)
 from ibex.service.patches.redis_wait_for import honour_cancellation_in_redis_writes
 from ibex.service.patches.trio_asyncio_loop import batch_ready_callbacks
 from ibex.service.patches.trio_epoll import precise_wakeups
@@ -26,6 +30,7 @@ from ibex.service.patches.trio_epoll import precise_wakeups
 __all__ = [
     "answer_expired_deadlines",
     "batch_ready_callbacks",
+    "count_open_streams_inline",
     "honour_cancellation_in_redis_writes",
     "install_patches",
     "lighten_h2",
@@ -39,5 +44,6 @@ def install_patches() -> None:
     the range its patch supports."""
     answer_expired_deadlines()
     lighten_h2()
+    count_open_streams_inline()
     batch_ready_callbacks()
     honour_cancellation_in_redis_writes()
