@@ -210,25 +210,25 @@ class Metrics:
         self.registry = CollectorRegistry() if registry is None else registry
         self.multiprocess = multiprocess_dir() is not None
         r = self.registry
-        self.requests = Counter(
-            "ibex_grpc_requests",
-            "Finished RPCs by gRPC status code.",
-            ["method", "code"],
-            registry=r,
+
+        def counter(name: str, doc: str, *labels: str) -> Counter:
+            return Counter(name, doc, labels, registry=r)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...], *labels: str) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=r)
+
+        # Each outcome counter sits beside the histogram of the same events' durations.
+        self.requests = counter(
+            "ibex_grpc_requests", "Finished RPCs by gRPC status code.", "method", "code"
         )
-        self.request_duration = Histogram(
-            "ibex_grpc_request_duration_seconds",
-            "RPC handling time.",
-            ["method"],
-            buckets=REQUEST_BUCKETS,
-            registry=r,
+        self.request_duration = histogram(
+            "ibex_grpc_request_duration_seconds", "RPC handling time.", REQUEST_BUCKETS, "method"
         )
-        self.answer_seconds = Histogram(
+        self.answer_seconds = histogram(
             "ibex_answer_seconds",
             "Server-side time per call: its HEADERS read to its answer's last byte written.",
-            ["method"],
-            buckets=ANSWER_BUCKETS,
-            registry=r,
+            ANSWER_BUCKETS,
+            "method",
         )
         self.in_flight_requests = Gauge(
             "ibex_in_flight_requests",
@@ -236,74 +236,49 @@ class Metrics:
             multiprocess_mode="livesum",
             registry=r,
         )
-        self.shed_requests = Counter(
-            "ibex_shed_requests", "RPCs refused by admission, by reason.", ["reason"], registry=r
+        self.shed_requests = counter(
+            "ibex_shed_requests", "RPCs refused by admission, by reason.", "reason"
         )
-        self.connections_closed = Counter(
+        self.connections_closed = counter(
             "ibex_connections_closed",
             "gRPC connections closed or refused by the daemon before their peer left, by reason.",
-            ["reason"],
-            registry=r,
+            "reason",
         )
-        self.branch_outcomes = Counter(
-            "ibex_branch_outcomes",
-            "Retrieval branches by source and outcome.",
-            ["source", "status"],
-            registry=r,
+        self.branch_outcomes = counter(
+            "ibex_branch_outcomes", "Retrieval branches by source and outcome.", "source", "status"
         )
-        self.branch_latency = Histogram(
+        self.branch_latency = histogram(
             "ibex_branch_latency_seconds",
             "Retrieval branch latency, any outcome.",
-            ["source"],
-            buckets=BRANCH_BUCKETS,
-            registry=r,
+            BRANCH_BUCKETS,
+            "source",
         )
-        self.stage_duration = Histogram(
-            "ibex_stage_duration_seconds",
-            "Pipeline stage duration.",
-            ["stage"],
-            buckets=STAGE_BUCKETS,
-            registry=r,
+        self.stage_duration = histogram(
+            "ibex_stage_duration_seconds", "Pipeline stage duration.", STAGE_BUCKETS, "stage"
         )
-        self.degradation = Counter(
-            "ibex_degradation", "Assemblies by degradation level.", ["level"], registry=r
+        self.degradation = counter("ibex_degradation", "Assemblies by degradation level.", "level")
+        self.pack_path = counter("ibex_pack_path", "Assemblies by packer path.", "path")
+        self.tokens_used = histogram(
+            "ibex_context_tokens_used", "Tokens in the assembled context.", TOKEN_BUCKETS
         )
-        self.pack_path = Counter(
-            "ibex_pack_path", "Assemblies by packer path.", ["path"], registry=r
+        self.budget_utilization = histogram(
+            "ibex_context_budget_utilization_ratio", "tokens_used / budget ceiling.", RATIO_BUCKETS
         )
-        self.tokens_used = Histogram(
-            "ibex_context_tokens_used",
-            "Tokens in the assembled context.",
-            buckets=TOKEN_BUCKETS,
-            registry=r,
+        self.memories_included = histogram(
+            "ibex_context_memories_included", "Memories packed into one context.", MEMORY_BUCKETS
         )
-        self.budget_utilization = Histogram(
-            "ibex_context_budget_utilization_ratio",
-            "tokens_used / budget ceiling.",
-            buckets=RATIO_BUCKETS,
-            registry=r,
+        self.tenant_filtered = counter(
+            "ibex_tenant_filtered_hits", "Memory hits dropped for another org/agent."
         )
-        self.memories_included = Histogram(
-            "ibex_context_memories_included",
-            "Memories packed into one context.",
-            buckets=MEMORY_BUCKETS,
-            registry=r,
-        )
-        self.tenant_filtered = Counter(
-            "ibex_tenant_filtered_hits", "Memory hits dropped for another org/agent.", registry=r
-        )
-        self.history_dropped = Counter(
+        self.history_dropped = counter(
             "ibex_history_messages_dropped",
             "Oldest history messages left out so the rest fits the window.",
-            registry=r,
         )
-        self.feedback = Counter(
-            "ibex_feedback", "RecordMemoryFeedback calls by outcome.", ["outcome"], registry=r
+        self.feedback = counter(
+            "ibex_feedback", "RecordMemoryFeedback calls by outcome.", "outcome"
         )
-        self.feedback_retries = Counter(
-            "ibex_feedback_retries",
-            "Feedback attempts repeated with the same idempotency key.",
-            registry=r,
+        self.feedback_retries = counter(
+            "ibex_feedback_retries", "Feedback attempts repeated with the same idempotency key."
         )
 
         self.dependency_up = Gauge(
@@ -320,12 +295,8 @@ class Metrics:
         self._token_hits: Counter | None = None
         self._token_misses: Counter | None = None
         if self.multiprocess:
-            self._token_hits = Counter(
-                "ibex_token_cache_hits", "Token-count cache hits.", registry=r
-            )
-            self._token_misses = Counter(
-                "ibex_token_cache_misses", "Token-count cache misses.", registry=r
-            )
+            self._token_hits = counter("ibex_token_cache_hits", "Token-count cache hits.")
+            self._token_misses = counter("ibex_token_cache_misses", "Token-count cache misses.")
         else:
             self._token_collector = _TokenCacheCollector()
             r.register(self._token_collector)
