@@ -9,6 +9,7 @@ known to fit; then the same memory costs no cache lookups at all.
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from ibex.assembly.catalog import Catalog, load_catalog
@@ -29,6 +30,7 @@ from ibex.assembly.xml_format import XML_TAGS, new_nonce
 from ibex.testing.samples import AGENT, ORG, scored
 
 NOW = 1_760_000_000.0
+IDS = "00000000-0000-4000-8000-00000000000"  # + a digit
 
 
 @pytest.fixture(scope="module")
@@ -85,18 +87,9 @@ def test_sums_enter_the_table_only_when_the_prepared_request_commits(catalog: Ca
     tokenizers = Tokenizers(None, 65536)
     counter = tokenizers.counter("o200k_base", "o200k_base")
     tag = new_nonce(8)
+    one = MemoryHit("", ORG, AGENT, "", "factual", 0.5, 0.5, 1, branch="hot")
     hot = tuple(
-        MemoryHit(
-            memory_id=f"00000000-0000-4000-8000-00000000000{i}",
-            org_id=ORG,
-            agent_id=AGENT,
-            content=f"Memory {i} {tag}",
-            category="factual",
-            similarity=0.5,
-            confidence=0.5,
-            rank=i + 1,
-            branch="hot",
-        )
+        msgspec.structs.replace(one, memory_id=f"{IDS}{i}", content=f"Memory {i} {tag}", rank=i + 1)
         for i in range(3)
     )
     request = AssemblyRequest(agent_id=AGENT, org_id=ORG, query="q", model="gpt-4o")
