@@ -22,7 +22,7 @@ __all__ = ["PriceKey", "PriceTable", "commit_prices", "price", "price_table", "p
 
 #: Characters of keys (contents and tag suffixes) one table holds before it is cleared.
 PRICE_TABLE_CHARS = 1 << 21
-#: Tables kept (one per counter and format in use); all are dropped when one more is needed.
+#: Tables one counter keeps (one per format in use); all are dropped when one more is needed.
 PRICE_TABLES = 16
 
 PriceKey = tuple[str, str]  # (content, the opening tag's suffix)
@@ -36,6 +36,9 @@ class PriceTable:
     is never bypassed, and an entry adds no count the caches did not hold. Bounded
     in the characters of its keys: cleared whole when the next entry would pass
     PRICE_TABLE_CHARS (the same memories refill it on their next request).
+    Entered from worker threads too (the pipeline runs in one for large texts):
+    each dict operation is atomic, and two racing entries can only leave `chars`
+    off by one key's length until the next clear.
     """
 
     __slots__ = ("chars", "prices")
@@ -57,17 +60,18 @@ class PriceTable:
             self.chars += size
 
 
-_TABLES: dict[tuple[Counter, Format], PriceTable] = {}
-
-
 def price_table(counter: Counter, fmt: Format) -> PriceTable:
-    """The table of `counter` and `fmt` (made on first use)."""
-    key = (counter, fmt)
-    table = _TABLES.get(key)
+    """The table of `counter` and `fmt`, held by the counter (`price_tables`, a dict a
+    counter may carry: ibex.assembly.tokens's do), so it lives as long as the counts it
+    sums. A counter without one gets a new, unshared table each time."""
+    tables: dict[Format, PriceTable] | None = getattr(counter, "price_tables", None)
+    if tables is None:
+        return PriceTable()
+    table = tables.get(fmt)
     if table is None:
-        if len(_TABLES) >= PRICE_TABLES:
-            _TABLES.clear()
-        table = _TABLES[key] = PriceTable()
+        if len(tables) >= PRICE_TABLES:
+            tables.clear()
+        table = tables[fmt] = PriceTable()
     return table
 
 
@@ -89,7 +93,9 @@ def pricer(
     The table's sum when it has one. Else the pieces are counted: through
     `deferred` when given (it keeps new counts and bodies out of the caches until
     committed), and a sum made only of cached counts goes to `pending`, for
-    `commit_prices`; without it, by `counter` and `fmt` straight to their caches.
+    `commit_prices`; without it, by `counter` and `fmt` straight to their caches
+    (the path of a branch not priced while retrieval waited: it reads the table
+    and enters nothing).
     The opening piece is priced as its two parts (see
     ibex.assembly.output_format); memory blocks carry no nonce, so every count is
     cacheable by text.

@@ -197,6 +197,7 @@ class TokenCounter:
         "exact",
         "family",
         "max_token_bytes",
+        "price_tables",
     )
 
     def __init__(
@@ -217,6 +218,8 @@ class TokenCounter:
         # prefix is a lower bound and the whole prefix can be used.
         self.max_token_bytes = max_token_bytes
         self.additive_cut: Callable[[str], int] = _last_additive_cut if self.exact else _whole
+        #: Memory prices summed from this counter's counts, by format (ibex.assembly.pricing).
+        self.price_tables: dict[object, object] = {}
 
     def count(self, text: str) -> int:
         return self._cached.count(text)

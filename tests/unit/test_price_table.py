@@ -70,11 +70,12 @@ def test_a_memory_priced_again_costs_its_block_without_a_cache_lookup() -> None:
     expected = [block_cost(counter, m) for m in ms]
     assert [m.token_estimate for m in price(ms, counter, XML_TAGS)] == expected  # counted, cached
     table = price_table(counter, XML_TAGS)
-    assert not table.prices  # straight to the caches: no sums were staged
+    assert not table.prices  # every piece was new: no sum of cached counts yet
     estimates, pending = staged_pricing(counter, ms)  # every piece cached: sums pending
     assert estimates == expected and len(pending) == len(ms)
     assert not table.prices  # not committed: nothing entered
     table.put_many(pending)
+    assert len(table.prices) == len(ms)
     hits = counter.cache_info().hits
     estimates, pending = staged_pricing(counter, ms)
     assert estimates == expected
@@ -116,6 +117,7 @@ class _NoCache(Uncached):
 
     def __init__(self) -> None:
         self.counted = 0
+        self.price_tables: dict[object, object] = {}  # room for a table, as a real counter has
 
     def count(self, text: str) -> int:
         self.counted += 1
