@@ -276,19 +276,22 @@ class ContextService:
             key = caller.fairness_key(request.org_id)
             self.assembler.prefetch(request)
             await answer_in_trio(
-                stream, self._reply, self._assemble_in_trio, request, ticket, key, trace_id, call
+                stream,
+                _reply,
+                self._assemble_in_trio,
+                request,
+                ticket,
+                key,
+                trace_id,
+                call,
+                sending=self._sending,
             )
 
-    def _reply(self, result: AssemblyResult) -> Reply:
-        """The answer's headers and message; the assembly is counted as it is answered."""
+    def _sending(self, result: AssemblyResult) -> None:
+        """An answer is sent: its assembly is counted."""
         self.metrics.observe_assembly(result)
         if self.branch_errors is not None:
             self.branch_errors.observe(result.branches)
-        headers = {
-            "x-ibex-degradation": result.degradation_level,
-            "x-ibex-branches": convert.branches_header(result),
-        }
-        return headers, convert.response_to_proto(result)
 
     async def _assemble_in_trio(
         self,
@@ -407,6 +410,15 @@ class ContextService:
                 headroom=FEEDBACK_HEADROOM,
                 on_retry=self.metrics.feedback_retries.inc,
             )
+
+
+def _reply(result: AssemblyResult) -> Reply:
+    """An answer's headers and message."""
+    headers = {
+        "x-ibex-degradation": result.degradation_level,
+        "x-ibex-branches": convert.branches_header(result),
+    }
+    return headers, convert.response_to_proto(result)
 
 
 def _caller(stream: grpclib.server.Stream[Any, Any]) -> Caller:

@@ -118,13 +118,13 @@ async def _outcome(fut: asyncio.Future[T | _Raised]) -> T:
 class _Handed:
     """An answer handed to the asyncio side: its reply, and whether it has left already."""
 
-    __slots__ = ("reply", "sent")
+    __slots__ = ("answer", "reply", "sent")
 
-    def __init__(self, reply: Reply | None, sent: bool) -> None:
-        self.reply, self.sent = reply, sent
+    def __init__(self, answer: Any, reply: Reply | None, sent: bool) -> None:
+        self.answer, self.reply, self.sent = answer, reply, sent
 
 
-_ENDED = _Handed(None, False)  # the Trio call ended without handing anything over
+_ENDED = _Handed(None, None, False)  # the Trio call ended without handing anything over
 
 
 async def answer_in_trio(
@@ -132,6 +132,7 @@ async def answer_in_trio(
     reply_of: Callable[[T], Reply],
     proc: Callable[..., Awaitable[T]],
     *args: Any,
+    sending: Callable[[T], None] | None = None,
 ) -> None:
     """Answer a unary call with `reply_of(answer)`, where `answer` is what
     `await proc(*args, hand)` returns in a Trio task, or what it hands over before
@@ -139,8 +140,10 @@ async def answer_in_trio(
 
     The reply is made and written on the Trio side as soon as the answer is known
     (`send_reply_now`); where the connection cannot take all of it at once, the
-    handler sends it. The handler returns once the Trio call has ended, raising
-    its exception if it raised one. Cancelled before the answer, the Trio call is
+    handler sends it. `sending(answer)` is told of every answer sent: after it was
+    written on the Trio side (off the answer's way out), or before the handler
+    sends it. The handler returns once the Trio call has ended, raising its
+    exception if it raised one. Cancelled before the answer, the Trio call is
     cancelled and awaited, as with `in_trio`; a swallowed cancel ends the handler
     cancelled, and nothing is sent after it.
     """
@@ -156,7 +159,9 @@ async def answer_in_trio(
         except Exception:
             log.exception("reply_failed")
             sent = False
-        first.set_result(_Handed(reply, sent))
+        first.set_result(_Handed(answer, reply, sent))
+        if sent and sending is not None:
+            sending(answer)
 
     async def answering(*args: Any) -> T:
         answer = await proc(*args)
@@ -180,6 +185,8 @@ async def answer_in_trio(
     del fut  # a raised error's traceback holds this frame: hold nothing it leads to
     try:
         if got.reply is not None and not got.sent and not cancel_swallowed():
+            if sending is not None:
+                sending(got.answer)
             await send_reply(stream, *got.reply)
             await stream.send_trailing_metadata()
     finally:
