@@ -121,6 +121,7 @@ class _Handed:
     __slots__ = ("answer", "reply", "sent")
 
     def __init__(self, answer: Any, reply: Reply | None, sent: bool) -> None:
+        # `sent` is set after the handler was told: it reads it only once it runs.
         self.answer, self.reply, self.sent = answer, reply, sent
 
 
@@ -154,13 +155,13 @@ async def answer_in_trio(
         if first.done():  # handed over already, or the handler was cancelled
             return
         reply = reply_of(answer)
+        handed = _Handed(answer, reply, False)
+        first.set_result(handed)  # the handler wakes after this step, whatever it does
         try:
-            sent = send_reply_now(stream, *reply)
+            handed.sent = send_reply_now(stream, *reply)
         except Exception:
             log.exception("reply_failed")
-            sent = False
-        first.set_result(_Handed(answer, reply, sent))
-        if sent and sending is not None:
+        if handed.sent and sending is not None:
             sending(answer)
 
     async def answering(*args: Any) -> T:
