@@ -20,6 +20,7 @@ from typing import Any
 import h2.connection
 import h2.events
 import h2.settings
+import pytest
 import sniffio
 import trio
 from grpclib.events import SendTrailingMetadata, listen
@@ -144,25 +145,19 @@ def assert_complete(fields: dict[str, str], body: bytes) -> None:
     assert [b.source for b in answer.branches] == ["directive", "hot", "cold"]
 
 
-async def test_an_answer_is_written_whole_from_the_trio_side() -> None:
-    fields, body, seen, runs, added = await answered(window=None, awaits=False)
-    assert seen == [("trio", True)]
+@pytest.mark.parametrize(
+    ("window", "awaits", "written"),
+    [
+        pytest.param(None, False, True, id="written-whole-from-the-trio-side"),
+        pytest.param(16, False, False, id="window-too-small-sent-by-the-handler-as-it-opens"),
+        pytest.param(None, True, False, id="listener-that-awaits-leaves-it-to-the-handler"),
+    ],
+)
+async def test_an_answer_reaches_its_caller_whole_and_counted_once(
+    window: int | None, awaits: bool, written: bool
+) -> None:
+    fields, body, seen, runs, added = await answered(window, awaits)
+    assert seen == [("trio", written)]
     assert_complete(fields, body)
     assert runs == ["tagged"]
-    assert added == (1.0, 1.0, 1.0)
-
-
-async def test_an_answer_the_window_cannot_take_is_sent_by_the_handler_as_it_opens() -> None:
-    fields, body, seen, runs, added = await answered(window=16, awaits=False)
-    assert seen == [("trio", False)]
-    assert_complete(fields, body)
-    assert runs == ["tagged"]
-    assert added == (1.0, 1.0, 1.0)
-
-
-async def test_a_listener_that_awaits_leaves_the_answer_to_the_handler() -> None:
-    fields, body, seen, runs, added = await answered(window=None, awaits=True)
-    assert seen == [("trio", False)]
-    assert_complete(fields, body)
-    assert runs == ["tagged"]
-    assert added == (1.0, 1.0, 1.0)
+    assert added == (1.0, 1.0, 1.0)  # ended OK, timed to its last byte, assembly counted
