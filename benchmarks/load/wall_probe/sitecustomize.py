@@ -53,9 +53,21 @@ def _install() -> None:
 
         return run
 
+    # Each Trio task step's end, task name and length: what runs between a wake and the
+    # hand-over.
+    task_steps: collections.deque[tuple[float, str, float]] = collections.deque(maxlen=8192)
+    step_start = [0.0]
+
     class Wakes(trio.abc.Instrument):
         def after_io_wait(self, timeout: float) -> None:
             wakes.append(trio.current_time())
+
+        def before_task_step(self, task: Any) -> None:
+            step_start[0] = time.perf_counter()
+
+        def after_task_step(self, task: Any) -> None:
+            took = time.perf_counter() - step_start[0]
+            task_steps.append((trio.current_time(), task.name.rsplit(".", 1)[-1], took))
 
     retrieve = assembler_module.retrieve
     walls: dict[int, float] = {}  # a call's wall instant, by its wall listener
@@ -118,6 +130,16 @@ def _install() -> None:
             i = bisect.bisect_left(seen, wall_at)
             if i < len(seen):
                 steps["1 loop wakes after the wall"].append((seen[i] - wall_at) * 1000)
+                ran = [(name, took) for end, name, took in list(task_steps) if end >= seen[i]]
+                steps["1b task steps from the wake to the hand-over (count)"].append(len(ran))
+                total = sum(took for _, took in ran) * 1000
+                steps["1c their time, in all"].append(total)
+                steps["1d the rest (scheduler, preemption)"].append((now - seen[i]) * 1000 - total)
+                by_name: dict[str, float] = collections.defaultdict(float)
+                for name, took in ran:
+                    by_name[name] += took * 1000
+                for name, ms in by_name.items():
+                    steps[f"1e of which {name}"].append(ms)
             steps["3h answer ready (handed over) at the wall"].append((now - wall_at) * 1000)
             if len(answers) >= 4096:
                 answers.clear()
