@@ -17,8 +17,8 @@ import trio
 import trio.lowlevel
 import trio_asyncio
 
-from ibex.service.patches import batch_ready_callbacks
-from ibex.service.patches import timer_sweep as aio_loop
+from ibex.patches import batch_ready_callbacks
+from ibex.patches import timer_sweep as aio_loop
 
 
 class LoopSteps(trio.abc.Instrument):
