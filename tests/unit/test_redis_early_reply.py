@@ -4,8 +4,6 @@ the expected shape is told early; anything else is left to redis-py's own parse.
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -105,16 +103,3 @@ def test_a_connection_is_tapped_once_and_untapped_as_it_was() -> None:
     finally:
         loop.close()
     assert tap_replies(SimpleNamespace(), seen.append) is None  # no asyncio reader
-
-
-def test_reading_replies_early_loads_no_http2_stack() -> None:
-    """The sources take the redis tap from the patches package without loading the
-    server's patched libraries (grpclib, h2, trio-asyncio)."""
-    code = (
-        "import sys, ibex.sources.redis_early_reply\n"
-        "print(sorted(m for m in ('grpclib', 'h2', 'hpack', 'trio_asyncio') if m in sys.modules))"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
-    )
-    assert out.stdout.strip() == "[]"
