@@ -17,8 +17,8 @@ import trio
 import trio.lowlevel
 import trio_asyncio
 
-from ibex.service.patches import batch_ready_callbacks
-from ibex.service.patches import timer_sweep as aio_loop
+from ibex.patches import batch_ready_callbacks
+from ibex.patches import timer_sweep as aio_loop
 
 
 class LoopSteps(trio.abc.Instrument):
@@ -281,7 +281,7 @@ async def test_a_timer_that_falls_due_between_the_check_and_the_wait_ends_the_wa
     """The wait for the next callback is bounded by the head timer; when the clock passes
     that timer after the due check, the bound is zero, never negative (a ValueError from
     `move_on_after` there ends the worker's loop)."""
-    from ibex.service.patches.trio_asyncio_loop import _main_loop_one
+    from ibex.patches.trio_asyncio_loop import _main_loop_one
 
     send, receive = trio.open_memory_channel[object](1)
     loop = _TickingLoop(receive)

@@ -35,7 +35,7 @@ import trio_asyncio._base as _base
 from sniffio import thread_local as sniffio_library
 from trio_asyncio._handles import AsyncHandle as _AsyncHandle
 
-from ibex.service.patches.timer_sweep import REBUILD_MIN, drop_cancelled_timers
+from ibex.patches.timer_sweep import REBUILD_MIN, drop_cancelled_timers
 from ibex.versions import require
 
 __all__ = ["batch_ready_callbacks"]
