@@ -22,6 +22,7 @@ from ibex._proto import google_proto_descriptor_pool
 from ibex._proto.ibex.auth import v1 as bp_auth
 from ibex._proto.ibex.context import v1 as bp
 from ibex.assembly import structs
+from ibex.service import convert
 from ibex.service import pb as upb
 from ibex.testing.grpcio_stubs import context_pb2 as pb
 from ibex.testing.grpcio_stubs import principal_context_pb2 as pb_auth
@@ -378,3 +379,141 @@ def test_nested_response_structs_mirror_their_messages(struct_type: str) -> None
     fields = [f.name for f in msgspec.structs.fields(getattr(structs, struct_type))]
     message = upb.message_class(f"ibex.context.v1.{struct_type}")
     assert fields == [f.name for f in message.DESCRIPTOR.fields]
+
+
+@pytest.mark.parametrize(
+    ("struct_type", "message"),
+    [
+        (structs.AssemblyRequest, "AssembleContextRequest"),
+        (structs.SearchRequest, "SearchMemoriesRequest"),
+        (structs.AssemblyOptions, "AssemblyOptions"),
+        (structs.Message, "Message"),
+    ],
+)
+def test_request_structs_name_fields_of_their_messages(struct_type: Any, message: str) -> None:
+    # ibex.service.convert reads each struct field from the message field of its name.
+    fields = upb.message_class(f"ibex.context.v1.{message}").DESCRIPTOR.fields_by_name
+    assert set(struct_type.__struct_fields__) <= set(fields)
+
+
+def test_request_from_proto_reads_every_field() -> None:
+    msg = upb.AssembleContextRequest.FromString(bytes(_bp_request()))
+    assert convert.request_from_proto(msg) == structs.AssemblyRequest(
+        agent_id="7d2f4e18-3a9b-4f0c-8e6d-5b1a2c3d4e5f",
+        org_id="0b3c8a52-6f0e-4c47-9d2a-1f6f8f6b2a11",
+        query="what changed in the deploy?",
+        model="gpt-4o",
+        session_id="session-1",
+        directive_version_id="5a8e3c2b-1d4f-4e6a-9b7c-0f1e2d3c4b5a",
+        available_tokens=32000,
+        recent_messages=(
+            structs.Message("user", "hello ✓ 日本"),
+            structs.Message("assistant", "hi"),
+        ),
+        options=structs.AssemblyOptions(
+            skip_cold_memories=True,
+            skip_hot_memories=True,
+            recency_weight=0.25,
+            relevance_weight=0.5,
+            usefulness_weight=0.125,
+            confidence_weight=_f32(0.1),
+            max_memories=40,
+            reject_history_overflow=True,
+        ),
+        request_id="req-1",
+        trace_id="4bf92f3577b34da6a3ce929d0e0e4736",
+        span_id="00f067aa0ba902b7",
+        tool_schemas=('{"name": "a"}', '{"name": "b"}'),
+    )
+
+
+def test_request_from_proto_of_an_empty_message_is_all_defaults() -> None:
+    request = convert.request_from_proto(upb.AssembleContextRequest())
+    assert request == structs.AssemblyRequest(agent_id="", org_id="")
+    assert request.options == structs.AssemblyOptions()
+
+
+def test_search_from_proto_reads_every_field() -> None:
+    msg = upb.SearchMemoriesRequest(
+        agent_id="agent-1",
+        org_id="org-1",
+        query="deploy",
+        limit=7,
+        min_similarity=0.5,
+        categories=["factual", "procedural"],
+        tags=["ops"],
+        session_id="session-1",
+        principal_context={"org_id": "org-p"},
+    )
+    assert convert.search_from_proto(msg) == structs.SearchRequest(
+        org_id="org-1",
+        agent_id="agent-1",
+        query="deploy",
+        limit=7,
+        min_similarity=0.5,
+        categories=("factual", "procedural"),
+        tags=("ops",),
+        session_id="session-1",
+    )
+
+
+def _memory_used(i: int, exclusion: structs.Exclusion) -> structs.MemoryUsed:
+    return structs.MemoryUsed(
+        memory_id=f"mem-{i}",
+        composite_score=0.5 + i / 64,
+        relevance_score=0.25,
+        recency_score=0.75,
+        usefulness_score=0.125,
+        rank=i + 1,
+        category="factual",
+        exclusion=exclusion,
+        similarity=0.875,
+        confidence=0.9,
+        token_estimate=100 + i,
+    )
+
+
+def test_response_to_proto_writes_every_field() -> None:
+    """The result of `_pb_response`'s figures encodes to the same bytes; the result's
+    own fields that the message lacks (tool and formatter tokens) stay off the wire."""
+    result = structs.AssemblyResult(
+        assembled_context="<ctx>…</ctx>",
+        tokens_used=3100,
+        memories_used=(_memory_used(0, "included"), _memory_used(1, "included")),
+        excluded=(_memory_used(2, "budget"), _memory_used(3, "truncated")),
+        directive_tokens=400,
+        history_tokens=480,
+        memory_tokens=1900,
+        tool_tokens=260,
+        formatter_tokens=60,
+        score_schema="interim_v1",
+        degradation_level="L1",
+        branches=(
+            structs.BranchOutcome("directive", "success", 0.5, "ok"),
+            structs.BranchOutcome("hot", "error", 3.25, "http 503"),
+            structs.BranchOutcome("cold", "timeout", 45.0, "wall"),
+        ),
+        budget=structs.TokenBudget(
+            context_window=128000,
+            response_reserve=4096,
+            safety_buffer=512,
+            directive_tokens=400,
+            messages_tokens=480,
+            tool_schema_tokens=260,
+            formatter_overhead_tokens=60,
+            usable_budget=122192,
+            constrained=True,
+            tokenizer_family="o200k",
+            estimate_kind="exact",
+            messages_dropped=3,
+            messages_dropped_tokens=912,
+        ),
+        pack=structs.PackSummary("greedy", 30, 18, True, 9.876543210123, 2),
+        metrics=structs.AssemblyMetrics(1, 2, 3, 4, 5, 6, 7, 8, 9),
+        request_id="req-1",
+        trace_id="trace-1",
+        span_id="span-1",
+        directive_version_id="5a8e3c2b-1d4f-4e6a-9b7c-0f1e2d3c4b5a",
+    )
+    wire = convert.response_to_proto(result).SerializeToString()
+    assert wire == _pb_response().SerializeToString()
