@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from google.protobuf import descriptor_pb2
+from google.protobuf import descriptor_pb2, json_format
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
 from ibex._proto import google_proto_descriptor_pool
@@ -396,124 +396,48 @@ def test_request_structs_name_fields_of_their_messages(struct_type: Any, message
     assert set(struct_type.__struct_fields__) <= set(fields)
 
 
-def test_request_from_proto_reads_every_field() -> None:
-    msg = upb.AssembleContextRequest.FromString(bytes(_bp_request()))
-    assert convert.request_from_proto(msg) == structs.AssemblyRequest(
-        agent_id="7d2f4e18-3a9b-4f0c-8e6d-5b1a2c3d4e5f",
-        org_id="0b3c8a52-6f0e-4c47-9d2a-1f6f8f6b2a11",
-        query="what changed in the deploy?",
-        model="gpt-4o",
-        session_id="session-1",
-        directive_version_id="5a8e3c2b-1d4f-4e6a-9b7c-0f1e2d3c4b5a",
-        available_tokens=32000,
-        recent_messages=(
-            structs.Message("user", "hello ✓ 日本"),
-            structs.Message("assistant", "hi"),
-        ),
-        options=structs.AssemblyOptions(
-            skip_cold_memories=True,
-            skip_hot_memories=True,
-            recency_weight=0.25,
-            relevance_weight=0.5,
-            usefulness_weight=0.125,
-            confidence_weight=_f32(0.1),
-            max_memories=40,
-            reject_history_overflow=True,
-        ),
-        request_id="req-1",
-        trace_id="4bf92f3577b34da6a3ce929d0e0e4736",
-        span_id="00f067aa0ba902b7",
-        tool_schemas=('{"name": "a"}', '{"name": "b"}'),
+def _plain(value: Any) -> Any:
+    """A upb field's value as plain data, each message read through its descriptor."""
+    if isinstance(value, str | int | float):
+        return value
+    if hasattr(value, "DESCRIPTOR"):
+        return {f.name: _plain(getattr(value, f.name)) for f in value.DESCRIPTOR.fields}
+    return tuple(_plain(v) for v in value)
+
+
+def _search_request() -> Any:
+    """Every SearchMemoriesRequest field the server reads set; ids and text from `_bp_request`."""
+    req = _bp_request()
+    shared = {n: getattr(req, n) for n in ("agent_id", "org_id", "query", "session_id")}
+    return upb.SearchMemoriesRequest(
+        **shared, limit=7, min_similarity=0.5, categories=["factual", "procedural"], tags=["ops"]
     )
 
 
-def test_request_from_proto_of_an_empty_message_is_all_defaults() -> None:
-    request = convert.request_from_proto(upb.AssembleContextRequest())
-    assert request == structs.AssemblyRequest(agent_id="", org_id="")
-    assert request.options == structs.AssemblyOptions()
+@pytest.mark.parametrize(
+    ("read", "message"),
+    [
+        (convert.request_from_proto, upb.AssembleContextRequest.FromString(bytes(_bp_request()))),
+        (convert.request_from_proto, upb.AssembleContextRequest()),
+        (convert.search_from_proto, _search_request()),
+        (convert.search_from_proto, upb.SearchMemoriesRequest()),
+    ],
+    ids=["assemble", "assemble-empty", "search", "search-empty"],
+)
+def test_a_request_struct_holds_its_message_fields_of_the_same_name(
+    read: Any, message: Any
+) -> None:
+    struct = read(message)
+    names = struct.__struct_fields__
+    assert msgspec.to_builtins(struct) == {n: _plain(getattr(message, n)) for n in names}
 
 
-def test_search_from_proto_reads_every_field() -> None:
-    msg = upb.SearchMemoriesRequest(
-        agent_id="agent-1",
-        org_id="org-1",
-        query="deploy",
-        limit=7,
-        min_similarity=0.5,
-        categories=["factual", "procedural"],
-        tags=["ops"],
-        session_id="session-1",
-        principal_context={"org_id": "org-p"},
+def test_response_to_proto_sends_every_result_field_the_message_has() -> None:
+    """The result holding `_pb_response`'s figures encodes to its very bytes:
+    memories_included counted, the result's tool and formatter tokens left out."""
+    sent = _pb_response()
+    figures = json_format.MessageToDict(sent, preserving_proto_field_name=True)
+    result = msgspec.convert(
+        {**figures, "tool_tokens": 260, "formatter_tokens": 60}, structs.AssemblyResult
     )
-    assert convert.search_from_proto(msg) == structs.SearchRequest(
-        org_id="org-1",
-        agent_id="agent-1",
-        query="deploy",
-        limit=7,
-        min_similarity=0.5,
-        categories=("factual", "procedural"),
-        tags=("ops",),
-        session_id="session-1",
-    )
-
-
-def _memory_used(i: int, exclusion: structs.Exclusion) -> structs.MemoryUsed:
-    return structs.MemoryUsed(
-        memory_id=f"mem-{i}",
-        composite_score=0.5 + i / 64,
-        relevance_score=0.25,
-        recency_score=0.75,
-        usefulness_score=0.125,
-        rank=i + 1,
-        category="factual",
-        exclusion=exclusion,
-        similarity=0.875,
-        confidence=0.9,
-        token_estimate=100 + i,
-    )
-
-
-def test_response_to_proto_writes_every_field() -> None:
-    """The result of `_pb_response`'s figures encodes to the same bytes; the result's
-    own fields that the message lacks (tool and formatter tokens) stay off the wire."""
-    result = structs.AssemblyResult(
-        assembled_context="<ctx>…</ctx>",
-        tokens_used=3100,
-        memories_used=(_memory_used(0, "included"), _memory_used(1, "included")),
-        excluded=(_memory_used(2, "budget"), _memory_used(3, "truncated")),
-        directive_tokens=400,
-        history_tokens=480,
-        memory_tokens=1900,
-        tool_tokens=260,
-        formatter_tokens=60,
-        score_schema="interim_v1",
-        degradation_level="L1",
-        branches=(
-            structs.BranchOutcome("directive", "success", 0.5, "ok"),
-            structs.BranchOutcome("hot", "error", 3.25, "http 503"),
-            structs.BranchOutcome("cold", "timeout", 45.0, "wall"),
-        ),
-        budget=structs.TokenBudget(
-            context_window=128000,
-            response_reserve=4096,
-            safety_buffer=512,
-            directive_tokens=400,
-            messages_tokens=480,
-            tool_schema_tokens=260,
-            formatter_overhead_tokens=60,
-            usable_budget=122192,
-            constrained=True,
-            tokenizer_family="o200k",
-            estimate_kind="exact",
-            messages_dropped=3,
-            messages_dropped_tokens=912,
-        ),
-        pack=structs.PackSummary("greedy", 30, 18, True, 9.876543210123, 2),
-        metrics=structs.AssemblyMetrics(1, 2, 3, 4, 5, 6, 7, 8, 9),
-        request_id="req-1",
-        trace_id="trace-1",
-        span_id="span-1",
-        directive_version_id="5a8e3c2b-1d4f-4e6a-9b7c-0f1e2d3c4b5a",
-    )
-    wire = convert.response_to_proto(result).SerializeToString()
-    assert wire == _pb_response().SerializeToString()
+    assert convert.response_to_proto(result).SerializeToString() == sent.SerializeToString()
