@@ -9,7 +9,6 @@ through degradation; AssembleContext and SearchMemories both go through
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from operator import attrgetter
 
 import msgspec
 
@@ -31,24 +30,27 @@ def is_own(hit: MemoryHit, org_id: str, agent_id: str) -> bool:
     return hit.org_id.lower() == org_id and hit.agent_id.lower() == agent_id
 
 
-# A report copies the scored candidate's fields by MemoryUsed's own names, in its
-# order (ScoredMemory has each but `exclusion`), with two C attrgetters around the
-# exclusion; token_estimate, the last, is 0 for an unpriced report.
-_REPORT_FIELDS = MemoryUsed.__struct_fields__
-_BEFORE_EXCLUSION = attrgetter(*_REPORT_FIELDS[: _REPORT_FIELDS.index("exclusion")])
-_AFTER_EXCLUSION = attrgetter(
-    *_REPORT_FIELDS[_REPORT_FIELDS.index("exclusion") + 1 : _REPORT_FIELDS.index("token_estimate")]
-)
-
-
 def memory_used(m: ScoredMemory, exclusion: Exclusion, *, unpriced: bool = False) -> MemoryUsed:
     """The report of a scored candidate: `included`, or why it was left out.
 
     `unpriced`: report no token_estimate (a candidate cut before pricing would reach it).
     """
-    tokens = 0 if unpriced else m.token_estimate
-    fields = (*_BEFORE_EXCLUSION(m), exclusion, *_AFTER_EXCLUSION(m), tokens)
-    return MemoryUsed(*fields)
+    # Keywords rather than a copy by field name (attrgetter over MemoryUsed's fields):
+    # this runs for every candidate of every answer, and msgspec builds a struct
+    # fastest from keywords. test_candidates_rules checks that every field is copied.
+    return MemoryUsed(
+        memory_id=m.memory_id,
+        composite_score=m.composite_score,
+        relevance_score=m.relevance_score,
+        recency_score=m.recency_score,
+        usefulness_score=m.usefulness_score,
+        rank=m.rank,
+        category=m.category,
+        exclusion=exclusion,
+        similarity=m.similarity,
+        confidence=m.confidence,
+        token_estimate=0 if unpriced else m.token_estimate,
+    )
 
 
 def excluded_hit(hit: MemoryHit, exclusion: Exclusion) -> MemoryUsed:
