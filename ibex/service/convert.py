@@ -26,7 +26,8 @@ def _from_message(struct: type[_S], message: Any) -> Callable[[Any], _S]:
 
     One attrgetter reads the singular fields; repeated containers are copied to
     lists (msgspec takes no other sequence); one `msgspec.convert` builds the
-    struct, nested messages by attribute. The same cost as a keyword list.
+    struct, nested messages by attribute. A field added to the struct is read
+    with no edit here; a struct field the message lacks fails at import.
     """
     names = struct.__struct_fields__
     by_name = message.DESCRIPTOR.fields_by_name
