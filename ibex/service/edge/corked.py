@@ -7,6 +7,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import grpclib.protocol
+
+from ibex.service.edge.calls import call_of
+
 __all__ = ["Answered", "CorkedTransport"]
 
 Answered = Callable[[str, float], None]
@@ -62,6 +66,12 @@ class CorkedTransport:
             if not self._flush_pending:  # a refusal h2 could not send still gets its report
                 self._flush_pending = True
                 self._loop.call_soon(self._flush)
+
+    def stream_answered(self, stream: grpclib.protocol.Stream) -> None:
+        """`stream` sent its trailers (`ibex.patches.grpclib_h2`): its call's answer ended."""
+        call = call_of(stream)
+        if call is not None:
+            self.answer_ends(call.path, call.deadline.arrived)
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         if not data or self._done:

@@ -1,5 +1,6 @@
 """Every patch ibex makes to another library's internals, one module per library, and
-`install_patches`, which the daemon calls at start-up.
+`install_patches`, which the daemon calls at start-up. Below every layer: the sources
+and the service use it, and it imports neither.
 
 A private API can change in any release: each install function first calls
 `ibex.versions.require` for the packages it patches, so a version outside the
@@ -10,18 +11,17 @@ misbehaving at run time. Nothing here is applied at import.
   h2, hpack, hyperframe);
 - `trio_asyncio_loop`: `batch_ready_callbacks`, trio-asyncio's main loop batching
   ready callbacks;
-- `redis_wait_for`: `honour_cancellation_in_redis_writes`, redis-py's asyncio
-  connections writing under a `wait_for` that never drops a cancellation;
+- `redis_connection`: `honour_cancellation_in_redis_writes`, redis-py's asyncio
+  connections writing under a `wait_for` that never drops a cancellation, and
+  `tap_replies`, a leased connection's incoming bytes seen as they arrive (applied
+  per lease by `ibex.sources.redis_early_reply`, not installed);
 - `trio_epoll`: `precise_wakeups`, Trio's epoll wait ending on time; a context
   manager, entered for the Trio run that serves.
 """
 
 from __future__ import annotations
 
-from ibex.service.patches.grpclib_h2 import answer_expired_deadlines, lighten_h2
-from ibex.service.patches.redis_wait_for import honour_cancellation_in_redis_writes
-from ibex.service.patches.trio_asyncio_loop import batch_ready_callbacks
-from ibex.service.patches.trio_epoll import precise_wakeups
+from ibex._lazy import lazy_exports
 
 __all__ = [
     "answer_expired_deadlines",
@@ -30,14 +30,30 @@ __all__ = [
     "install_patches",
     "lighten_h2",
     "precise_wakeups",
+    "tap_replies",
 ]
+
+# Imported on first use: a source that taps redis-py's reader loads no HTTP/2 stack.
+__getattr__ = lazy_exports(
+    __name__,
+    {
+        "answer_expired_deadlines": "grpclib_h2",
+        "lighten_h2": "grpclib_h2",
+        "batch_ready_callbacks": "trio_asyncio_loop",
+        "honour_cancellation_in_redis_writes": "redis_connection",
+        "tap_replies": "redis_connection",
+        "precise_wakeups": "trio_epoll",
+    },
+)
 
 
 def install_patches() -> None:
     """Install every process-wide patch (idempotent); `precise_wakeups` is entered apart,
     inside the Trio run. Raises `ibex.versions.UnsupportedVersion` for a package outside
     the range its patch supports."""
-    answer_expired_deadlines()
-    lighten_h2()
-    batch_ready_callbacks()
-    honour_cancellation_in_redis_writes()
+    from ibex.patches import grpclib_h2, redis_connection, trio_asyncio_loop
+
+    grpclib_h2.answer_expired_deadlines()
+    grpclib_h2.lighten_h2()
+    trio_asyncio_loop.batch_ready_callbacks()
+    redis_connection.honour_cancellation_in_redis_writes()
