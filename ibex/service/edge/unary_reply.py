@@ -15,7 +15,7 @@ the connection can be written, the HTTP/2 stream can still send, and the flow-co
 window takes the whole message now. Otherwise it writes nothing and says so; the
 handler then sends as grpclib does, waiting for the window if it must. It drives
 private parts of grpclib's server stream (0.4, whose version
-`ibex.service.patches.grpclib_h2` checks) and h2's connection.
+`ibex.patches.grpclib_h2` checks) and h2's connection.
 """
 
 from __future__ import annotations
@@ -31,8 +31,7 @@ from h2.connection import ConnectionState
 from h2.stream import StreamState
 from multidict import MultiDict
 
-from ibex.service.edge.calls import call_of
-from ibex.service.edge.hpack_block import send_headers_fast
+from ibex.patches.hpack_block import send_headers_fast
 
 __all__ = ["send_reply", "send_reply_now"]
 
@@ -133,10 +132,9 @@ def send_reply_now(
     connection.last_message_sent = time.monotonic()
     s._send_trailing_metadata_done = True
     out = h2.data_to_send()
-    call = call_of(h2_stream)
     answer = getattr(transport, "send_answer", None)  # the server's corked transport
-    if call is not None and answer is not None:
-        answer(out, call.path, call.deadline.arrived)
+    if answer is not None:
+        answer(out, h2_stream)
     else:
         transport.write(out)
     return True
