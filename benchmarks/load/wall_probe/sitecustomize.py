@@ -126,15 +126,22 @@ def _install() -> None:
 
         def handed(wall_at: float, result: Any) -> None:
             now = trio.current_time()
-            seen = list(wakes)
-            i = bisect.bisect_left(seen, wall_at)
-            if i < len(seen):
-                steps["1 loop wakes after the wall"].append((seen[i] - wall_at) * 1000)
-                ran = [(name, took) for end, name, took in list(task_steps) if end >= seen[i]]
+            wake = None  # the first wake after the wall: walked from the newest, cheaply
+            for seen in reversed(wakes):
+                if seen < wall_at:
+                    break
+                wake = seen
+            if wake is not None:
+                steps["1 loop wakes after the wall"].append((wake - wall_at) * 1000)
+                ran = []
+                for end, name, took in reversed(task_steps):
+                    if end < wake:
+                        break
+                    ran.append((name, took))
                 steps["1b task steps from the wake to the hand-over (count)"].append(len(ran))
                 total = sum(took for _, took in ran) * 1000
                 steps["1c their time, in all"].append(total)
-                steps["1d the rest (scheduler, preemption)"].append((now - seen[i]) * 1000 - total)
+                steps["1d the rest (scheduler, preemption)"].append((now - wake) * 1000 - total)
                 by_name: dict[str, float] = collections.defaultdict(float)
                 for name, took in ran:
                     by_name[name] += took * 1000
@@ -143,7 +150,8 @@ def _install() -> None:
             steps["3h answer ready (handed over) at the wall"].append((now - wall_at) * 1000)
             if len(answers) >= 4096:
                 answers.clear()
-            answers[id(result)] = [wall_at, now, now]
+            # The probe's own time above is left out of the steps that follow.
+            answers[id(result)] = [wall_at, now, trio.current_time(), 1.0]  # 1.0: handed over
 
         def timed_wall_reached(self: Any, got: Any) -> None:
             wall_at = walls.get(id(self))
@@ -189,12 +197,14 @@ def _install() -> None:
 
     def sent(mark: list[float], start: float, end: float, crossed: bool) -> None:
         wall_at, retrieved, piped = mark[:3]
-        if piped > retrieved:
+        handed_over = len(mark) > 3
+        if piped > retrieved and not handed_over:
             steps["4 pipeline (after retrieval)"].append((piped - retrieved) * 1000)
         if crossed:
             steps["5 crossing back to asyncio"].append((start - piped) * 1000)
         else:
-            steps["5 reply made on the Trio side"].append((start - piped) * 1000)
+            path = "handed over" if handed_over else "pipeline"
+            steps[f"5 reply made on the Trio side ({path})"].append((start - piped) * 1000)
         steps["6 send (convert, metrics, grpclib)"].append((end - start) * 1000)
         steps["after the wall, in all"].append((end - wall_at) * 1000)
 
