@@ -81,6 +81,20 @@ class CorkedTransport:
             self._flush_pending = True
             self._loop.call_soon(self._flush)
 
+    def send_answer(self, data: bytes, stream: grpclib.protocol.Stream) -> None:
+        """Send what is buffered and `data`, which ends `stream`'s answer, now rather than
+        at the end of the loop iteration: an answer written from the Trio side
+        (`send_reply_now`) has no asyncio iteration to wait for."""
+        call = call_of(stream)
+        if call is not None:
+            if self._earned is not None:
+                self._earned()
+            if self._answered is not None:
+                self._ended.append((call.path, call.deadline.arrived))
+        if data and not self._done:
+            self._buffer.append(bytes(data))
+        self._flush()
+
     def _flush(self) -> None:
         self._flush_pending = False
         if self._buffer:
