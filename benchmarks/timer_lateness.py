@@ -1,4 +1,4 @@
-"""How late Trio's timers fire, with and without `ibex.service.patches.trio_epoll`.
+"""How late Trio's timers fire, with and without `ibex.patches.trio_epoll`.
 
 Every request wall and branch timeout is a Trio deadline; epoll's whole-millisecond
 timeout rounds each wait up, so the loop wakes up to 1 ms after the deadline.
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import trio
 
-from ibex.service.patches.trio_epoll import precise_wakeups
+from ibex.patches.trio_epoll import precise_wakeups
 
 RESULTS = Path(__file__).resolve().parent / "results" / "timer_lateness.json"
 

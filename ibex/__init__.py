@@ -10,9 +10,10 @@ What a user of the package imports:
   benchmarks and new output formats;
 - `ibex.testing`: the real stand-ins tests and benchmarks run against.
 
-The daemon's own layers (`ibex.sources`, `ibex.service`, `ibex.ops`) are
-documented in their packages. Nothing is imported here, so importing any one
-module loads only what it needs.
+The daemon's own layers (`ibex.sources`, `ibex.service`, `ibex.ops`) and the
+patches of other libraries they share (`ibex.patches`) are documented in their
+packages. Nothing is imported here, so importing any one module loads only what
+it needs.
 """
 
 __all__ = ["__version__"]

@@ -1,6 +1,6 @@
 """The third-party versions whose private parts ibex patches, checked at start-up.
 
-Every patch of a private API lives in the `ibex.service.patches` package, one module
+Every patch of a private API lives in the `ibex.patches` package, one module
 per patched library, and is installed at start-up by `install_patches` (Trio's,
 `precise_wakeups`, as the serving Trio run starts).
 A private API can change in any release, so each install function calls
@@ -21,13 +21,13 @@ from importlib.metadata import PackageNotFoundError, version
 
 #: distribution -> (minimum, limit, who patches it)
 SUPPORTED: dict[str, tuple[str, str, str]] = {
-    "grpclib": ("0.4.7", "0.5", "ibex/service/patches/grpclib_h2.py"),
-    "h2": ("4.1", "5", "ibex/service/patches/grpclib_h2.py"),
-    "hpack": ("4.0", "5", "ibex/service/patches/grpclib_h2.py"),
-    "hyperframe": ("6.0", "7", "ibex/service/patches/grpclib_h2.py"),
-    "trio-asyncio": ("0.15", "0.17", "ibex/service/patches/trio_asyncio_loop.py"),
-    "redis": ("5.2", "9", "ibex/service/patches/redis_wait_for.py"),
-    "trio": ("0.27", "0.40", "ibex/service/patches/trio_epoll.py"),
+    "grpclib": ("0.4.7", "0.5", "ibex/patches/grpclib_h2.py"),
+    "h2": ("4.1", "5", "ibex/patches/grpclib_h2.py"),
+    "hpack": ("4.0", "5", "ibex/patches/grpclib_h2.py"),
+    "hyperframe": ("6.0", "7", "ibex/patches/grpclib_h2.py"),
+    "trio-asyncio": ("0.15", "0.17", "ibex/patches/trio_asyncio_loop.py"),
+    "redis": ("5.2", "9", "ibex/patches/redis_connection.py"),
+    "trio": ("0.27", "0.40", "ibex/patches/trio_epoll.py"),
 }
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from ibex.service.patches.redis_wait_for import honour_cancellation_in_redis_writes
+from ibex.patches.redis_connection import honour_cancellation_in_redis_writes
 
 pytest_plugins = ["ibex.testing.redis_server"]
 

@@ -3,10 +3,12 @@
 The daemon runs with the cold endpoint 100 ms slower than usual and 1 s caller
 deadlines, so every call is cut by its retrieval wall (40 ms from arrival) and
 answers L1. `wall_probe/sitecustomize.py` (put on the daemon's PYTHONPATH) times
-each step from the wall instant: the loop's first wake after it, the cold
-branch's cancellation, retrieval's return, the pipeline, the crossing back to
-asyncio, the send. Medians and p90 per step, in milliseconds; the steps are
-cumulative up to "retrieval returns", then each its own.
+each step from the wall instant: the loop's first wake after it (and the task
+steps that run between it and the hand-over of an answer made before the wall),
+the cold branch's cancellation, retrieval's return, the pipeline, the reply made
+on the Trio side (or the crossing back to asyncio, where the handler sends it),
+the send. Medians and p90 per step, in milliseconds; the steps are cumulative up
+to "retrieval returns", then each its own.
 
 `ibex_answer_seconds` (`/metrics`) shows the total in production; this shows
 its parts. `--root` runs another checkout's daemon (e.g. a worktree of an

@@ -141,7 +141,7 @@ def serve(mode: str, port: int) -> None:
     import trio
     import trio_asyncio
 
-    from ibex.service.patches import batch_ready_callbacks, lighten_h2
+    from ibex.patches import batch_ready_callbacks, lighten_h2
 
     batch_ready_callbacks()
     lighten_h2()

@@ -24,7 +24,7 @@ Counts and escaped bodies computed here are not cached yet: they come back in
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 import msgspec
 
@@ -34,6 +34,8 @@ from ibex.assembly.structs import Message
 #: First probe, in characters per token of room: above natural text's 3-5.
 PROBE_CHARS_PER_TOKEN = 6
 _PROBE_SLACK = 64
+
+_V = TypeVar("_V")
 
 
 class Counter(Protocol):
@@ -63,6 +65,29 @@ class Uncached:
         pass
 
 
+class _HeldMisses(Generic[_V]):
+    """Reads of one cache by text: a miss is computed uncached and held in `held`."""
+
+    __slots__ = ("compute", "held", "peek")
+
+    def __init__(
+        self,
+        peek: Callable[[str], _V | None],
+        compute: Callable[[str], _V],
+        held: list[tuple[str, _V]],
+    ) -> None:
+        self.peek = peek
+        self.compute = compute
+        self.held = held
+
+    def get(self, text: str) -> _V:
+        value = self.peek(text)
+        if value is None:
+            value = self.compute(text)
+            self.held.append((text, value))
+        return value
+
+
 class DeferredCache:
     """One request's reads of the token-count and escaped-body caches.
 
@@ -71,20 +96,17 @@ class DeferredCache:
     to fit, so a refused request leaves every cache as it was.
     """
 
-    __slots__ = ("bodies", "counter", "counts", "fmt")
+    __slots__ = ("bodies", "body", "count", "counter", "counts", "fmt")
 
     def __init__(self, counter: Counter, fmt: Format) -> None:
         self.counter = counter
         self.fmt = fmt
         self.counts: list[tuple[str, int]] = []
         self.bodies: list[tuple[str, str]] = []
-
-    def count(self, text: str) -> int:
-        n = self.counter.peek(text)
-        if n is None:
-            n = self.counter.count_uncached(text)
-            self.counts.append((text, n))
-        return n
+        #: The count of a text, held for the count cache when it was not cached.
+        self.count = _HeldMisses(counter.peek, counter.count_uncached, self.counts).get
+        #: The escaped body piece, held for the body cache when it was not cached.
+        self.body = _HeldMisses(fmt.cached_body_piece, fmt.body_piece_uncached, self.bodies).get
 
     def with_nonce(self, piece: Callable[[str], str], nonce: str) -> int:
         """The count of `piece(nonce)`, a piece that carries the per-request nonce.
@@ -100,14 +122,6 @@ class DeferredCache:
         if nonce.isdigit():
             return self.count(piece("0" * len(nonce)))
         return self.counter.count_uncached(piece(nonce))
-
-    def body(self, text: str) -> str:
-        """The escaped body piece, held for the caches when it was not cached."""
-        piece = self.fmt.cached_body_piece(text)
-        if piece is None:
-            piece = self.fmt.body_piece_uncached(text)
-            self.bodies.append((text, piece))
-        return piece
 
     def commit(self) -> None:
         self.counter.remember(self.counts)

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
-from typing import Literal, get_args
+from typing import Literal, NotRequired, TypedDict, Unpack, get_args
 
 from ibex.assembly.lru import ByteLRU, LRUInfo
 from ibex.assembly.structs import Directive, Message, ScoredMemory
@@ -58,6 +58,19 @@ from ibex.assembly.structs import Directive, Message, ScoredMemory
 #: (directive, tools, safety, history, memories).
 SectionOrder = Literal["seed", "cache"]
 SECTION_ORDERS: tuple[SectionOrder, ...] = get_args(SectionOrder)
+
+
+class BlockInputs(TypedDict):
+    """What one block is written from: the keyword arguments of `Format.render_pieces`
+    and `Format.render`."""
+
+    directive: Directive | None
+    messages: Sequence[Message]
+    memories: Sequence[ScoredMemory]
+    tool_schemas: Sequence[str]
+    nonce: str
+    order: NotRequired[SectionOrder]  # "seed" when left out
+
 
 BODY_CACHE_MAX_CHARS = 4096
 #: What one format's escaped-body cache may keep alive (keys and values, see ibex.assembly.lru).
@@ -202,63 +215,38 @@ class Format(ABC):
         out.append(self.tools_close)
         return out
 
-    def render_pieces(
-        self,
-        *,
-        directive: Directive | None,
-        messages: Sequence[Message],
-        memories: Sequence[ScoredMemory],
-        tool_schemas: Sequence[str],
-        nonce: str,
-        order: SectionOrder = "seed",
-    ) -> list[str]:
-        """The block's pieces in `order`; `render` joins them."""
-        ordered = self.memory_order(memories)
+    def render_pieces(self, **block: Unpack[BlockInputs]) -> list[str]:
+        """The block's pieces in its `order`; `render` joins them."""
+        nonce = block["nonce"]
+        ordered = self.memory_order(block["memories"])
+        order = block.get("order", "seed")
         if order == "seed":
-            pieces = self.directive_section(directive, nonce)
+            pieces = self.directive_section(block["directive"], nonce)
             if ordered:
                 pieces.append(self.safety_piece(nonce))
-            pieces += self.history_section(messages, nonce)
+            pieces += self.history_section(block["messages"], nonce)
             pieces += self.memories_section(nonce, ordered)
-            pieces += self.tools_section(tool_schemas, nonce)
+            pieces += self.tools_section(block["tool_schemas"], nonce)
             return pieces
         if order != "cache":
             raise ValueError(f"unknown section order {order!r}")
-        pieces = self.directive_section(directive, nonce)
-        pieces += self.tools_section(tool_schemas, nonce)
-        history = self.history_section(messages, nonce)
+        pieces = self.directive_section(block["directive"], nonce)
+        pieces += self.tools_section(block["tool_schemas"], nonce)
+        history = self.history_section(block["messages"], nonce)
         if safety_emitted(order, memories=bool(ordered), others=bool(pieces or history)):
             pieces.append(self.safety_piece(nonce))
         pieces += history
         pieces += self.memories_section(nonce, ordered)
         return pieces
 
-    def render(
-        self,
-        *,
-        directive: Directive | None,
-        messages: Sequence[Message],
-        memories: Sequence[ScoredMemory],
-        tool_schemas: Sequence[str],
-        nonce: str,
-        order: SectionOrder = "seed",
-    ) -> str:
-        """The whole context block.
+    def render(self, **block: Unpack[BlockInputs]) -> str:
+        """The whole context block: `render_pieces` joined.
 
         Byte-identical for identical inputs, nonce and order. The safety piece
         appears whenever memories do, so the model is always told what the
         nonce means (`safety_emitted`).
         """
-        return "".join(
-            self.render_pieces(
-                directive=directive,
-                messages=messages,
-                memories=memories,
-                tool_schemas=tool_schemas,
-                nonce=nonce,
-                order=order,
-            )
-        )
+        return "".join(self.render_pieces(**block))
 
 
 def safety_emitted(order: SectionOrder, *, memories: bool, others: bool) -> bool:

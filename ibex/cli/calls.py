@@ -152,6 +152,31 @@ def cmd_assemble(args: argparse.Namespace) -> int:
     return EXIT_OK if result.status == "OK" else EXIT_NOTHING
 
 
+def _assemble_flags(a: argparse.ArgumentParser) -> None:
+    add_tenant_flags(a)
+    a.add_argument(
+        "--query", default="How should I deploy the service on Friday?", help="the user turn"
+    )
+    a.add_argument("--model", default="gpt-4o", help="model id, looked up in the catalog")
+    a.add_argument(
+        "--available-tokens",
+        type=int,
+        default=0,
+        help="caps the window (0: the model's); sizes a model the catalog does not know",
+    )
+    a.add_argument("--max-memories", type=int, default=0, help="0: no cap (hard cap 100)")
+    a.add_argument(
+        "--message",
+        type=_message,
+        action="append",
+        default=[],
+        metavar="ROLE:CONTENT",
+        help="history message (repeatable)",
+    )
+    a.add_argument("--tool", action="append", default=[], help="tool schema JSON (repeatable)")
+    a.add_argument("--request-id", default="cli", help="correlation id, echoed")
+
+
 def cmd_feedback(args: argparse.Namespace) -> int:
     """Report which memories helped; prints each score the memory service moved."""
     return _answer(
@@ -173,6 +198,21 @@ def _feedback_text(args: argparse.Namespace, response: Any) -> str:
     out = [f"feedback {args.feedback}: recorded, {len(updates)} of {len(args.memory)} ids"]
     out += (f"  {u.memory_id:<40} {u.previous_score:.3f} -> {u.new_score:.3f}" for u in updates)
     return "\n".join(out)
+
+
+def _feedback_flags(f: argparse.ArgumentParser) -> None:
+    add_tenant_flags(f, agent=False)
+    f.add_argument(
+        "--memory", action="append", required=True, metavar="ID", help="memory id (repeatable)"
+    )
+    f.add_argument(
+        "--feedback",
+        required=True,
+        choices=("positive", "negative", "neutral"),
+        help="whether the memories helped",
+    )
+    f.add_argument("--session", default="", help="session id")
+    f.add_argument("--trace", default="", help="trace id (part of the idempotency key)")
 
 
 # -- health ------------------------------------------------------------------------------------
@@ -213,6 +253,14 @@ def cmd_health(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _health_flags(h: argparse.ArgumentParser) -> None:
+    h.add_argument(
+        "--service",
+        default="",
+        help=f"service to check: '' for the whole server, or {SERVICE_NAME} (default: '')",
+    )
+
+
 # -- search ------------------------------------------------------------------------------------
 
 
@@ -235,95 +283,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     )
 
 
-# -- the parsers -------------------------------------------------------------------------------
-
-
-def _daemon_command(
-    sub: Any, name: str, func: Callable[[argparse.Namespace], int], **parser: Any
-) -> argparse.ArgumentParser:
-    """A subcommand that calls the daemon: the client flags, then the command's own."""
-    p: argparse.ArgumentParser = sub.add_parser(name, formatter_class=DefaultsFormatter, **parser)
-    add_client_flags(p)
-    p.set_defaults(func=func)
-    return p
-
-
-def register(sub: Any) -> None:
-    """Add assemble, feedback, health and search to the `ibex` subcommands."""
-    a = _daemon_command(
-        sub,
-        "assemble",
-        cmd_assemble,
-        help="ask a running daemon for a context block",
-        description="AssembleContext. Exit 0 when the daemon answered (degraded or not), "
-        "3 when it did not (the history-only fallback is printed), 1 on an error status.",
-    )
-    add_tenant_flags(a)
-    a.add_argument(
-        "--query", default="How should I deploy the service on Friday?", help="the user turn"
-    )
-    a.add_argument("--model", default="gpt-4o", help="model id, looked up in the catalog")
-    a.add_argument(
-        "--available-tokens",
-        type=int,
-        default=0,
-        help="caps the window (0: the model's); sizes a model the catalog does not know",
-    )
-    a.add_argument("--max-memories", type=int, default=0, help="0: no cap (hard cap 100)")
-    a.add_argument(
-        "--message",
-        type=_message,
-        action="append",
-        default=[],
-        metavar="ROLE:CONTENT",
-        help="history message (repeatable)",
-    )
-    a.add_argument("--tool", action="append", default=[], help="tool schema JSON (repeatable)")
-    a.add_argument("--request-id", default="cli", help="correlation id, echoed")
-    add_json_flag(a)
-
-    f = _daemon_command(
-        sub,
-        "feedback",
-        cmd_feedback,
-        help="tell a running daemon which memories helped",
-    )
-    add_tenant_flags(f, agent=False)
-    f.add_argument(
-        "--memory", action="append", required=True, metavar="ID", help="memory id (repeatable)"
-    )
-    f.add_argument(
-        "--feedback",
-        required=True,
-        choices=("positive", "negative", "neutral"),
-        help="whether the memories helped",
-    )
-    f.add_argument("--session", default="", help="session id")
-    f.add_argument("--trace", default="", help="trace id (part of the idempotency key)")
-    add_json_flag(f)
-
-    h = _daemon_command(
-        sub,
-        "health",
-        cmd_health,
-        help="gRPC health of a running daemon (exit 0 only when SERVING)",
-        description="The standard gRPC Health Check. Exit 0 when SERVING; 1 when the "
-        "daemon answers anything else (e.g. NOT_SERVING while draining, or an "
-        "unknown --service); 3 when it cannot be reached.",
-    )
-    h.add_argument(
-        "--service",
-        default="",
-        help=f"service to check: '' for the whole server, or {SERVICE_NAME} (default: '')",
-    )
-
-    s = _daemon_command(
-        sub,
-        "search",
-        cmd_search,
-        help="SearchMemories on a running daemon",
-        description="SearchMemories: the agent's memories that match a query, best first.",
-    )
+def _search_flags(s: argparse.ArgumentParser) -> None:
     add_tenant_flags(s)
     s.add_argument("--query", required=True, help="search text (required)")
     s.add_argument(
@@ -335,4 +295,64 @@ def register(sub: Any) -> None:
     )
     s.add_argument("--tag", action="append", default=[], help="keep this tag (repeatable)")
     s.add_argument("--session", default="", help="session id")
-    add_json_flag(s)
+
+
+# -- the parsers -------------------------------------------------------------------------------
+
+
+def _daemon_command(
+    sub: Any,
+    name: str,
+    func: Callable[[argparse.Namespace], int],
+    flags: Callable[[argparse.ArgumentParser], None],
+    *,
+    prints_response: bool = True,
+    **parser: Any,
+) -> None:
+    """A subcommand that calls the daemon: the client flags, the command's own, and
+    `--json` when it prints the daemon's response."""
+    p: argparse.ArgumentParser = sub.add_parser(name, formatter_class=DefaultsFormatter, **parser)
+    add_client_flags(p)
+    flags(p)
+    if prints_response:
+        add_json_flag(p)
+    p.set_defaults(func=func)
+
+
+def register(sub: Any) -> None:
+    """Add assemble, feedback, health and search to the `ibex` subcommands."""
+    _daemon_command(
+        sub,
+        "assemble",
+        cmd_assemble,
+        _assemble_flags,
+        help="ask a running daemon for a context block",
+        description="AssembleContext. Exit 0 when the daemon answered (degraded or not), "
+        "3 when it did not (the history-only fallback is printed), 1 on an error status.",
+    )
+    _daemon_command(
+        sub,
+        "feedback",
+        cmd_feedback,
+        _feedback_flags,
+        help="tell a running daemon which memories helped",
+    )
+    _daemon_command(
+        sub,
+        "health",
+        cmd_health,
+        _health_flags,
+        prints_response=False,
+        help="gRPC health of a running daemon (exit 0 only when SERVING)",
+        description="The standard gRPC Health Check. Exit 0 when SERVING; 1 when the "
+        "daemon answers anything else (e.g. NOT_SERVING while draining, or an "
+        "unknown --service); 3 when it cannot be reached.",
+    )
+    _daemon_command(
+        sub,
+        "search",
+        cmd_search,
+        _search_flags,
+        help="SearchMemories on a running daemon",
+        description="SearchMemories: the agent's memories that match a query, best first.",
+    )

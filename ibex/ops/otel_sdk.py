@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import time
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 from opentelemetry import trace as otel_trace
@@ -121,34 +122,22 @@ class Tracing:
         self.provider.shutdown()
 
 
+@dataclass(slots=True, eq=False, repr=False)  # no repr: the metadata holds credentials
 class CallTrace:
     """One RPC's span and the timings its children are built from (perf_counter seconds)."""
 
-    __slots__ = (
-        "attributes",
-        "branches",
-        "metadata",
-        "method",
-        "service",
-        "span",
-        "stages",
-        "start",
-        "tracing",
+    tracing: Tracing
+    service: str
+    method: str
+    metadata: Any
+    start: float
+    span: Span | None = field(default=None, init=False)
+    attributes: dict[str, str | int | float] = field(default_factory=dict, init=False)
+    # (source, status, latency_ms, detail, start, end)
+    branches: list[tuple[str, str, float, str, float, float]] = field(
+        default_factory=list, init=False
     )
-
-    def __init__(
-        self, tracing: Tracing, service: str, method: str, metadata: Any, start: float
-    ) -> None:
-        self.tracing = tracing
-        self.service = service
-        self.method = method
-        self.metadata = metadata
-        self.start = start
-        self.span: Span | None = None
-        self.attributes: dict[str, str | int | float] = {}
-        # (source, status, latency_ms, detail, start, end)
-        self.branches: list[tuple[str, str, float, str, float, float]] = []
-        self.stages: list[tuple[str, float, float]] = []
+    stages: list[tuple[str, float, float]] = field(default_factory=list, init=False)
 
     def open(self, trace_id: str = "", span_id: str = "") -> str:
         """Start the RPC span under the caller's span; the effective trace id, hex (for logs)."""

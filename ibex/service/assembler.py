@@ -373,13 +373,7 @@ class Assembler:
         """The pure pipeline over what retrieval returned: in the loop, or in a worker
         thread when the caller holds one or the text is too much for the loop."""
         run = functools.partial(
-            assemble_pure,
-            inputs,
-            catalog=self.catalog,
-            tokenizers=self.tokenizers,
-            config=self.pipeline,
-            timer=timer,
-            early=early.assembly if early is not None else None,
+            self._assemble, inputs, timer, early.assembly if early is not None else None
         )
         if thread_held:
             return await self.threads.run_held(run)
@@ -431,7 +425,14 @@ class Assembler:
     def _speculate(self, early: EarlyAssembly, inputs: AssemblyInputs) -> Speculation:
         """The whole pipeline for `inputs` now, in the loop (the feed's budget bounds its text)."""
         timer = StageTimer()
-        result = assemble_pure(
+        result = self._assemble(inputs, timer, early)
+        return Speculation(inputs, result, timer.total())
+
+    def _assemble(
+        self, inputs: AssemblyInputs, timer: StageTimer | None, early: EarlyAssembly | None
+    ) -> AssemblyResult:
+        """`assemble_pure` with this assembler's catalog, tokenizers and pipeline config."""
+        return assemble_pure(
             inputs,
             catalog=self.catalog,
             tokenizers=self.tokenizers,
@@ -439,7 +440,6 @@ class Assembler:
             timer=timer,
             early=early,
         )
-        return Speculation(inputs, result, timer.total())
 
     def check_search(self, request: SearchRequest) -> SearchFilter:
         """Validate a SearchMemories request before any I/O (and before it waits for a

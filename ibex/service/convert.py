@@ -1,94 +1,72 @@
 """Wire messages (upb classes from ibex.service.pb) to and from the pipeline's structs.
 
 The pipeline never sees generated classes, so a protobuf library change stays
-in this module and the server. Nested messages are passed as dicts, which upb
-builds in C.
+in this module and the server. A struct and its message share field names
+(tests/unit/test_proto.py pins them), so each crossing copies the fields by
+name in one msgspec call; nested messages are passed as dicts, which upb builds in C.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from operator import attrgetter
+from typing import Any, TypeVar
 
 import msgspec
 
 from ibex.assembly.candidates import SearchResult
-from ibex.assembly.structs import (
-    AssemblyOptions,
-    AssemblyRequest,
-    AssemblyResult,
-    Message,
-    SearchRequest,
-)
+from ibex.assembly.structs import AssemblyRequest, AssemblyResult, SearchRequest
 from ibex.service import pb
 
+_S = TypeVar("_S", bound=msgspec.Struct)
 
-def request_from_proto(msg: Any) -> AssemblyRequest:
-    # AssemblyOptions mirrors its message field for field (tests/unit/test_proto.py):
-    # one C copy by name.
-    options = (
-        msgspec.convert(msg.options, AssemblyOptions, from_attributes=True)
-        if msg.HasField("options")
-        else AssemblyOptions()
-    )
-    return AssemblyRequest(
-        agent_id=msg.agent_id,
-        org_id=msg.org_id,
-        query=msg.query,
-        model=msg.model,
-        session_id=msg.session_id,
-        directive_version_id=msg.directive_version_id,
-        available_tokens=msg.available_tokens,
-        recent_messages=tuple(Message(m.role, m.content) for m in msg.recent_messages),
-        options=options,
-        request_id=msg.request_id,
-        trace_id=msg.trace_id,
-        span_id=msg.span_id,
-        tool_schemas=tuple(msg.tool_schemas),
-    )
+
+def _from_message(struct: type[_S], message: Any) -> Callable[[Any], _S]:
+    """A reader of `struct` from a `message` that has a field of each of its names.
+
+    One attrgetter reads the singular fields; repeated containers are copied to
+    lists (msgspec takes no other sequence); one `msgspec.convert` builds the
+    struct, nested messages by attribute. A field added to the struct is read
+    with no edit here; a struct field the message lacks fails at import.
+    """
+    names = struct.__struct_fields__
+    by_name = message.DESCRIPTOR.fields_by_name
+    repeated = tuple(n for n in names if by_name[n].is_repeated)
+    singular = tuple(n for n in names if n not in repeated)
+    read_singular = attrgetter(*singular)
+
+    def read(msg: Any) -> _S:
+        values = dict(zip(singular, read_singular(msg), strict=True))
+        for name in repeated:
+            values[name] = list(getattr(msg, name))
+        return msgspec.convert(values, struct, from_attributes=True)
+
+    return read
+
+
+request_from_proto = _from_message(AssemblyRequest, pb.AssembleContextRequest)
+search_from_proto = _from_message(SearchRequest, pb.SearchMemoriesRequest)
+
+# AssemblyResult's fields that the response carries under the same name.
+_RESPONSE_FIELDS = tuple(
+    n
+    for n in AssemblyResult.__struct_fields__
+    if n in pb.AssembleContextResponse.DESCRIPTOR.fields_by_name
+)
 
 
 def response_to_proto(r: AssemblyResult) -> Any:
-    """The wire response. The nested structs mirror their messages field for field
-    (tests/unit/test_proto.py pins the names), so they go across as dicts, built by one
-    `msgspec.to_builtins` call per list (a C loop, half the cost of `asdict` per item)."""
-    builtins = msgspec.to_builtins
+    """The wire response: one `msgspec.to_builtins` of the whole result (a C walk, the
+    nested structs as dicts), the fields the message carries, and the included count."""
+    values = msgspec.to_builtins(r)
     return pb.AssembleContextResponse(
-        assembled_context=r.assembled_context,
-        tokens_used=r.tokens_used,
-        memories_included=len(r.memories_used),
-        memories_used=builtins(r.memories_used),
-        directive_tokens=r.directive_tokens,
-        history_tokens=r.history_tokens,
-        memory_tokens=r.memory_tokens,
-        metrics=builtins(r.metrics),
-        request_id=r.request_id,
-        trace_id=r.trace_id,
-        span_id=r.span_id,
-        score_schema=r.score_schema,
-        degradation_level=r.degradation_level,
-        branches=builtins(r.branches),
-        budget=builtins(r.budget),
-        pack=builtins(r.pack),
-        excluded=builtins(r.excluded),
+        memories_included=r.memories_included, **{n: values[n] for n in _RESPONSE_FIELDS}
     )
 
 
 def branches_header(r: AssemblyResult) -> str:
     """`directive=success;hot=timeout;cold=success`: loggable without parsing the body."""
     return ";".join(f"{b.source}={b.status}" for b in r.branches)
-
-
-def search_from_proto(msg: Any) -> SearchRequest:
-    return SearchRequest(
-        org_id=msg.org_id,
-        agent_id=msg.agent_id,
-        query=msg.query,
-        limit=msg.limit,
-        min_similarity=msg.min_similarity,
-        categories=tuple(msg.categories),
-        tags=tuple(msg.tags),
-        session_id=msg.session_id,
-    )
 
 
 def search_to_proto(found: SearchResult, search_time_ms: int) -> Any:

@@ -35,6 +35,7 @@ from ibex.netaddr import bind_problem, join_host_port
 from ibex.ops.branch_errors import BranchErrors
 from ibex.ops.metrics import Metrics
 from ibex.ops.sdnotify import Notifier, run_watchdog
+from ibex.patches import install_patches, precise_wakeups
 from ibex.service.admission import Admission, AdmissionConfig
 from ibex.service.assembler import Assembler
 from ibex.service.auth import Authenticator
@@ -62,7 +63,6 @@ from ibex.service.edge import (
     with_reflection,
 )
 from ibex.service.handlers import ContextService, EdgeConfig, method_label
-from ibex.service.patches import install_patches, precise_wakeups
 from ibex.service.policies import AdmissionPolicy
 from ibex.service.queues import share_the_gil
 from ibex.service.warmup import warm_pipeline

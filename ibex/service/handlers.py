@@ -5,7 +5,8 @@ service base) because they need metadata, the peer certificate and the
 caller's deadline. The deadline is the edge's `CallDeadline`, read once from
 the call's HEADERS; the admission ticket carries it, and the Trio side converts
 it to its clock once (`CallDeadline.on_trio_clock`). Each call crosses into
-Trio exactly once (`in_trio`); retrieval runs there under a wall derived from
+Trio exactly once (`in_trio`; `answer_in_trio`, whose answer is written from the
+Trio side as soon as it is known); retrieval runs there under a wall derived from
 the caller's remaining time, so the answer leaves before grpclib's own
 deadline (which counts from the handler's start, later). Errors
 are `IbexError`s and become a gRPC status in one place (`_wrap`).
@@ -18,6 +19,7 @@ import logging
 import time
 import weakref
 from collections.abc import Awaitable, Callable
+from dataclasses import KW_ONLY, dataclass, field
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import grpclib.const
@@ -49,7 +51,7 @@ from ibex.service.assembler import Assembler
 from ibex.service.auth import Authenticator, Caller
 from ibex.service.budgets import Reservation
 from ibex.service.edge.calls import call_deadline, caller_authenticated, handler_started
-from ibex.service.edge.crossing import in_trio, in_trio_handing
+from ibex.service.edge.crossing import Reply, answer_in_trio, in_trio, raise_swallowed_cancel
 from ibex.service.edge.status import grpc_error
 from ibex.service.edge.stream_reads import connection_of, recv_bounded, request_complete
 from ibex.service.edge.wire_counts import Rules, check_counts, request_rules
@@ -98,29 +100,22 @@ class EdgeConfig(msgspec.Struct, frozen=True):
     feedback_timeout: float = 2.0
 
 
+@dataclass(eq=False)  # hashed by identity: Health keys its statuses by the service
 class ContextService:
     """ContextAssemblyService over grpclib streams."""
 
-    def __init__(
-        self,
-        assembler: Assembler,
-        *,
-        admission: Admission,
-        metrics: Metrics,
-        authenticator: Authenticator,
-        config: EdgeConfig | None = None,
-        tracing: Tracing | None = None,
-        branch_errors: BranchErrors | None = None,
-    ) -> None:
-        self.assembler = assembler
-        self.admission = admission
-        self.metrics = metrics
-        self.auth = authenticator
-        self.config = config or EdgeConfig()
-        self.tracing = tracing
-        self.branch_errors = branch_errors  # failed branches, logged as a summary
+    assembler: Assembler
+    _: KW_ONLY
+    admission: Admission
+    metrics: Metrics
+    authenticator: Authenticator
+    config: EdgeConfig = field(default_factory=EdgeConfig)
+    tracing: Tracing | None = None
+    branch_errors: BranchErrors | None = None  # failed branches, logged as a summary
+
+    def __post_init__(self) -> None:
         # Each request's repeated fields counted on the wire before it is decoded.
-        limits = assembler.limits
+        limits = self.assembler.limits
         self._assemble_rules = request_rules(
             pb.AssembleContextRequest,
             {
@@ -176,10 +171,11 @@ class ContextService:
             call = None
             try:
                 self.admission.check_open()
-                peer_cert = stream.peer.cert() if self.auth.mtls else None
-                caller = _CALLERS[stream] = self.auth.caller(stream.metadata or {}, peer_cert)
+                auth = self.authenticator
+                peer_cert = stream.peer.cert() if auth.mtls else None
+                caller = _CALLERS[stream] = auth.caller(stream.metadata or {}, peer_cert)
                 _RESERVED[stream] = self.admission.reservation(
-                    connection_of(stream), caller.identity if self.auth.enabled else ""
+                    connection_of(stream), caller.identity if auth.enabled else ""
                 )
                 caller_authenticated(stream)
                 if self.tracing is not None:
@@ -187,8 +183,7 @@ class ContextService:
                     # and its `traceparent` cannot put our spans into a trace it chose.
                     call = self.tracing.call(SERVICE, method, stream.metadata, t0)
                 await handler(stream, call)
-                if _cancel_swallowed():
-                    raise asyncio.CancelledError
+                raise_swallowed_cancel()
             except IbexError as exc:
                 code = exc.status
                 if isinstance(exc, DeadlineError):
@@ -215,8 +210,7 @@ class ContextService:
                 # the answer was being made: nobody to answer, and not our failure.
                 code = "CANCELLED"
                 log.info("caller_gone", extra={**_call_fields(method, call)})
-                if _cancel_swallowed():  # grpclib saw the reset too: end as it expects
-                    raise asyncio.CancelledError from None
+                raise_swallowed_cancel()  # grpclib saw the reset too: end as it expects
                 raise GRPCError(Status.CANCELLED, "the caller reset the stream") from None
             except Exception:
                 code = "INTERNAL"
@@ -278,39 +272,26 @@ class ContextService:
         caller = _caller(stream)
         with self.admission.admitted(call_deadline(stream)) as ticket:
             request = self.assembler.check_request(convert.request_from_proto(msg))
-            self.auth.authorize(caller, request.org_id, request.agent_id, _principal(msg))
+            self.authenticator.authorize(caller, request.org_id, request.agent_id, _principal(msg))
             key = caller.fairness_key(request.org_id)
             self.assembler.prefetch(request)
-            result, end = await in_trio_handing(
-                self._assemble_in_trio, request, ticket, key, trace_id, call
+            await answer_in_trio(
+                stream,
+                _reply,
+                self._assemble_in_trio,
+                request,
+                ticket,
+                key,
+                trace_id,
+                call,
+                sending=self._sending,
             )
-            if end is not None:
-                # Handed over at the wall while the cut branch unwinds: the whole answer
-                # (trailers too) leaves now; the call ends once its branches have.
-                try:
-                    if not _cancel_swallowed():  # as in `_cross`
-                        await self._send_assembly(stream, result)
-                        await stream.send_trailing_metadata()
-                finally:
-                    await end
-            if _cancel_swallowed():  # as in `_cross`
-                raise asyncio.CancelledError
-            if end is None:
-                await self._send_assembly(stream, result)
 
-    async def _send_assembly(
-        self, stream: grpclib.server.Stream[Any, Any], result: AssemblyResult
-    ) -> None:
+    def _sending(self, result: AssemblyResult) -> None:
+        """An answer is sent: its assembly is counted."""
         self.metrics.observe_assembly(result)
         if self.branch_errors is not None:
             self.branch_errors.observe(result.branches)
-        await stream.send_initial_metadata(
-            metadata={
-                "x-ibex-degradation": result.degradation_level,
-                "x-ibex-branches": convert.branches_header(result),
-            }
-        )
-        await stream.send_message(convert.response_to_proto(result))
 
     async def _assemble_in_trio(
         self,
@@ -346,9 +327,11 @@ class ContextService:
         caller = _caller(stream)
         with self.admission.admitted(call_deadline(stream)) as ticket:
             flt = self.assembler.check_search(convert.search_from_proto(msg))
-            self.auth.authorize(caller, flt.org_id, flt.agent_id, _principal(msg))
+            self.authenticator.authorize(caller, flt.org_id, flt.agent_id, _principal(msg))
             t0 = time.perf_counter()
-            found = await _cross(self._search_in_trio, flt, ticket, caller.fairness_key(flt.org_id))
+            found = await in_trio(
+                self._search_in_trio, flt, ticket, caller.fairness_key(flt.org_id)
+            )
             elapsed_ms = int((time.perf_counter() - t0) * 1000)
             await stream.send_message(convert.search_to_proto(found, elapsed_ms))
 
@@ -381,8 +364,8 @@ class ContextService:
                     session_id=msg.session_id,
                     trace_id=msg.trace_id,
                 )
-                self.auth.authorize(_caller(stream), fb.org_id, None, _principal(msg))
-                sent = await _cross(self._feedback_in_trio, fb, ticket)
+                self.authenticator.authorize(_caller(stream), fb.org_id, None, _principal(msg))
+                sent = await in_trio(self._feedback_in_trio, fb, ticket)
                 response = pb.RecordMemoryFeedbackResponse(success=True)
                 for u in sent.updates:
                     response.updates.add(
@@ -429,6 +412,15 @@ class ContextService:
             )
 
 
+def _reply(result: AssemblyResult) -> Reply:
+    """An answer's headers and message."""
+    headers = {
+        "x-ibex-degradation": result.degradation_level,
+        "x-ibex-branches": convert.branches_header(result),
+    }
+    return headers, convert.response_to_proto(result)
+
+
 def _caller(stream: grpclib.server.Stream[Any, Any]) -> Caller:
     """The call's authenticated caller, set by `_wrap`; without one, a caller that may act
     for no org (fail closed)."""
@@ -451,33 +443,3 @@ def _finish_trace(call: CallTrace, code: str) -> None:
         call.finish(code)
     except Exception:
         log.exception("trace_failed")
-
-
-async def _cross(proc: Callable[..., Awaitable[T]], *args: Any) -> T:
-    """`in_trio`, then the cancel it may have swallowed raised before anything is sent.
-
-    grpclib cancels every handler of a connection when the caller says GOAWAY
-    or the connection is lost. If the Trio side was past its last checkpoint,
-    trio-asyncio hands its result over and the cancel never surfaces
-    (`_cancel_swallowed`); sending the answer then meets h2's closed connection
-    and raises its ProtocolError (not StreamClosedError), which read as an
-    internal failure. The caller is gone: end cancelled instead, as `_wrap`
-    does for a cancel swallowed at the handler's end.
-    """
-    got = await in_trio(proc, *args)
-    if _cancel_swallowed():
-        raise asyncio.CancelledError
-    return got
-
-
-def _cancel_swallowed() -> bool:
-    """True when grpclib cancelled this handler's task but the cancel never surfaced.
-
-    grpclib cancels the task at the caller's deadline or reset. When the Trio side
-    has already passed its last checkpoint, trio-asyncio delivers its result
-    anyway and the cancel is lost; finishing normally then makes grpclib log
-    "Failed to handle cancellation" at error level. Ending cancelled makes it a
-    deadline miss (or a caller gone), as it is.
-    """
-    task = asyncio.current_task()
-    return task is not None and task.cancelling() > 0

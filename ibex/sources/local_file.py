@@ -209,20 +209,12 @@ class LocalFileSource:
                 if m.id in seen:
                     raise LocalFileError(f"{where}.memories[{i}]: duplicate id {m.id!r}")
                 seen.add(m.id)
-                items.append(
-                    WireMemory(
-                        id=m.id,
-                        org_id=m.org_id or agent.org_id,
-                        agent_id=m.agent_id or agent.agent_id,
-                        content=m.content,
-                        category=m.category,
-                        confidence=m.confidence,
-                        created_at=m.created_at,
-                        usefulness=m.usefulness,
-                        access_count=m.access_count,
-                        tags=m.tags,
-                    )
-                )
+                # The same fields as the service's memory, the tenant filled in from the agent.
+                tenant = {
+                    "org_id": m.org_id or agent.org_id,
+                    "agent_id": m.agent_id or agent.agent_id,
+                }
+                items.append(WireMemory(**(msgspec.structs.asdict(m) | tenant)))
             memories[key] = items
             if agent.directive is not None:
                 d = agent.directive

@@ -20,7 +20,7 @@ tenant's directive. redis-py 8 closes the socket on BaseException inside
 lease below closes the connection on any BaseException *before* releasing it.
 A cancellation must also stop the GET: redis-py writes every command under
 `asyncio.wait_for`, which before Python 3.12 can drop a cancellation (CPython
-gh-86296); `ibex.service.patches.redis_wait_for`, installed at start-up, fixes that.
+gh-86296); `ibex.patches.redis_connection`, installed at start-up, fixes that.
 
 Topologies: one source class over a reader, built by three small constructors
 sharing one set of options (`RedisOptions`): one endpoint

@@ -3,18 +3,19 @@
 redis-py parses a reply in the task that awaits it, one pass of the loop after its
 bytes arrive. `EarlyReply` watches one leased connection's incoming bytes and tells
 its values in the transport's data callback once the reply is whole, so the calls
-waiting on a directive read are answered a pass earlier. It hooks the connection's
-`asyncio.StreamReader.feed_data` as an instance attribute for the lease only, and
-takes only replies of exactly the expected shape; anything else is left to
-redis-py's own parse. Sans-IO apart from that hook: `parse_values` is pure.
+waiting on a directive read are answered a pass earlier. The bytes come from
+`ibex.patches.redis_connection.tap_replies` (a hook on redis-py's reader, for the
+lease only); only replies of exactly the expected shape are taken, anything else
+is left to redis-py's own parse. `parse_values` is pure.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable
 from typing import Any
+
+from ibex.patches.redis_connection import tap_replies
 
 __all__ = ["EarlyReply", "parse_values"]
 
@@ -32,7 +33,7 @@ class EarlyReply:
     bytes past the reply) stops the watch, and the usual parse answers alone. The
     value bytes are never taken for framing: each bulk's length is read first."""
 
-    __slots__ = ("_buf", "_early", "_limit", "_many", "_n", "_reader", "_told")
+    __slots__ = ("_buf", "_early", "_limit", "_many", "_n", "_told", "_untap")
 
     def __init__(
         self, many: bool, keys: list[str], limit: int, early: Callable[[list[bytes | None]], None]
@@ -40,30 +41,24 @@ class EarlyReply:
         self._many, self._n, self._limit, self._early = many, len(keys), limit, early
         self._buf = bytearray()
         self._told = False
-        self._reader: Any = None
+        self._untap: Callable[[], None] | None = None
 
     def watch(self, conn: Any) -> EarlyReply | None:
         """Watch `conn`, just leased (a re-lease after a broken connection starts over:
         the bytes the broken one got are not part of the new reply)."""
         self._buf = bytearray()
-        reader = getattr(conn, "_reader", None)
-        if self._told or not isinstance(reader, asyncio.StreamReader):
+        if self._told:
             return None
-        if "feed_data" in vars(reader):
-            return None
-        feed = reader.feed_data
-
-        def fed(data: bytes) -> None:
-            feed(data)
-            if not self._told:
-                self._seen(data)
-
-        reader.feed_data = fed  # type: ignore[method-assign, assignment]
-        self._reader = reader
-        return self
+        self._untap = tap_replies(conn, self._fed)
+        return None if self._untap is None else self
 
     def unwatch(self) -> None:
-        vars(self._reader).pop("feed_data", None)
+        if self._untap is not None:
+            self._untap()
+
+    def _fed(self, data: bytes) -> None:
+        if not self._told:
+            self._seen(data)
 
     def _seen(self, data: bytes) -> None:
         self._buf += data

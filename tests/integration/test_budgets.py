@@ -18,6 +18,7 @@ import h2.exceptions
 from ibex.testing.grpc_harness import (
     AGENT,
     ORG,
+    RunningDaemon,
     daemon_process,
     in_thread,
     running_daemon,
@@ -33,6 +34,7 @@ from tests.integration.test_edge_bounds import (
     health_request,
     prefix,
     raws,
+    until,
 )
 
 HOLDER = "budget-holder-token-not-a-secret"
@@ -59,6 +61,11 @@ def small_calls(target: str, n: int, token: str = OTHER) -> list[str]:
             except grpc.RpcError as exc:
                 codes.append(exc.code().name)
     return codes
+
+
+def ended(d: RunningDaemon) -> float:
+    """AssembleContext calls that ended OK (their request bytes released before)."""
+    return d.daemon.metrics.requests.labels("AssembleContext", "OK")._value.get()
 
 
 def settled(raw: Raw, timeout: float = 10.0) -> bool:
@@ -89,6 +96,8 @@ async def test_declared_large_messages_do_not_keep_another_caller_out() -> None:
                     raw.send(stream, prefix(4 * MIB))
                 assert settled(raw)
                 codes = small_calls(f"127.0.0.1:{d.port}", 30)
+                # An answer leaves before its call ends (and releases its bytes).
+                assert until(lambda: ended(d) == 30)
                 held = d.daemon.admission.in_flight_bytes
                 holding = [s for s in streams if s not in raw.status]
             return {"codes": codes, "held": held, "holding": len(holding)}

@@ -24,7 +24,7 @@ import trio
 import trio_asyncio
 
 from ibex.assembly.structs import Directive
-from ibex.service.patches import batch_ready_callbacks
+from ibex.patches import batch_ready_callbacks
 from ibex.sources.directive_cache import DirectiveCache, DirectiveCacheConfig
 from ibex.sources.redis_directive import (
     PoolReader,

@@ -17,8 +17,8 @@ import trio
 import trio.lowlevel
 import trio_asyncio
 
-from ibex.service.patches import batch_ready_callbacks
-from ibex.service.patches import timer_sweep as aio_loop
+from ibex.patches import batch_ready_callbacks
+from ibex.patches import timer_sweep as aio_loop
 
 
 class LoopSteps(trio.abc.Instrument):
@@ -255,3 +255,37 @@ async def test_a_crossing_cancelled_before_its_task_starts_is_cancelled_and_neve
         await loop.synchronize()
         assert future.cancelled()
     assert ran == [2]
+
+
+class _Timer:
+    _cancelled = False
+
+    def __init__(self, when: float) -> None:
+        self._when = when
+
+
+class _TickingLoop:
+    """The attributes `_main_loop_one` reads, with a clock that has moved past the timer's
+    time between the due check and the wait (a busy machine: one read, then the next)."""
+
+    def __init__(self, receive: trio.MemoryReceiveChannel[object]) -> None:
+        self._timers = [_Timer(1.0)]
+        self._q_recv = receive
+        self._reads = iter([0.999, 1.001, 1.001])
+
+    def time(self) -> float:
+        return next(self._reads)
+
+
+async def test_a_timer_that_falls_due_between_the_check_and_the_wait_ends_the_wait() -> None:
+    """The wait for the next callback is bounded by the head timer; when the clock passes
+    that timer after the due check, the bound is zero, never negative (a ValueError from
+    `move_on_after` there ends the worker's loop)."""
+    from ibex.patches.trio_asyncio_loop import _main_loop_one
+
+    send, receive = trio.open_memory_channel[object](1)
+    loop = _TickingLoop(receive)
+    with trio.fail_after(5):
+        await _main_loop_one(loop)
+    assert [t._when for t in loop._timers] == [1.0]  # left for the next pass to run
+    send.close()

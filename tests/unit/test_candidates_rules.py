@@ -28,7 +28,13 @@ from ibex.assembly.candidates import (
     select_candidates,
 )
 from ibex.assembly.scoring import COMPOSITE
-from ibex.assembly.structs import AssemblyOptions, AssemblyRequest, MemoryHit, ScoredMemory
+from ibex.assembly.structs import (
+    AssemblyOptions,
+    AssemblyRequest,
+    MemoryHit,
+    MemoryUsed,
+    ScoredMemory,
+)
 
 ORG = "0000000a-000b-4000-8000-00000000000c"
 AGENT = "00000000-0000-4000-8000-0000000000a1"
@@ -144,6 +150,10 @@ def test_used_copies_every_reported_field() -> None:
     )
     assert (u.composite_score, u.similarity, u.confidence) == (0.7, 0.6, 0.4)
     assert (u.relevance_score, u.recency_score, u.usefulness_score) == (0.6, 0.2, 0.1)
+    # Every reported field but the exclusion is the candidate's own, by name.
+    copied = set(MemoryUsed.__struct_fields__) - {"exclusion"}
+    assert copied <= set(ScoredMemory.__struct_fields__)
+    assert {n: getattr(u, n) for n in copied} == {n: getattr(m, n) for n in copied}
 
 
 @pytest.mark.parametrize(("cap", "kept"), [(0, 5), (1, 1), (4, 4), (5, 5), (6, 5)])

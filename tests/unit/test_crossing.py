@@ -18,7 +18,7 @@ import pytest
 import trio
 import trio_asyncio
 
-from ibex.service.edge.crossing import in_trio
+from ibex.service.edge.crossing import answer_in_trio, in_trio
 
 
 class Payload:
@@ -129,3 +129,65 @@ async def test_a_cancelled_caller_cancels_the_trio_side_and_leaves_nothing_alive
     assert outcome == "cancelled"
     assert ended == ["cancelled"]
     assert refs["arg"]() is None
+
+
+class Stream:
+    """What `answer_in_trio` uses of grpclib's server stream when the Trio side cannot write
+    the reply (it has sent its headers already, as far as `send_reply_now` can tell)."""
+
+    _send_initial_metadata_done = True
+
+    def __init__(self) -> None:
+        self.sent: list[str] = []
+        self.ended = asyncio.Event()  # the trailers went out
+
+    async def send_initial_metadata(self, *, metadata: object) -> None:
+        self.sent.append("headers")
+
+    async def send_message(self, message: object) -> None:
+        self.sent.append("message")
+
+    async def send_trailing_metadata(self) -> None:
+        self.sent.append("trailers")
+        self.ended.set()
+
+
+async def test_a_handed_answer_is_sent_before_the_trio_side_ends_and_nothing_stays_alive(
+    no_collector: None,
+) -> None:
+    """Handed over early, the reply goes out (trailers too) while the Trio call still runs;
+    the handler returns only once it has ended; nothing of the call is left alive."""
+    release = trio.Event()
+    order: list[str] = []
+    refs: dict[str, weakref.ref[Payload]] = {}
+
+    async def trio_side(arg: Payload, hand: Callable[[Payload], None]) -> Payload:
+        out = Payload()
+        refs["answer"] = weakref.ref(out)
+        hand(out)
+        await release.wait()
+        order.append("trio side ended")
+        return out
+
+    def reply_of(answer: Payload) -> tuple[dict[str, str], Payload]:
+        return {"x": "1"}, answer
+
+    async def asyncio_side() -> None:
+        arg = Payload()
+        refs["arg"] = weakref.ref(arg)
+        stream = Stream()
+        task = asyncio.ensure_future(answer_in_trio(stream, reply_of, trio_side, arg))
+        del arg
+        await stream.ended.wait()
+        assert stream.sent == ["headers", "message", "trailers"]
+        order.append("sent")
+        release.set()
+        await task
+        order.append("handler returned")
+
+    async with trio_asyncio.open_loop():
+        with trio.fail_after(10):
+            await trio_asyncio.aio_as_trio(asyncio_side)()
+    assert order == ["sent", "trio side ended", "handler returned"]
+    assert refs["arg"]() is None
+    assert refs["answer"]() is None

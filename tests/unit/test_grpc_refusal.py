@@ -25,10 +25,10 @@ from grpclib.metadata import encode_grpc_message
 from h2.exceptions import ProtocolError
 from hyperframe.frame import DataFrame, HeadersFrame
 
+from ibex.patches import lighten_h2
+from ibex.patches.hpack_block import header_block, send_headers_fast
 from ibex.service.admission import GATE_CPU_MESSAGE, GATE_QUEUE_MESSAGE
-from ibex.service.edge.hpack_block import header_block, send_headers_fast
 from ibex.service.edge.refusal import send_refusal
-from ibex.service.patches import lighten_h2
 
 REQUEST = [
     (":method", "POST"),

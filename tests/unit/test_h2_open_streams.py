@@ -18,8 +18,8 @@ from h2.stream import StreamClosedBy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ibex.service.patches import count_open_streams_inline
-from ibex.service.patches.grpclib_h2 import _open_streams
+from ibex.patches import count_open_streams_inline
+from ibex.patches.grpclib_h2 import _open_streams
 
 REQUEST = [(":method", "POST"), (":path", "/p"), (":scheme", "http"), (":authority", "a")]
 RESPONSE = [(":status", "200")]

@@ -15,8 +15,8 @@ import pytest
 import trio
 import trio.lowlevel
 
-from ibex.service.patches import trio_epoll as precise_wakeup
-from ibex.service.patches.trio_epoll import TimerFd, precise_wakeups, wants_timer
+from ibex.patches import trio_epoll as precise_wakeup
+from ibex.patches.trio_epoll import TimerFd, precise_wakeups, wants_timer
 
 
 @pytest.mark.parametrize(

@@ -15,13 +15,14 @@ from typing import Any
 
 import msgspec
 import pytest
-from google.protobuf import descriptor_pb2
+from google.protobuf import descriptor_pb2, json_format
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
 from ibex._proto import google_proto_descriptor_pool
 from ibex._proto.ibex.auth import v1 as bp_auth
 from ibex._proto.ibex.context import v1 as bp
 from ibex.assembly import structs
+from ibex.service import convert
 from ibex.service import pb as upb
 from ibex.testing.grpcio_stubs import context_pb2 as pb
 from ibex.testing.grpcio_stubs import principal_context_pb2 as pb_auth
@@ -378,3 +379,65 @@ def test_nested_response_structs_mirror_their_messages(struct_type: str) -> None
     fields = [f.name for f in msgspec.structs.fields(getattr(structs, struct_type))]
     message = upb.message_class(f"ibex.context.v1.{struct_type}")
     assert fields == [f.name for f in message.DESCRIPTOR.fields]
+
+
+@pytest.mark.parametrize(
+    ("struct_type", "message"),
+    [
+        (structs.AssemblyRequest, "AssembleContextRequest"),
+        (structs.SearchRequest, "SearchMemoriesRequest"),
+        (structs.AssemblyOptions, "AssemblyOptions"),
+        (structs.Message, "Message"),
+    ],
+)
+def test_request_structs_name_fields_of_their_messages(struct_type: Any, message: str) -> None:
+    # ibex.service.convert reads each struct field from the message field of its name.
+    fields = upb.message_class(f"ibex.context.v1.{message}").DESCRIPTOR.fields_by_name
+    assert set(struct_type.__struct_fields__) <= set(fields)
+
+
+def _plain(value: Any) -> Any:
+    """A upb field's value as plain data, each message read through its descriptor."""
+    if isinstance(value, str | int | float):
+        return value
+    if hasattr(value, "DESCRIPTOR"):
+        return {f.name: _plain(getattr(value, f.name)) for f in value.DESCRIPTOR.fields}
+    return tuple(_plain(v) for v in value)
+
+
+def _search_request() -> Any:
+    """Every SearchMemoriesRequest field the server reads set; ids and text from `_bp_request`."""
+    req = _bp_request()
+    shared = {n: getattr(req, n) for n in ("agent_id", "org_id", "query", "session_id")}
+    return upb.SearchMemoriesRequest(
+        **shared, limit=7, min_similarity=0.5, categories=["factual", "procedural"], tags=["ops"]
+    )
+
+
+@pytest.mark.parametrize(
+    ("read", "message"),
+    [
+        (convert.request_from_proto, upb.AssembleContextRequest.FromString(bytes(_bp_request()))),
+        (convert.request_from_proto, upb.AssembleContextRequest()),
+        (convert.search_from_proto, _search_request()),
+        (convert.search_from_proto, upb.SearchMemoriesRequest()),
+    ],
+    ids=["assemble", "assemble-empty", "search", "search-empty"],
+)
+def test_a_request_struct_holds_its_message_fields_of_the_same_name(
+    read: Any, message: Any
+) -> None:
+    struct = read(message)
+    names = struct.__struct_fields__
+    assert msgspec.to_builtins(struct) == {n: _plain(getattr(message, n)) for n in names}
+
+
+def test_response_to_proto_sends_every_result_field_the_message_has() -> None:
+    """The result holding `_pb_response`'s figures encodes to its very bytes:
+    memories_included counted, the result's tool and formatter tokens left out."""
+    sent = _pb_response()
+    figures = json_format.MessageToDict(sent, preserving_proto_field_name=True)
+    result = msgspec.convert(
+        {**figures, "tool_tokens": 260, "formatter_tokens": 60}, structs.AssemblyResult
+    )
+    assert convert.response_to_proto(result).SerializeToString() == sent.SerializeToString()

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from ibex.patches.redis_connection import tap_replies
 from ibex.sources.redis_early_reply import EarlyReply, parse_values
 
 MGET = b'*3\r\n$13\r\n{"v": 1, "x"}\r\n$-1\r\n$12\r\nline\r\n$3\r\nab\r\n'
@@ -79,3 +80,26 @@ def test_a_re_lease_after_a_broken_connection_parses_only_the_new_connections_by
 
 def await_read(loop: asyncio.AbstractEventLoop, reader: asyncio.StreamReader, n: int) -> bytes:
     return loop.run_until_complete(reader.readexactly(n))
+
+
+def test_a_connection_is_tapped_once_and_untapped_as_it_was() -> None:
+    """The tap sees each chunk after the reader holds it; a second tap of the same
+    connection is refused; untapping leaves the reader with its own `feed_data`."""
+    loop = asyncio.new_event_loop()
+    try:
+        reader = asyncio.StreamReader(loop=loop)
+        conn = SimpleNamespace(_reader=reader)
+        seen: list[bytes] = []
+        untap = tap_replies(conn, seen.append)
+        assert untap is not None
+        assert tap_replies(conn, seen.append) is None
+        reader.feed_data(b"$2\r\n")
+        reader.feed_data(b"ab\r\n")
+        untap()
+        assert "feed_data" not in vars(reader)
+        reader.feed_data(b"+PONG\r\n")
+        assert seen == [b"$2\r\n", b"ab\r\n"]
+        assert await_read(loop, reader, 15) == b"$2\r\nab\r\n+PONG\r\n"
+    finally:
+        loop.close()
+    assert tap_replies(SimpleNamespace(), seen.append) is None  # no asyncio reader

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import redis.asyncio.connection as redis_connection
 
-from ibex.service.patches.redis_wait_for import honour_cancellation_in_redis_writes, wait_for
+from ibex.patches.redis_connection import honour_cancellation_in_redis_writes, wait_for
 
 
 def outcomes(impl: Callable[[Any, float], Any]) -> list[str]:

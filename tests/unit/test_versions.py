@@ -87,7 +87,7 @@ def test_each_patch_refuses_to_install_with_an_unsupported_version() -> None:
             f"m.version = lambda name: {fake!r} if name == {package!r} else real(name)\n"
             "import grpclib.utils\n"
             "original = grpclib.utils.DeadlineWrapper.start\n"
-            "from ibex.service import patches\n"
+            "from ibex import patches\n"
             "assert grpclib.utils.DeadlineWrapper.start is original\n"
             "async def enter():\n"
             "    with patches.precise_wakeups():\n"
@@ -110,8 +110,8 @@ def test_each_patch_refuses_to_install_with_an_unsupported_version() -> None:
 async def test_the_patches_check_every_supported_package(monkeypatch: pytest.MonkeyPatch) -> None:
     """`install_patches` and `precise_wakeups` (what the daemon runs at start-up) ask for
     every package in SUPPORTED, and nothing else."""
-    from ibex.service import patches
-    from ibex.service.patches import grpclib_h2, redis_wait_for, trio_asyncio_loop, trio_epoll
+    from ibex import patches
+    from ibex.patches import grpclib_h2, redis_connection, trio_asyncio_loop, trio_epoll
 
     asked: set[str] = set()
 
@@ -119,7 +119,7 @@ async def test_the_patches_check_every_supported_package(monkeypatch: pytest.Mon
         asked.update(packages)
         require(*packages)
 
-    for module in (grpclib_h2, redis_wait_for, trio_asyncio_loop, trio_epoll):
+    for module in (grpclib_h2, redis_connection, trio_asyncio_loop, trio_epoll):
         monkeypatch.setattr(module, "require", record)
     patches.install_patches()
     with patches.precise_wakeups():

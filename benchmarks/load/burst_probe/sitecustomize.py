@@ -216,15 +216,41 @@ def _install() -> None:
 
     assembler_module.assemble_pure = timed_pure
 
-    send = handlers_module.ContextService._send_assembly
+    send = getattr(handlers_module.ContextService, "_send_assembly", None)
+    if send is not None:  # a checkout whose handler sends every answer from asyncio
 
-    async def timed_send(self: Any, stream: Any, result: Any) -> None:
-        agent = agents.pop(result.request_id, "?")
-        mark(agent, "send")
-        await send(self, stream, result)
-        mark(agent, "sent")
+        async def timed_send(self: Any, stream: Any, result: Any) -> None:
+            agent = agents.pop(result.request_id, "?")
+            mark(agent, "send")
+            await send(self, stream, result)
+            mark(agent, "sent")
 
-    handlers_module.ContextService._send_assembly = timed_send  # type: ignore[method-assign]
+        handlers_module.ContextService._send_assembly = timed_send  # type: ignore[method-assign]
+
+    reply = getattr(handlers_module, "_reply", None)
+    if reply is not None:  # the reply is made where the answer is, and written from there
+        import ibex.service.edge.crossing as crossing_module
+
+        def timed_reply(result: Any) -> Any:
+            mark(agents.get(result.request_id, "?"), "send")
+            return reply(result)
+
+        handlers_module._reply = timed_reply
+        now_send = crossing_module.send_reply_now
+        late_send = crossing_module.send_reply
+
+        def timed_now(stream: Any, metadata: Any, message: Any) -> bool:
+            done = now_send(stream, metadata, message)
+            if done:
+                mark(agents.pop(message.request_id, "?"), "sent")
+            return done
+
+        async def timed_late(stream: Any, metadata: Any, message: Any) -> None:
+            await late_send(stream, metadata, message)
+            mark(agents.pop(message.request_id, "?"), "sent")
+
+        crossing_module.send_reply_now = timed_now
+        crossing_module.send_reply = timed_late
 
     def report() -> None:
         out = os.environ.get("IBEX_BURST_PROBE_OUT")

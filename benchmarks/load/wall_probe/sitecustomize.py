@@ -4,7 +4,8 @@ Times each step of a call whose retrieval was cut by its wall, from the wall
 instant (the call's arrival on the Trio clock plus `RetrievalConfig.time_limit`):
 the first wake of the loop after it, the cold branch's cancellation reaching
 `MemoryHttpSource.cold`, retrieval's return, the pipeline, the crossing back
-to asyncio, and the send; for an answer made before the wall and handed over
+to asyncio (or the reply made on the Trio side, where it is written from), and
+the send; for an answer made before the wall and handed over
 at it (`_EarlyAssemblyFeed.wall_reached`), the hand-over instead of retrieval's
 return and the pipeline, and the speculation's own time. It wraps the daemon's
 functions from outside (those a checkout lacks are left alone);
@@ -52,9 +53,21 @@ def _install() -> None:
 
         return run
 
+    # Each Trio task step's end, task name and length: what runs between a wake and the
+    # hand-over.
+    task_steps: collections.deque[tuple[float, str, float]] = collections.deque(maxlen=8192)
+    step_start = [0.0]
+
     class Wakes(trio.abc.Instrument):
         def after_io_wait(self, timeout: float) -> None:
             wakes.append(trio.current_time())
+
+        def before_task_step(self, task: Any) -> None:
+            step_start[0] = time.perf_counter()
+
+        def after_task_step(self, task: Any) -> None:
+            took = time.perf_counter() - step_start[0]
+            task_steps.append((trio.current_time(), task.name.rsplit(".", 1)[-1], took))
 
     retrieve = assembler_module.retrieve
     walls: dict[int, float] = {}  # a call's wall instant, by its wall listener
@@ -111,20 +124,52 @@ def _install() -> None:
     wall_reached = getattr(feed, "wall_reached", None)
     if feed is not None and wall_reached is not None:
 
-        def timed_wall_reached(self: Any, got: Any) -> None:
-            wall_at = walls.get(id(self))
-            wall_reached(self, got)
-            if wall_at is None or self.answer is None:
-                return
+        def handed(wall_at: float, result: Any) -> None:
             now = trio.current_time()
-            seen = list(wakes)
-            i = bisect.bisect_left(seen, wall_at)
-            if i < len(seen):
-                steps["1 loop wakes after the wall"].append((seen[i] - wall_at) * 1000)
+            wake = None  # the first wake after the wall: walked from the newest, cheaply
+            for seen in reversed(wakes):
+                if seen < wall_at:
+                    break
+                wake = seen
+            if wake is not None:
+                steps["1 loop wakes after the wall"].append((wake - wall_at) * 1000)
+                ran = []
+                for end, name, took in reversed(task_steps):
+                    if end < wake:
+                        break
+                    ran.append((name, took))
+                steps["1b task steps from the wake to the hand-over (count)"].append(len(ran))
+                total = sum(took for _, took in ran) * 1000
+                steps["1c their time, in all"].append(total)
+                steps["1d the rest (scheduler, preemption)"].append((now - wake) * 1000 - total)
+                by_name: dict[str, float] = collections.defaultdict(float)
+                for name, took in ran:
+                    by_name[name] += took * 1000
+                for name, ms in by_name.items():
+                    steps[f"1e of which {name}"].append(ms)
             steps["3h answer ready (handed over) at the wall"].append((now - wall_at) * 1000)
             if len(answers) >= 4096:
                 answers.clear()
-            answers[id(self.answer[1])] = [wall_at, now, now]
+            # The probe's own time above is left out of the steps that follow.
+            answers[id(result)] = [wall_at, now, trio.current_time(), 1.0]  # 1.0: handed over
+
+        def timed_wall_reached(self: Any, got: Any) -> None:
+            wall_at = walls.get(id(self))
+            handoff = self.handoff
+            if wall_at is None or handoff is None:
+                wall_reached(self, got)
+                return
+
+            # Followed as it is handed over: the hand-over may send it at once.
+            def marked(result: Any) -> None:
+                handed(wall_at, result)
+                handoff(result)
+
+            self.handoff = marked
+            try:
+                wall_reached(self, got)
+            finally:
+                self.handoff = handoff
 
         feed.wall_reached = timed_wall_reached
         speculate = getattr(assembler_module.Assembler, "_speculate", None)
@@ -150,23 +195,67 @@ def _install() -> None:
 
     assembler_module.assemble_pure = timed_pure
 
-    send = handlers_module.ContextService._send_assembly
-
-    async def timed_send(self: Any, stream: Any, result: Any) -> None:
-        start = trio.current_time()
-        await send(self, stream, result)
-        end = trio.current_time()
-        mark = answers.pop(id(result), None)
-        if mark is None or len(mark) < 3:
-            return
-        wall_at, retrieved, piped = mark
-        if piped > retrieved:
+    def sent(mark: list[float], start: float, end: float, crossed: bool) -> None:
+        wall_at, retrieved, piped = mark[:3]
+        handed_over = len(mark) > 3
+        if piped > retrieved and not handed_over:
             steps["4 pipeline (after retrieval)"].append((piped - retrieved) * 1000)
-        steps["5 crossing back to asyncio"].append((start - piped) * 1000)
+        if crossed:
+            steps["5 crossing back to asyncio"].append((start - piped) * 1000)
+        else:
+            path = "handed over" if handed_over else "pipeline"
+            steps[f"5 reply made on the Trio side ({path})"].append((start - piped) * 1000)
         steps["6 send (convert, metrics, grpclib)"].append((end - start) * 1000)
         steps["after the wall, in all"].append((end - wall_at) * 1000)
 
-    handlers_module.ContextService._send_assembly = timed_send  # type: ignore[method-assign]
+    send = getattr(handlers_module.ContextService, "_send_assembly", None)
+    if send is not None:  # a checkout whose handler sends every answer from asyncio
+
+        async def timed_send(self: Any, stream: Any, result: Any) -> None:
+            start = trio.current_time()
+            await send(self, stream, result)
+            mark = answers.pop(id(result), None)
+            if mark is not None and len(mark) >= 3:
+                sent(mark, start, trio.current_time(), True)
+
+        handlers_module.ContextService._send_assembly = timed_send  # type: ignore[method-assign]
+
+    reply = getattr(handlers_module, "_reply", None)
+    if reply is not None:  # the reply is made where the answer is, and written from there
+        import ibex.service.edge.crossing as crossing_module
+
+        replies: dict[int, tuple[list[float], float]] = {}  # by the message: mark, start
+
+        def timed_reply(result: Any) -> Any:
+            start = trio.current_time()
+            got = reply(result)
+            mark = answers.pop(id(result), None)
+            if mark is not None and len(mark) >= 3:
+                if len(replies) >= 4096:
+                    replies.clear()
+                replies[id(got[1])] = (mark, start)
+            return got
+
+        handlers_module._reply = timed_reply
+        now_send = crossing_module.send_reply_now
+        late_send = crossing_module.send_reply
+
+        def timed_now(stream: Any, metadata: Any, message: Any) -> bool:
+            done = now_send(stream, metadata, message)
+            if done and (got := replies.pop(id(message), None)) is not None:
+                sent(got[0], got[1], trio.current_time(), False)
+            return done
+
+        async def timed_late(stream: Any, metadata: Any, message: Any) -> None:
+            steps["6c answers the Trio side could not write"].append(0.0)
+            got = replies.pop(id(message), None)
+            start = trio.current_time()
+            await late_send(stream, metadata, message)
+            if got is not None:
+                sent(got[0], start, trio.current_time(), True)
+
+        crossing_module.send_reply_now = timed_now
+        crossing_module.send_reply = timed_late
 
     convert_module.response_to_proto = timed(
         "6a of which response_to_proto", convert_module.response_to_proto

@@ -16,7 +16,9 @@ What serving uses:
 - its request: `recv_bounded`, `request_complete`, and `request_rules` /
   `check_counts` / `Rules` (repeated fields counted on the wire);
 - its answer: `grpc_error` (an `IbexError` as a gRPC status), `in_trio` (the one
-  crossing into Trio);
+  crossing into Trio), `answer_in_trio` (a unary answer made in Trio and written
+  from there, `Reply`), `raise_swallowed_cancel` (a handler cancelled after its
+  Trio side's last checkpoint ends cancelled);
 - Health and reflection: `BoundedReads`, `HEALTH_MAX_MESSAGE_BYTES`,
   `REFLECTION_MAX_MESSAGE_BYTES`, `with_reflection`.
 """
@@ -30,7 +32,7 @@ from ibex.service.edge.bounded import (
 )
 from ibex.service.edge.calls import call_deadline, caller_authenticated, handler_started
 from ibex.service.edge.connections import Connections, ConnectionsConfig, default_max_connections
-from ibex.service.edge.crossing import in_trio
+from ibex.service.edge.crossing import Reply, answer_in_trio, in_trio, raise_swallowed_cancel
 from ibex.service.edge.deadline import CallDeadline
 from ibex.service.edge.flow import grpclib_configuration
 from ibex.service.edge.listeners import (
@@ -54,8 +56,10 @@ __all__ = [
     "Connections",
     "ConnectionsConfig",
     "LoopErrorHandler",
+    "Reply",
     "Rules",
     "TrackedServer",
+    "answer_in_trio",
     "bound_port",
     "call_deadline",
     "caller_authenticated",
@@ -67,6 +71,7 @@ __all__ = [
     "handler_started",
     "in_trio",
     "listen_also",
+    "raise_swallowed_cancel",
     "recv_bounded",
     "request_complete",
     "request_rules",

@@ -7,6 +7,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import grpclib.protocol
+
+from ibex.service.edge.calls import call_of
+
 __all__ = ["Answered", "CorkedTransport"]
 
 Answered = Callable[[str, float], None]
@@ -63,6 +67,12 @@ class CorkedTransport:
                 self._flush_pending = True
                 self._loop.call_soon(self._flush)
 
+    def stream_answered(self, stream: grpclib.protocol.Stream) -> None:
+        """`stream` sent its trailers (`ibex.patches.grpclib_h2`): its call's answer ended."""
+        call = call_of(stream)
+        if call is not None:
+            self.answer_ends(call.path, call.deadline.arrived)
+
     def write(self, data: bytes | bytearray | memoryview) -> None:
         if not data or self._done:
             return
@@ -70,6 +80,20 @@ class CorkedTransport:
         if not self._flush_pending:
             self._flush_pending = True
             self._loop.call_soon(self._flush)
+
+    def send_answer(self, data: bytes, stream: grpclib.protocol.Stream) -> None:
+        """Send what is buffered and `data`, which ends `stream`'s answer, now rather than
+        at the end of the loop iteration: an answer written from the Trio side
+        (`send_reply_now`) has no asyncio iteration to wait for."""
+        call = call_of(stream)
+        if call is not None:
+            if self._earned is not None:
+                self._earned()
+            if self._answered is not None:
+                self._ended.append((call.path, call.deadline.arrived))
+        if data and not self._done:
+            self._buffer.append(bytes(data))
+        self._flush()
 
     def _flush(self) -> None:
         self._flush_pending = False

@@ -18,22 +18,57 @@ answers), and those land on calls waiting at their wall:
   Only `Exception`s go across that way: Trio's `Cancelled` (and any other
   BaseException) must unwind through the handle's cancel scope as before.
 
-`in_trio_handing` lets the Trio side hand its answer over before it ends (an
-answer made before the wall, handed over while the cut branch unwinds): the
-asyncio side gets the answer at once, and awaits the Trio side's end before it
-ends itself, so the call still ends after everything it started.
+grpclib cancels a handler's task at the caller's deadline, when the caller
+resets the stream, says GOAWAY or the connection is lost. If the Trio side was
+past its last checkpoint, trio-asyncio hands its result over anyway and the
+cancel never surfaces in the handler (`cancel_swallowed`). Sending the answer
+then meets h2's closed stream or connection, and finishing normally makes grpclib
+log "Failed to handle cancellation" at error level: the caller is gone, so the
+handler ends cancelled instead (`raise_swallowed_cancel`), which its wrapper
+counts as a deadline miss or a caller gone. `in_trio` and `answer_in_trio` check
+this before anything is sent.
+
+`answer_in_trio` answers a unary call from the Trio side: the answer, returned
+or handed over before the Trio call ends (an answer made before the wall, handed
+over while the cut branch unwinds), is written to the call's stream there and
+then when the connection takes the whole reply at once (`send_reply_now`), so no
+pass of the asyncio side is on its way out; otherwise the handler sends it. The
+handler ends only after the Trio side has, so the call still ends after
+everything it started.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable, Coroutine
+import logging
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
-__all__ = ["in_trio", "in_trio_handing"]
+import grpclib.server
+
+from ibex.service.edge.unary_reply import send_reply, send_reply_now
+
+__all__ = ["Reply", "answer_in_trio", "cancel_swallowed", "in_trio", "raise_swallowed_cancel"]
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+Reply = tuple[Mapping[str, str], Any]
+"""A unary call's reply: its initial metadata and its one message."""
+
+
+def cancel_swallowed() -> bool:
+    """True when grpclib cancelled the current handler's task but the cancel never surfaced."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
+def raise_swallowed_cancel() -> None:
+    """End the handler cancelled, as grpclib expects, when its cancel was swallowed."""
+    if cancel_swallowed():
+        raise asyncio.CancelledError from None
 
 
 class _Raised:
@@ -53,10 +88,13 @@ async def _captured(proc: Callable[..., Awaitable[T]], *args: Any) -> T | _Raise
 
 
 async def in_trio(proc: Callable[..., Awaitable[T]], *args: Any) -> T:
-    """`await proc(*args)` in a Trio task of the trio-asyncio loop, as `trio_as_aio` does."""
+    """`await proc(*args)` in a Trio task of the trio-asyncio loop, as `trio_as_aio` does;
+    a cancel of the handler that the Trio side's result swallowed is raised."""
     loop: Any = asyncio.get_running_loop()
     # No local holds the future: a raised error's traceback holds this frame.
-    return await _outcome(loop.trio_as_future(_captured, proc, *args))
+    got = await _outcome(loop.trio_as_future(_captured, proc, *args))
+    raise_swallowed_cancel()
+    return got
 
 
 async def _outcome(fut: asyncio.Future[T | _Raised]) -> T:
@@ -77,32 +115,65 @@ async def _outcome(fut: asyncio.Future[T | _Raised]) -> T:
         del fut
 
 
-_ENDED = object()  # the Trio call ended without handing anything over
+class _Handed:
+    """An answer handed to the asyncio side: its reply, and whether it has left already."""
+
+    __slots__ = ("answer", "reply", "sent")
+
+    def __init__(self, answer: Any, reply: Reply | None, sent: bool) -> None:
+        # `sent` is set after the handler was told: it reads it only once it runs.
+        self.answer, self.reply, self.sent = answer, reply, sent
 
 
-async def in_trio_handing(
-    proc: Callable[..., Awaitable[T]], *args: Any
-) -> tuple[T, Coroutine[Any, Any, T] | None]:
-    """`await proc(*args, hand)` in a Trio task, returning as soon as `proc` calls
-    `hand(answer)` (synchronously, in the loop) or ends.
+_ENDED = _Handed(None, None, False)  # the Trio call ended without handing anything over
 
-    Returns the answer and, when it was handed over before the call ended, the
-    call's end, which the caller must await (it returns the call's value or raises
-    its exception), so nothing the call started outlives the caller. Cancelled
-    before the answer, the Trio call is cancelled and awaited, as with `in_trio`.
+
+async def answer_in_trio(
+    stream: grpclib.server.Stream[Any, Any],
+    reply_of: Callable[[T], Reply],
+    proc: Callable[..., Awaitable[T]],
+    *args: Any,
+    sending: Callable[[T], None] | None = None,
+) -> None:
+    """Answer a unary call with `reply_of(answer)`, where `answer` is what
+    `await proc(*args, hand)` returns in a Trio task, or what it hands over before
+    that with `hand(answer)` (synchronously, in the loop).
+
+    The reply is made and written on the Trio side as soon as the answer is known
+    (`send_reply_now`); where the connection cannot take all of it at once, the
+    handler sends it. `sending(answer)` is told of every answer sent: after it was
+    written on the Trio side (off the answer's way out), or before the handler
+    sends it. The handler returns once the Trio call has ended, raising its
+    exception if it raised one. Cancelled before the answer, the Trio call is
+    cancelled and awaited, as with `in_trio`; a swallowed cancel ends the handler
+    cancelled, and nothing is sent after it.
     """
     loop: Any = asyncio.get_running_loop()
-    first: asyncio.Future[Any] = loop.create_future()
+    first: asyncio.Future[_Handed] = loop.create_future()
 
     def hand(answer: T) -> None:
-        if not first.done():
-            first.set_result(answer)
+        if first.done():  # handed over already, or the handler was cancelled
+            return
+        reply = reply_of(answer)
+        handed = _Handed(answer, reply, False)
+        first.set_result(handed)  # the handler wakes after this step, whatever it does
+        try:
+            handed.sent = send_reply_now(stream, *reply)
+        except Exception:
+            log.exception("reply_failed")
+        if handed.sent and sending is not None:
+            sending(answer)
+
+    async def answering(*args: Any) -> T:
+        answer = await proc(*args)
+        hand(answer)
+        return answer
 
     def ended(_: object) -> None:
         if not first.done():
             first.set_result(_ENDED)
 
-    fut: asyncio.Future[T | _Raised] = loop.trio_as_future(_captured, proc, *args, hand)
+    fut: asyncio.Future[T | _Raised] = loop.trio_as_future(_captured, answering, *args, hand)
     fut.add_done_callback(ended)
     try:
         got = await first
@@ -111,8 +182,14 @@ async def in_trio_handing(
         with contextlib.suppress(BaseException):
             await _outcome(fut)
         raise
-    outcome = _outcome(fut)
+    end = _outcome(fut)
     del fut  # a raised error's traceback holds this frame: hold nothing it leads to
-    if got is _ENDED:
-        return await outcome, None
-    return got, outcome
+    try:
+        if got.reply is not None and not got.sent and not cancel_swallowed():
+            if sending is not None:
+                sending(got.answer)
+            await send_reply(stream, *got.reply)
+            await stream.send_trailing_metadata()
+    finally:
+        await end
+    raise_swallowed_cancel()

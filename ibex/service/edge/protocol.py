@@ -33,6 +33,7 @@ from h2.events import (
 from h2.exceptions import ProtocolError, TooManyStreamsError
 from hyperframe.frame import GoAwayFrame
 
+from ibex.patches.hpack_block import MAX_STREAM_ID
 from ibex.service.edge.calls import EdgeCall, GateLeft, call_of, record
 from ibex.service.edge.connections import Connections
 from ibex.service.edge.corked import Answered, CorkedTransport
@@ -45,7 +46,6 @@ from ibex.service.edge.frame_guard import (
     malformed,
     resets_in,
 )
-from ibex.service.edge.hpack_block import MAX_STREAM_ID
 from ibex.service.edge.refusal import BAD_TIMEOUT_MESSAGE, send_refusal
 
 GOAWAY_PING = b"ibex-bye"  # 8 bytes of PING payload marking the drain's heads-up

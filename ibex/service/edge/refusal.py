@@ -5,7 +5,7 @@ from __future__ import annotations
 from grpclib.metadata import encode_grpc_message
 from h2.connection import H2Connection
 
-from ibex.service.edge.hpack_block import send_headers_fast
+from ibex.patches.hpack_block import send_headers_fast
 
 __all__ = ["BAD_TIMEOUT_MESSAGE", "refusal_headers", "send_refusal"]
 

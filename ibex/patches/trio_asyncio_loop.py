@@ -35,7 +35,7 @@ import trio_asyncio._base as _base
 from sniffio import thread_local as sniffio_library
 from trio_asyncio._handles import AsyncHandle as _AsyncHandle
 
-from ibex.service.patches.timer_sweep import REBUILD_MIN, drop_cancelled_timers
+from ibex.patches.timer_sweep import REBUILD_MIN, drop_cancelled_timers
 from ibex.versions import require
 
 __all__ = ["batch_ready_callbacks"]
@@ -96,7 +96,8 @@ async def _main_loop_one(self: Any, no_wait: bool = False) -> None:
     elif no_wait:
         obj = self._q_recv.receive_nowait()
     else:
-        timeout = timers[0]._when - self.time() if timers else math.inf
+        # Not due a moment ago may be due now: the clock moves between the two reads.
+        timeout = max(0.0, timers[0]._when - self.time()) if timers else math.inf
         with trio.move_on_after(timeout):
             obj = await self._q_recv.receive()
         if obj is None:

@@ -1,4 +1,5 @@
-"""redis-py's asyncio connections write under a `wait_for` that never drops a cancellation.
+"""redis-py's asyncio connections: writes under a `wait_for` that never drops a
+cancellation, and a leased connection's incoming bytes seen as they arrive.
 
 redis-py writes every command under `asyncio.wait_for`, which before Python
 3.12 returns the write's result and drops the cancellation when both land in
@@ -6,7 +7,13 @@ the same loop step (CPython gh-86296): a cancelled GET goes on to wait for
 the reply of a sleeping server, far past its branch's deadline. redis-py's
 connection module therefore gets `wait_for` as Python 3.12 has it, on top of
 `asyncio.timeout`. Installed explicitly at start-up, through
-`ibex.service.patches.install_patches`.
+`ibex.patches.install_patches`.
+
+`tap_replies` hooks one leased connection's `asyncio.StreamReader.feed_data`
+(redis-py's private `_reader`) as an instance attribute, for the lease only:
+what `ibex.sources.redis_early_reply` reads a reply's values from, a pass of the
+loop before redis-py parses it. redis-py's version is checked with the
+`wait_for` patch above, at start-up.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import asyncio
 import contextlib
 import sys
 import types
+from collections.abc import Callable
 from typing import Any
 
 import redis.asyncio.connection as _redis_connection
@@ -65,3 +73,24 @@ def honour_cancellation_in_redis_writes() -> None:
     if current is not asyncio:
         raise RuntimeError("redis-py's asyncio connection module changed; cannot patch wait_for")
     _redis_connection.asyncio = _AsyncioWithWaitFor("asyncio")
+
+
+def tap_replies(conn: Any, seen: Callable[[bytes], None]) -> Callable[[], None] | None:
+    """Tell `seen` every chunk of bytes the leased connection `conn` receives, in the
+    transport's data callback, once its reader holds it; the function returned removes
+    the tap and leaves the reader as it was. None when `conn` has no asyncio reader or
+    is tapped already."""
+    reader = getattr(conn, "_reader", None)
+    if not isinstance(reader, asyncio.StreamReader) or "feed_data" in vars(reader):
+        return None
+    feed = reader.feed_data
+
+    def fed(data: bytes) -> None:
+        feed(data)
+        seen(data)
+
+    def untap() -> None:
+        vars(reader).pop("feed_data", None)
+
+    reader.feed_data = fed  # type: ignore[method-assign, assignment]
+    return untap

@@ -6,7 +6,7 @@ before it changes anything; nothing is applied at import.
 - `answer_expired_deadlines` (grpclib): an already expired deadline answers
   DEADLINE_EXCEEDED instead of an internal error;
 - `lighten_h2` (grpclib, h2, hpack, hyperframe): response headers from
-  `ibex.service.edge.hpack_block`, and two per-frame debugging aids switched off;
+  `ibex.patches.hpack_block`, and two per-frame debugging aids switched off;
 - `count_open_streams_inline` (h2): the open-stream count that guards
   MAX_CONCURRENT_STREAMS, without two property calls per stream.
 """
@@ -28,8 +28,7 @@ from h2.exceptions import StreamClosedError
 from h2.stream import STREAM_OPEN, StreamState
 from hyperframe.frame import Frame
 
-from ibex.service.edge.calls import call_of
-from ibex.service.edge.hpack_block import send_headers_fast
+from ibex.patches.hpack_block import send_headers_fast
 from ibex.versions import require
 
 __all__ = ["answer_expired_deadlines", "count_open_streams_inline", "lighten_h2"]
@@ -64,7 +63,8 @@ async def _stream_send_headers(
     self: grpclib.protocol.Stream, headers: list[tuple[str, str]], end_stream: bool = False
 ) -> None:
     """grpclib's `Stream.send_headers` (0.4), with the headers from `send_headers_fast`;
-    trailers also mark the end of the call's answer for its server-side time."""
+    trailers also tell the transport, when it asks (`stream_answered`, the server's
+    corked transport), that the stream's answer ended."""
     assert self.id is not None
     await self.connection.write_ready.wait()
     # grpclib's own workaround: h2 would try to create a stream it has forgotten.
@@ -76,10 +76,9 @@ async def _stream_send_headers(
     self._transport.write(h2.data_to_send())
     self.connection.headers_send_process()
     if end_stream:
-        call = call_of(self)
-        ends = getattr(self._transport, "answer_ends", None)  # the server's corked transport
-        if call is not None and ends is not None:
-            ends(call.path, call.deadline.arrived)
+        answered = getattr(self._transport, "stream_answered", None)
+        if answered is not None:
+            answered(self)
 
 
 class _Silent:

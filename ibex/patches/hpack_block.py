@@ -7,7 +7,7 @@ headers, the usual trailers, the overload refusal). `header_block` encodes a
 list once, from the static table and literals only, so the block is valid on
 any connection at any time; `send_headers_fast` puts it on an h2 connection in
 place of h2's `send_headers`. It drives h2's state machines and output buffer
-directly (private parts of h2, whose version `ibex.service.patches.grpclib_h2` checks).
+directly (private parts of h2, whose version `ibex.patches.grpclib_h2` checks).
 """
 
 from __future__ import annotations
