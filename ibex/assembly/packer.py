@@ -99,8 +99,8 @@ def pack(
             chosen = fallback
 
     taken = set(chosen)
-    packed = tuple(m for i, m in enumerate(ordered) if i in taken)
-    excluded = tuple(m for i, m in enumerate(ordered) if i not in taken)
+    packed = tuple([m for i, m in enumerate(ordered) if i in taken])
+    excluded = tuple([m for i, m in enumerate(ordered) if i not in taken])
     return PackResult(
         packed=packed,
         excluded=excluded,
@@ -108,8 +108,8 @@ def pack(
         candidates_evaluated=n,
         excluded_for_budget=len(excluded),
         budget_reached=bool(excluded),
-        total_tokens=sum(m.token_estimate for m in packed),
-        total_score=math.fsum(m.composite_score for m in packed),
+        total_tokens=sum([m.token_estimate for m in packed]),
+        total_score=math.fsum([m.composite_score for m in packed]),
     )
 
 

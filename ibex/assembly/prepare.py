@@ -44,7 +44,7 @@ from ibex.assembly.fixed_sections import FixedSections, count_fixed_sections
 from ibex.assembly.history import Counter, DeferredCache
 from ibex.assembly.output_format import Format, SectionOrder
 from ibex.assembly.pipeline import DEFAULT_CONFIG, AssemblyInputs, CounterSource, PipelineConfig
-from ibex.assembly.pricing import pricer
+from ibex.assembly.pricing import PriceKey, commit_prices, pricer
 from ibex.assembly.result import degradation_level
 from ibex.assembly.stage_timer import whole_ms
 from ibex.assembly.structs import AssemblyRequest, AssemblyResult, Directive, MemoryHit
@@ -73,6 +73,7 @@ class EarlyAssembly:
         "nonce",
         "now",
         "order",
+        "prices",
         "request",
     )
 
@@ -97,6 +98,7 @@ class EarlyAssembly:
         self._fixed: tuple[Directive | None, FixedSections | TooLargeError] | None = None
         self.candidates: dict[MemoryBranch, BranchCandidates] = {}
         self.deferred = DeferredCache(self.counter, self.fmt)
+        self.prices: list[tuple[PriceKey, int]] = []  # sums for the price table, at commit
 
     # --- filled as branches land ------------------------------------------------
 
@@ -131,7 +133,7 @@ class EarlyAssembly:
             hits,
             self.now,
             skip,
-            pricer(self.deferred.count, self.deferred.body, self.fmt),
+            pricer(self.counter, self.fmt, self.deferred, self.prices),
         )
 
     # --- read by the pipeline -----------------------------------------------------
@@ -172,11 +174,12 @@ class EarlyAssembly:
         return found
 
     def commit(self) -> None:
-        """The fixed sections fit: cache the memory prices' new counts and bodies."""
+        """The fixed sections fit: cache the memory prices' new counts, bodies and sums."""
         deferred = self.deferred
         if deferred.counts or deferred.bodies:
             deferred.commit()
             self.deferred = DeferredCache(self.counter, self.fmt)
+        commit_prices(self.counter, self.fmt, self.prices)
 
 
 class Speculation:

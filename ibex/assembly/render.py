@@ -69,7 +69,7 @@ def render_within_ceiling(
             # for estimate_v1): no need to re-tokenise ~15k characters per request.
             tokens_used = base
             if ordered:
-                tokens_used += with_memories + sum(m.token_estimate for m in ordered)
+                tokens_used += with_memories + sum([m.token_estimate for m in ordered])
         else:
             tokens_used = _exact_len(counter, text)
         if tokens_used <= ceiling:

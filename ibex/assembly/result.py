@@ -64,12 +64,12 @@ def build_result(
     return AssemblyResult(
         assembled_context=rendered.text,
         tokens_used=rendered.tokens_used,
-        memories_used=tuple(memory_used(m, "included") for m in ordered),
+        memories_used=tuple([memory_used(m, "included") for m in ordered]),
         excluded=tuple(excluded),
         directive_tokens=fixed.directive_tokens
         + (fixed.safety_tokens if ordered or fixed.safety_fixed else 0),
         history_tokens=fixed.history_tokens,
-        memory_tokens=sum(m.token_estimate for m in ordered),
+        memory_tokens=sum([m.token_estimate for m in ordered]),
         tool_tokens=fixed.tool_tokens,
         formatter_tokens=fixed.overhead_tokens if ordered else 0,
         score_schema=selection.score_schema,
@@ -100,6 +100,6 @@ def _summary(
         candidates_evaluated=result.candidates_evaluated,
         excluded_for_budget=result.excluded_for_budget + len(dropped),
         budget_reached=result.budget_reached or bool(dropped),
-        total_score=float(sum(m.composite_score for m in kept)),
+        total_score=float(sum([m.composite_score for m in kept])),
         tenant_filtered=tenant_filtered,
     )

@@ -114,16 +114,16 @@ class _CachedCount:
         self._lru: ByteLRU[str, int] = ByteLRU(
             max_bytes, max_entries=self._capacity, sizeof=_count_entry_size
         )
-        self.hits = 0
         self.misses = 0
         self.uncached = 0
+        #: The cached count, or None; never computes, never stores. The LRU's own
+        #: lookup, bound here: it runs for every piece a request prices.
+        self.peek: Callable[[str], int | None] = self._lru.get
 
-    def peek(self, text: str) -> int | None:
-        """The cached count, or None; never computes, never stores."""
-        n = self._lru.get(text)
-        if n is not None:
-            self.hits += 1
-        return n
+    @property
+    def hits(self) -> int:
+        """Lookups that found a count: the LRU's, since only `peek` and `count` look."""
+        return self._lru.hits
 
     def store(self, text: str, n: int) -> None:
         if len(text) <= CACHE_MAX_TEXT_CHARS and self._lru.put(text, n):
@@ -134,7 +134,6 @@ class _CachedCount:
     def count(self, text: str) -> int:
         n = self._lru.get(text)
         if n is not None:
-            self.hits += 1
             return n
         n = self._fn(text)
         self.store(text, n)
@@ -198,6 +197,7 @@ class TokenCounter:
         "exact",
         "family",
         "max_token_bytes",
+        "price_tables",
     )
 
     def __init__(
@@ -218,6 +218,8 @@ class TokenCounter:
         # prefix is a lower bound and the whole prefix can be used.
         self.max_token_bytes = max_token_bytes
         self.additive_cut: Callable[[str], int] = _last_additive_cut if self.exact else _whole
+        #: Memory prices summed from this counter's counts, by format (ibex.assembly.pricing).
+        self.price_tables: dict[object, object] = {}
 
     def count(self, text: str) -> int:
         return self._cached.count(text)

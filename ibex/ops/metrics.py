@@ -63,7 +63,10 @@ Known label values are created at start-up so ``rate()`` sees a zero before the
 first event rather than a missing series.
 
 With a single process and no ``PROMETHEUS_MULTIPROC_DIR`` the process serves
-its own ``Metrics().registry``. The token-cache counters read the tokenizer's
+its own ``Metrics().registry``, and what `observe_assembly` records (about
+twenty updates an answer, each a lock and a check in prometheus_client) is held
+in plain numbers and added to the collectors as the registry is collected
+(`_Held`), so every scrape reads the same values. The token-cache counters read the tokenizer's
 own counters at scrape time in that mode; in multiprocess mode a collector
 cannot run in the worker at scrape time, so `observe_assembly` copies the
 tokenizer's deltas into ordinary counters instead.
@@ -72,6 +75,7 @@ tokenizer's deltas into ordinary counters instead.
 from __future__ import annotations
 
 import os
+from bisect import bisect_left
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager
 from typing import Any, Final, get_args
@@ -199,6 +203,86 @@ class _TokenCacheCollector(Collector):
         )
 
 
+class _HeldCount:
+    """A counter child's increments, held until the next collection."""
+
+    __slots__ = ("child", "n")
+
+    def __init__(self, child: Any) -> None:
+        self.child = child
+        self.n = 0
+
+    def inc(self, amount: int = 1) -> None:
+        self.n += amount
+
+    def fold(self) -> None:
+        if self.n:
+            n, self.n = self.n, 0
+            self.child.inc(n)
+
+
+class _HeldHistogram:
+    """A histogram child's observations, held as bucket counts and a running sum.
+
+    The sum is the child's own, continued in the order of the observations, and
+    written back whole: the same float as observing each value in turn. Only
+    `observe_assembly` writes these children.
+    """
+
+    __slots__ = ("bounds", "child", "counts", "total")
+
+    def __init__(self, child: Any) -> None:
+        self.child = child
+        self.bounds = tuple(child._upper_bounds)  # ends with +Inf
+        self.counts = [0] * len(self.bounds)
+        self.total = child._sum.get()
+
+    def observe(self, amount: float) -> None:
+        # The first bound >= amount: the bucket prometheus_client's loop picks.
+        if amount == amount:  # a NaN lands in no bucket, as there
+            self.counts[bisect_left(self.bounds, amount)] += 1
+        self.total += amount
+
+    def fold(self) -> None:
+        counts = self.counts
+        if not any(counts) and self.total == self.child._sum.get():
+            return
+        self.counts = [0] * len(counts)
+        self.child._sum.set(self.total)
+        for bucket, n in zip(self.child._buckets, counts, strict=True):
+            if n:
+                bucket.inc(n)
+
+
+def _holdable(child: Any) -> bool:
+    """Whether a histogram child has the private parts `_HeldHistogram` writes
+    (prometheus_client 0.2x's): else its updates go through `observe`."""
+    try:
+        return (
+            len(child._upper_bounds) == len(child._buckets)
+            and child._upper_bounds[-1] == float("inf")
+            and callable(child._sum.set)
+            and isinstance(child._sum.get(), float)
+        )
+    except (AttributeError, TypeError):
+        return False
+
+
+class _Held(Collector):
+    """Registered ahead of the metrics: folds the held updates into them, yields nothing."""
+
+    def __init__(self) -> None:
+        self.held: list[_HeldCount | _HeldHistogram] = []
+
+    def describe(self) -> Iterable[Metric]:
+        return ()
+
+    def collect(self) -> Iterable[Metric]:
+        for h in self.held:
+            h.fold()
+        return ()
+
+
 class Metrics:
     """Every metric the daemon records, on a registry of its own (so tests can make fresh ones).
 
@@ -210,25 +294,30 @@ class Metrics:
         self.registry = CollectorRegistry() if registry is None else registry
         self.multiprocess = multiprocess_dir() is not None
         r = self.registry
-        self.requests = Counter(
-            "ibex_grpc_requests",
-            "Finished RPCs by gRPC status code.",
-            ["method", "code"],
-            registry=r,
+        # Single process: `observe_assembly`'s updates are held and folded in as the
+        # registry collects (`_Held`, registered first so it runs first).
+        self._held = None if self.multiprocess else _Held()
+        if self._held is not None:
+            r.register(self._held)
+
+        def counter(name: str, doc: str, *labels: str) -> Counter:
+            return Counter(name, doc, labels, registry=r)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...], *labels: str) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=r)
+
+        # Each outcome counter sits beside the histogram of the same events' durations.
+        self.requests = counter(
+            "ibex_grpc_requests", "Finished RPCs by gRPC status code.", "method", "code"
         )
-        self.request_duration = Histogram(
-            "ibex_grpc_request_duration_seconds",
-            "RPC handling time.",
-            ["method"],
-            buckets=REQUEST_BUCKETS,
-            registry=r,
+        self.request_duration = histogram(
+            "ibex_grpc_request_duration_seconds", "RPC handling time.", REQUEST_BUCKETS, "method"
         )
-        self.answer_seconds = Histogram(
+        self.answer_seconds = histogram(
             "ibex_answer_seconds",
             "Server-side time per call: its HEADERS read to its answer's last byte written.",
-            ["method"],
-            buckets=ANSWER_BUCKETS,
-            registry=r,
+            ANSWER_BUCKETS,
+            "method",
         )
         self.in_flight_requests = Gauge(
             "ibex_in_flight_requests",
@@ -236,74 +325,49 @@ class Metrics:
             multiprocess_mode="livesum",
             registry=r,
         )
-        self.shed_requests = Counter(
-            "ibex_shed_requests", "RPCs refused by admission, by reason.", ["reason"], registry=r
+        self.shed_requests = counter(
+            "ibex_shed_requests", "RPCs refused by admission, by reason.", "reason"
         )
-        self.connections_closed = Counter(
+        self.connections_closed = counter(
             "ibex_connections_closed",
             "gRPC connections closed or refused by the daemon before their peer left, by reason.",
-            ["reason"],
-            registry=r,
+            "reason",
         )
-        self.branch_outcomes = Counter(
-            "ibex_branch_outcomes",
-            "Retrieval branches by source and outcome.",
-            ["source", "status"],
-            registry=r,
+        self.branch_outcomes = counter(
+            "ibex_branch_outcomes", "Retrieval branches by source and outcome.", "source", "status"
         )
-        self.branch_latency = Histogram(
+        self.branch_latency = histogram(
             "ibex_branch_latency_seconds",
             "Retrieval branch latency, any outcome.",
-            ["source"],
-            buckets=BRANCH_BUCKETS,
-            registry=r,
+            BRANCH_BUCKETS,
+            "source",
         )
-        self.stage_duration = Histogram(
-            "ibex_stage_duration_seconds",
-            "Pipeline stage duration.",
-            ["stage"],
-            buckets=STAGE_BUCKETS,
-            registry=r,
+        self.stage_duration = histogram(
+            "ibex_stage_duration_seconds", "Pipeline stage duration.", STAGE_BUCKETS, "stage"
         )
-        self.degradation = Counter(
-            "ibex_degradation", "Assemblies by degradation level.", ["level"], registry=r
+        self.degradation = counter("ibex_degradation", "Assemblies by degradation level.", "level")
+        self.pack_path = counter("ibex_pack_path", "Assemblies by packer path.", "path")
+        self.tokens_used = histogram(
+            "ibex_context_tokens_used", "Tokens in the assembled context.", TOKEN_BUCKETS
         )
-        self.pack_path = Counter(
-            "ibex_pack_path", "Assemblies by packer path.", ["path"], registry=r
+        self.budget_utilization = histogram(
+            "ibex_context_budget_utilization_ratio", "tokens_used / budget ceiling.", RATIO_BUCKETS
         )
-        self.tokens_used = Histogram(
-            "ibex_context_tokens_used",
-            "Tokens in the assembled context.",
-            buckets=TOKEN_BUCKETS,
-            registry=r,
+        self.memories_included = histogram(
+            "ibex_context_memories_included", "Memories packed into one context.", MEMORY_BUCKETS
         )
-        self.budget_utilization = Histogram(
-            "ibex_context_budget_utilization_ratio",
-            "tokens_used / budget ceiling.",
-            buckets=RATIO_BUCKETS,
-            registry=r,
+        self.tenant_filtered = counter(
+            "ibex_tenant_filtered_hits", "Memory hits dropped for another org/agent."
         )
-        self.memories_included = Histogram(
-            "ibex_context_memories_included",
-            "Memories packed into one context.",
-            buckets=MEMORY_BUCKETS,
-            registry=r,
-        )
-        self.tenant_filtered = Counter(
-            "ibex_tenant_filtered_hits", "Memory hits dropped for another org/agent.", registry=r
-        )
-        self.history_dropped = Counter(
+        self.history_dropped = counter(
             "ibex_history_messages_dropped",
             "Oldest history messages left out so the rest fits the window.",
-            registry=r,
         )
-        self.feedback = Counter(
-            "ibex_feedback", "RecordMemoryFeedback calls by outcome.", ["outcome"], registry=r
+        self.feedback = counter(
+            "ibex_feedback", "RecordMemoryFeedback calls by outcome.", "outcome"
         )
-        self.feedback_retries = Counter(
-            "ibex_feedback_retries",
-            "Feedback attempts repeated with the same idempotency key.",
-            registry=r,
+        self.feedback_retries = counter(
+            "ibex_feedback_retries", "Feedback attempts repeated with the same idempotency key."
         )
 
         self.dependency_up = Gauge(
@@ -320,25 +384,29 @@ class Metrics:
         self._token_hits: Counter | None = None
         self._token_misses: Counter | None = None
         if self.multiprocess:
-            self._token_hits = Counter(
-                "ibex_token_cache_hits", "Token-count cache hits.", registry=r
-            )
-            self._token_misses = Counter(
-                "ibex_token_cache_misses", "Token-count cache misses.", registry=r
-            )
+            self._token_hits = counter("ibex_token_cache_hits", "Token-count cache hits.")
+            self._token_misses = counter("ibex_token_cache_misses", "Token-count cache misses.")
         else:
             self._token_collector = _TokenCacheCollector()
             r.register(self._token_collector)
 
         # Children for the known label values, created now (so series exist at
         # zero) and kept: a `.labels()` lookup per observation is most of the cost.
+        hold_count, hold = self._hold_count, self._hold_histogram
         self._outcome = {
-            (src, st): self.branch_outcomes.labels(src, st) for src in SOURCES for st in STATUSES
+            (src, st): hold_count(self.branch_outcomes.labels(src, st))
+            for src in SOURCES
+            for st in STATUSES
         }
-        self._latency = {src: self.branch_latency.labels(src) for src in SOURCES}
-        self._stage = {stage: self.stage_duration.labels(stage) for stage in STAGES}
-        self._level = {level: self.degradation.labels(level) for level in LEVELS}
-        self._path = {path: self.pack_path.labels(path) for path in PACK_PATHS}
+        self._latency = {src: hold(self.branch_latency.labels(src)) for src in SOURCES}
+        self._stage = {stage: hold(self.stage_duration.labels(stage)) for stage in STAGES}
+        self._level = {level: hold_count(self.degradation.labels(level)) for level in LEVELS}
+        self._path = {path: hold_count(self.pack_path.labels(path)) for path in PACK_PATHS}
+        self._tokens_used = hold(self.tokens_used)
+        self._budget_utilization = hold(self.budget_utilization)
+        self._memories_included = hold(self.memories_included)
+        self._tenant_filtered = hold_count(self.tenant_filtered)
+        self._history_dropped = hold_count(self.history_dropped)
         self._shed = {reason: self.shed_requests.labels(reason) for reason in SHED_REASONS}
         self._closed = {
             reason: self.connections_closed.labels(reason) for reason in CONNECTION_CLOSE_REASONS
@@ -350,6 +418,22 @@ class Metrics:
         # so this stays a few dozen entries.
         self._request_children: dict[tuple[str, str], tuple[Any, Any]] = {}
         self._answer_children: dict[str, Any] = {}
+
+    def _hold_count(self, child: Any) -> Any:
+        """`child`, or its held stand-in (single process)."""
+        if self._held is None:
+            return child
+        held = _HeldCount(child)
+        self._held.held.append(held)
+        return held
+
+    def _hold_histogram(self, child: Any) -> Any:
+        """`child`, or its held stand-in (single process, known internals)."""
+        if self._held is None or not _holdable(child):
+            return child
+        held = _HeldHistogram(child)
+        self._held.held.append(held)
+        return held
 
     # ------------------------------------------------------------------ recording
 
@@ -417,15 +501,15 @@ class Metrics:
             self._stage[stage].observe(max(0.0, seconds))
         _child(self._level, self.degradation, result.degradation_level).inc()
         _child(self._path, self.pack_path, result.pack.path).inc()
-        self.tokens_used.observe(result.tokens_used)
+        self._tokens_used.observe(result.tokens_used)
         ceiling = result.budget.ceiling
         if ceiling > 0:
-            self.budget_utilization.observe(result.tokens_used / ceiling)
-        self.memories_included.observe(len(result.memories_used))
+            self._budget_utilization.observe(result.tokens_used / ceiling)
+        self._memories_included.observe(len(result.memories_used))
         if result.pack.tenant_filtered:
-            self.tenant_filtered.inc(result.pack.tenant_filtered)
+            self._tenant_filtered.inc(result.pack.tenant_filtered)
         if result.budget.messages_dropped:
-            self.history_dropped.inc(result.budget.messages_dropped)
+            self._history_dropped.inc(result.budget.messages_dropped)
         self.sync_token_cache()
 
     # ------------------------------------------------------------------ token cache

@@ -7,8 +7,8 @@ A private API can change in any release: each install function first calls
 range the patch was written for stops start-up with a message instead of
 misbehaving at run time. Nothing here is applied at import.
 
-- `grpclib_h2`: `answer_expired_deadlines` (grpclib) and `lighten_h2` (grpclib,
-  h2, hpack, hyperframe);
+- `grpclib_h2`: `answer_expired_deadlines` (grpclib), `lighten_h2` (grpclib,
+  h2, hpack, hyperframe) and `count_open_streams_inline` (h2);
 - `trio_asyncio_loop`: `batch_ready_callbacks`, trio-asyncio's main loop batching
   ready callbacks;
 - `redis_connection`: `honour_cancellation_in_redis_writes`, redis-py's asyncio
@@ -26,6 +26,7 @@ from ibex._lazy import lazy_exports
 __all__ = [
     "answer_expired_deadlines",
     "batch_ready_callbacks",
+    "count_open_streams_inline",
     "honour_cancellation_in_redis_writes",
     "install_patches",
     "lighten_h2",
@@ -39,6 +40,7 @@ __getattr__ = lazy_exports(
     {
         "answer_expired_deadlines": "grpclib_h2",
         "lighten_h2": "grpclib_h2",
+        "count_open_streams_inline": "grpclib_h2",
         "batch_ready_callbacks": "trio_asyncio_loop",
         "honour_cancellation_in_redis_writes": "redis_connection",
         "tap_replies": "redis_connection",
@@ -55,5 +57,6 @@ def install_patches() -> None:
 
     grpclib_h2.answer_expired_deadlines()
     grpclib_h2.lighten_h2()
+    grpclib_h2.count_open_streams_inline()
     trio_asyncio_loop.batch_ready_callbacks()
     redis_connection.honour_cancellation_in_redis_writes()

@@ -6,7 +6,9 @@ before it changes anything; nothing is applied at import.
 - `answer_expired_deadlines` (grpclib): an already expired deadline answers
   DEADLINE_EXCEEDED instead of an internal error;
 - `lighten_h2` (grpclib, h2, hpack, hyperframe): response headers from
-  `ibex.patches.hpack_block`, and two per-frame debugging aids switched off.
+  `ibex.patches.hpack_block`, and two per-frame debugging aids switched off;
+- `count_open_streams_inline` (h2): the open-stream count that guards
+  MAX_CONCURRENT_STREAMS, without two property calls per stream.
 """
 
 from __future__ import annotations
@@ -21,13 +23,15 @@ import grpclib.utils
 import hpack.hpack
 import hpack.table
 from grpclib.metadata import Deadline
+from h2.connection import H2Connection
 from h2.exceptions import StreamClosedError
+from h2.stream import STREAM_OPEN, StreamState
 from hyperframe.frame import Frame
 
 from ibex.patches.hpack_block import send_headers_fast
 from ibex.versions import require
 
-__all__ = ["answer_expired_deadlines", "lighten_h2"]
+__all__ = ["answer_expired_deadlines", "count_open_streams_inline", "lighten_h2"]
 
 
 @contextmanager
@@ -112,3 +116,36 @@ def lighten_h2() -> None:
     for module in (hpack.hpack, hpack.table):
         if isinstance(getattr(module, "log", None), logging.Logger):
             module.log = _Silent()  # type: ignore[attr-defined]
+
+
+# --- h2's open-stream count ------------------------------------------------------------
+
+
+def _open_streams(self: H2Connection, remainder: int) -> int:
+    """h2's `H2Connection._open_streams` (4.x), the same walk with each stream's state
+    read once instead of through its `open` and `closed` properties.
+
+    h2 counts the open streams of one parity (and moves closed ones to
+    `_closed_streams`) for every stream the peer opens, to enforce
+    MAX_CONCURRENT_STREAMS: a walk over every stream the connection holds, so with
+    many concurrent calls the two property calls per stream add up.
+    """
+    count = 0
+    to_delete = []
+    closed = StreamState.CLOSED
+    for stream_id, stream in self.streams.items():
+        state = stream.state_machine.state
+        if STREAM_OPEN[state] and stream_id % 2 == remainder:
+            count += 1
+        elif state == closed:
+            to_delete.append(stream_id)
+    for stream_id in to_delete:
+        stream = self.streams.pop(stream_id)
+        self._closed_streams[stream_id] = stream.closed_by
+    return count
+
+
+def count_open_streams_inline() -> None:
+    """Install `_open_streams` on h2's connection (idempotent)."""
+    require("h2")
+    H2Connection._open_streams = _open_streams  # type: ignore[method-assign]

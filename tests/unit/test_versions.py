@@ -67,6 +67,7 @@ PATCHERS = [
     ("lighten_h2", "h2"),
     ("lighten_h2", "hpack"),
     ("lighten_h2", "hyperframe"),
+    ("count_open_streams_inline", "h2"),
     ("batch_ready_callbacks", "trio-asyncio"),
     ("honour_cancellation_in_redis_writes", "redis"),
     ("precise_wakeups", "trio"),

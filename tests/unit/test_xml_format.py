@@ -235,6 +235,25 @@ def test_pieces_of_escaped_bodies_keep_the_join_rule(text: str) -> None:
     assert fmt.joins_split_cleanly(["<a>\n", piece, "</a>\n"])
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.text(
+            alphabet=st.sampled_from(["\n", " ", "\u3000", "\x1c", "\u00a0", "/", "a", "<", "字"]),
+            max_size=4,
+        ),
+        max_size=8,
+    )
+)
+def test_the_join_rule_is_each_piece_ending_a_line_and_none_starting_a_space_or_slash(
+    pieces: list[str],
+) -> None:
+    """The rule as the docstring states it, piece by piece (empty pieces join nothing)."""
+    rule = all(p[-1] == "\n" and not p[0].isspace() and p[0] != "/" for p in pieces if p)
+    assert fmt.joins_split_cleanly(pieces) is rule
+    assert fmt.joins_split_cleanly(iter(pieces)) is rule
+
+
 def test_body_cache_is_bounded_in_bytes() -> None:
     for i in range(5000):
         fmt.body_piece(f"{i} " + "cached body text " * 200)
