@@ -14,7 +14,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -477,26 +477,19 @@ class RawClient:
         self.sock.close()
 
 
-def wait_open_stream(d: Any) -> None:
-    while not any(c.open_streams() for c in list(d.daemon.connections._conns)):
-        time.sleep(0.01)
-
-
-async def test_after_the_final_goaway_new_streams_are_refused_and_taken_ones_finish() -> None:
-    """Raw HTTP/2 (a client that ignores GOAWAY): the two-step GOAWAY on the wire, a stream
-    opened after the final one gets REFUSED_STREAM, the stream taken before it completes."""
+async def drain_seen_by(between: Callable[[RawClient], None]) -> RawClient:
+    """A daemon's drain as a raw client holding call 1 open sees it: `between(client)`
+    plays the client's part once the drain has begun; then call 1's request message is
+    sent and every frame read to EOF."""
     async with running_daemon() as d:
 
         def client() -> RawClient:
             c = RawClient(d.port)
             c.sock.sendall(c.headers(1))  # the request message held back: the call stays open
-            wait_open_stream(d)
+            while not any(conn.open_streams() for conn in list(d.daemon.connections._conns)):
+                time.sleep(0.01)
             trio.from_thread.run_sync(d.daemon.connections.goaway_all, 10.0)
-            while len(c.goaways) < 2:
-                frame = c.next()
-                if isinstance(frame, PingFrame) and "ACK" not in frame.flags:
-                    c.sock.sendall(c.ack(frame.opaque_data))
-            c.sock.sendall(c.headers(3))  # after the final GOAWAY
+            between(c)
             c.sock.sendall(c.body(1))
             c.to_the_end()
             return c
@@ -504,6 +497,21 @@ async def test_after_the_final_goaway_new_streams_are_refused_and_taken_ones_fin
         with trio.fail_after(60):
             seen = await in_thread(client)
             await d.daemon.connections.wait_closed()
+    return seen
+
+
+async def test_after_the_final_goaway_new_streams_are_refused_and_taken_ones_finish() -> None:
+    """Raw HTTP/2 (a client that ignores GOAWAY): the two-step GOAWAY on the wire, a stream
+    opened after the final one gets REFUSED_STREAM, the stream taken before it completes."""
+
+    def between(c: RawClient) -> None:
+        while len(c.goaways) < 2:
+            frame = c.next()
+            if isinstance(frame, PingFrame) and "ACK" not in frame.flags:
+                c.sock.sendall(c.ack(frame.opaque_data))
+        c.sock.sendall(c.headers(3))  # after the final GOAWAY
+
+    seen = await drain_seen_by(between)
     assert seen.goaways == [2**31 - 1, 1]
     assert seen.pings == [b"ibex-bye", b"ibex-by2"]
     assert seen.rst == {3: 7}  # REFUSED_STREAM: safe for the client to retry elsewhere
@@ -515,27 +523,16 @@ async def test_a_stream_written_after_the_clients_first_ping_ack_is_taken() -> N
     write that may reach the server in two reads. Such a stream was started before the
     client read the first GOAWAY: the final GOAWAY must include it and it is answered
     (a client without retries would fail it: "Stream removed (GOAWAY received ...)")."""
-    async with running_daemon() as d:
 
-        def client() -> RawClient:
-            c = RawClient(d.port)
-            c.sock.sendall(c.headers(1))  # held open, so the connection stays up
-            wait_open_stream(d)
-            trio.from_thread.run_sync(d.daemon.connections.goaway_all, 10.0)
-            first = c.until_ping()
-            c.sock.sendall(c.ack(first))  # the ack's read ...
-            while not isinstance(frame := c.next(), PingFrame | GoAwayFrame):
-                assert frame is not None  # ... is over once the server answers it
-            c.sock.sendall(c.headers(3) + c.body(3))  # the stream the ack's write carried
-            if isinstance(frame, PingFrame) and "ACK" not in frame.flags:
-                c.sock.sendall(c.ack(frame.opaque_data))
-            c.sock.sendall(c.body(1))
-            c.to_the_end()
-            return c
+    def between(c: RawClient) -> None:
+        c.sock.sendall(c.ack(c.until_ping()))  # the ack's read ...
+        while not isinstance(frame := c.next(), PingFrame | GoAwayFrame):
+            assert frame is not None  # ... is over once the server answers it
+        c.sock.sendall(c.headers(3) + c.body(3))  # the stream the ack's write carried
+        if isinstance(frame, PingFrame) and "ACK" not in frame.flags:
+            c.sock.sendall(c.ack(frame.opaque_data))
 
-        with trio.fail_after(60):
-            seen = await in_thread(client)
-            await d.daemon.connections.wait_closed()
+    seen = await drain_seen_by(between)
     assert seen.goaways == [2**31 - 1, 3]
     assert seen.rst == {}
     assert seen.status == {1: "0", 3: "0"}
@@ -545,24 +542,14 @@ async def test_a_client_slow_to_answer_the_goaway_ping_loses_no_stream() -> None
     """A client that has not read the first GOAWAY yet (a busy host: it answers its PING
     a second and a half late) is still starting streams: no final GOAWAY excludes them
     while its answer can still come, within the grace."""
-    async with running_daemon() as d:
 
-        def client() -> RawClient:
-            c = RawClient(d.port)
-            c.sock.sendall(c.headers(1))
-            wait_open_stream(d)
-            trio.from_thread.run_sync(d.daemon.connections.goaway_all, 10.0)
-            # Not reading meanwhile: the client is busy, its socket buffer holds the GOAWAY.
-            time.sleep(1.5)
-            c.sock.sendall(c.headers(3) + c.body(3))  # started before it read the GOAWAY
-            c.sock.sendall(c.ack(c.until_ping()))
-            c.sock.sendall(c.body(1))
-            c.to_the_end()
-            return c
+    def between(c: RawClient) -> None:
+        # Not reading meanwhile: the client is busy, its socket buffer holds the GOAWAY.
+        time.sleep(1.5)
+        c.sock.sendall(c.headers(3) + c.body(3))  # started before it read the GOAWAY
+        c.sock.sendall(c.ack(c.until_ping()))
 
-        with trio.fail_after(60):
-            seen = await in_thread(client)
-            await d.daemon.connections.wait_closed()
+    seen = await drain_seen_by(between)
     assert seen.goaways == [2**31 - 1, 3]
     assert seen.rst == {}
     assert seen.status == {1: "0", 3: "0"}
