@@ -40,6 +40,7 @@ import os
 import signal
 import socket
 import statistics
+import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -475,6 +476,9 @@ def main(argv: list[str] | None = None) -> None:
         "wall-clock send time, to PATH (JSON lines), to line up with other processes' logs",
     )
     args = p.parse_args(argv)
+    # SIGTERM (`timeout`, a CI runner) unwinds like Ctrl-C: the daemon runs in a session of
+    # its own, which only `Stack`'s exit stops; a default SIGTERM would leave it serving.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     # A plain asyncio loop: importing the stack's helpers loads trio_asyncio, whose
     # policy would otherwise run the generator on a Trio loop in a thread of its own
     # (SyncTrioEventLoop), paying a thread crossing on every loop step.
