@@ -415,6 +415,9 @@ async def one_run(
             await asyncio.sleep(0.05)
         requests = build_requests(stack.tenants, 4096, salt, versions=True)
         run = await measure(daemon, requests, args, base, control_s)
+        if args.logs is not None:
+            args.logs.mkdir(parents=True, exist_ok=True)
+            (args.logs / f"daemon-{salt}.log").write_text(daemon.output())
         if daemon.proc.poll() is not None:
             raise RuntimeError("supervisor exited:\n" + daemon.output()[-3000:])
     if args.calls_out is not None:
@@ -474,6 +477,13 @@ def main(argv: list[str] | None = None) -> None:
         metavar="PATH",
         help=f"append each failed call and each slower than {SLOW_MS:.0f} ms, with its "
         "wall-clock send time, to PATH (JSON lines), to line up with other processes' logs",
+    )
+    p.add_argument(
+        "--logs",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="keep each run's daemon log (supervisor and workers) in DIR",
     )
     args = p.parse_args(argv)
     # SIGTERM (`timeout`, a CI runner) unwinds like Ctrl-C: the daemon runs in a session of
