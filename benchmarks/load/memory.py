@@ -20,7 +20,12 @@ import sys
 import uuid
 from typing import Any
 
-from ibex.testing.memory_server import DEFAULT_TOKEN, FakeMemoryServer, make_memories
+from ibex.testing.memory_server import (
+    DEFAULT_TOKEN,
+    FakeMemoryServer,
+    freeze_heap,
+    make_memories,
+)
 
 HOT_PER_TENANT = 20
 COLD_PER_TENANT = 10
@@ -93,6 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     server = build(args)
     with server:
+        freeze_heap()
         print(f"memory server listening on {server.url}", flush=True)
         for line in sys.stdin:
             words = line.split()

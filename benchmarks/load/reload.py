@@ -34,11 +34,13 @@ import argparse
 import asyncio
 import contextlib
 import datetime
+import gc
 import json
 import os
 import signal
 import socket
 import statistics
+import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -53,6 +55,7 @@ from benchmarks.load.stack import ROOT, Daemon, Stack, listeners
 from ibex.testing.grpcio_stubs import context_pb2 as pb
 
 ROUND_ROBIN = json.dumps({"loadBalancingConfig": [{"round_robin": {}}]})
+SLOW_MS = 30.0  # `--calls-out` lists calls slower than this besides the failed ones
 RELOAD_LIMIT_S = 120.0  # a reload not done by then ends the run (reported, not waited for)
 
 
@@ -127,19 +130,33 @@ async def one(call: Any, request: bytes, rec: Record, due: float, deadline_s: fl
     rec.latency_ms = (loop.time() - due) * 1000.0
 
 
-def log_lines(daemon: Daemon) -> list[dict[str, Any]]:
-    out = []
-    for line in daemon.output().splitlines():
-        if line.startswith("{"):
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return out
+class DaemonLog:
+    """The daemon's JSON log lines, read as they are appended: each read parses only the
+    bytes written since the last one. Re-reading the whole log at every checkpoint would
+    take the load generator's loop for milliseconds while calls are due."""
 
+    def __init__(self, daemon: Daemon) -> None:
+        self._fd = daemon.log.fileno()
+        self._offset = 0
+        self._partial = b""
+        self.lines: list[dict[str, Any]] = []
+        self.events: Counter[str] = Counter()
 
-def log_events(daemon: Daemon) -> Counter[str]:
-    return Counter(str(e.get("event", "")) for e in log_lines(daemon))
+    def read(self) -> Counter[str]:
+        """Take in what was appended; the count of each event so far."""
+        while chunk := os.pread(self._fd, 1 << 16, self._offset):
+            self._offset += len(chunk)
+            *complete, self._partial = (self._partial + chunk).split(b"\n")
+            for raw in complete:
+                if raw.startswith(b"{"):
+                    try:
+                        entry = json.loads(raw)
+                    except json.JSONDecodeError:
+                        continue
+                    if isinstance(entry, dict):
+                        self.lines.append(entry)
+                        self.events[str(entry.get("event", ""))] += 1
+        return self.events
 
 
 LIFE = (
@@ -154,10 +171,10 @@ LIFE = (
 )
 
 
-def timeline(daemon: Daemon, wall_start: float) -> list[tuple[float, str, object]]:
+def timeline(lines: list[dict[str, Any]], wall_start: float) -> list[tuple[float, str, object]]:
     """The reload's log events, in seconds since the run's start (for reading the buckets)."""
     out = []
-    for e in log_lines(daemon):
+    for e in lines:
         if e.get("event") in (*LIFE, "reload_done"):
             ts = datetime.datetime.fromisoformat(str(e["ts"]).replace("Z", "+00:00")).timestamp()
             if ts >= wall_start:
@@ -208,51 +225,70 @@ async def measure(
 ) -> Run:
     """Open-loop calls at args.rate; SIGHUP after args.before s (unless `control_s`: then
     nothing happens for that long); stop args.after s after the reload is done (or
-    RELOAD_LIMIT_S after the SIGHUP)."""
+    RELOAD_LIMIT_S after the SIGHUP).
+
+    The generator must not stall while calls are due, or it fails them itself: a call
+    whose start waits behind other work loses that time from its deadline. So the
+    collector is off during the run (a full pass over the run's records and the
+    channel's objects takes tens of milliseconds), the daemon's log is read
+    incrementally, and the end waits on the calls still in flight only (a gather over
+    every call of the run queues one callback per call ahead of the last call's start).
+    """
     target = f"ipv4:127.0.0.1:{base},127.0.0.1:{base + 1}"
     options = [("grpc.service_config", ROUND_ROBIN), ("grpc.enable_retries", 0)]
     run = Run(pids_before=sorted(daemon.worker_pids()), control_s=control_s)
-    async with grpc.aio.insecure_channel(target, options=options) as channel:
-        await asyncio.wait_for(channel.channel_ready(), 30)
-        call = channel.unary_unary(METHOD)
-        loop = asyncio.get_running_loop()
-        deadline_s = args.deadline_ms / 1000.0
+    log = DaemonLog(daemon)
+    gc.collect()
+    gc.disable()
+    try:
+        async with grpc.aio.insecure_channel(target, options=options) as channel:
+            await asyncio.wait_for(channel.channel_ready(), 30)
+            call = channel.unary_unary(METHOD)
+            loop = asyncio.get_running_loop()
+            deadline_s = args.deadline_ms / 1000.0
 
-        async def send(seconds: float, measured: bool) -> None:
-            start = loop.time() + 0.02
-            if measured:
-                run.wall_start = time.time() + 0.02
-            tasks = []
-            i = 0
-            last_check = 0.0
-            while True:
-                due = start + i / args.rate
-                now = loop.time()
-                if measured and now - last_check > 0.2:
-                    last_check = now
-                    if await checkpoint(run, daemon, now - start, args):
-                        break
-                elif not measured and due - start >= seconds:
-                    break
-                if due - now > 0.0005:
-                    await asyncio.sleep(due - now)
-                rec = Record(sent=due - start)
+            async def send(seconds: float, measured: bool) -> None:
+                start = loop.time() + 0.02
                 if measured:
-                    run.records.append(rec)
-                request = requests[i % len(requests)]
-                tasks.append(loop.create_task(one(call, request, rec, due, deadline_s)))
-                i += 1
-            await asyncio.gather(*tasks)
+                    run.wall_start = time.time() + 0.02
+                in_flight: set[asyncio.Task[None]] = set()
+                i = 0
+                last_check = 0.0
+                while True:
+                    due = start + i / args.rate
+                    now = loop.time()
+                    if measured and now - last_check > 0.2:
+                        last_check = now
+                        if checkpoint(run, daemon, log, now - start, args):
+                            break
+                    elif not measured and due - start >= seconds:
+                        break
+                    if due - now > 0.0005:
+                        await asyncio.sleep(due - now)
+                    rec = Record(sent=due - start)
+                    if measured:
+                        run.records.append(rec)
+                    request = requests[i % len(requests)]
+                    task = loop.create_task(one(call, request, rec, due, deadline_s))
+                    in_flight.add(task)
+                    task.add_done_callback(in_flight.discard)
+                    i += 1
+                if in_flight:
+                    await asyncio.wait(in_flight)
 
-        await send(args.warm, measured=False)  # warm: connections, caches, first calls
-        await send(0.0, measured=True)
+            await send(args.warm, measured=False)  # warm: connections, caches, first calls
+            await send(0.0, measured=True)
+    finally:
+        gc.enable()
     run.pids_after = sorted(daemon.worker_pids())
-    run.events = log_events(daemon)
-    run.timeline = timeline(daemon, run.wall_start)
+    run.events = Counter(log.read())
+    run.timeline = timeline(log.lines, run.wall_start)
     return run
 
 
-async def checkpoint(run: Run, daemon: Daemon, elapsed: float, args: argparse.Namespace) -> bool:
+def checkpoint(
+    run: Run, daemon: Daemon, log: DaemonLog, elapsed: float, args: argparse.Namespace
+) -> bool:
     """Send the SIGHUP when due, note when the reload is done; True when the run is over."""
     if not run.sighup_at and elapsed >= args.before:
         run.sighup_at = elapsed
@@ -268,7 +304,7 @@ async def checkpoint(run: Run, daemon: Daemon, elapsed: float, args: argparse.Na
         if elapsed >= run.sighup_at + run.control_s:
             run.done_at = elapsed
     elif run.sighup_at and run.done_at is None:
-        events = log_events(daemon)
+        events = log.read()
         if events["reload_done"] or events["reload_failed"] or events["reload_rejected"]:
             run.done_at = elapsed
         elif elapsed - run.sighup_at > RELOAD_LIMIT_S:
@@ -306,6 +342,26 @@ def buckets(records: list[Record], origin: float, width: float = 1.0) -> list[li
         row[2] += r.status != "OK"
         row[3] += r.status == "OK" and r.degraded
     return [out[k] for k in sorted(out)]
+
+
+def write_calls(path: Path, run: Run, salt: int) -> None:
+    """Append every failed call and every call slower than SLOW_MS, with its wall-clock
+    send time, to `path` (JSON lines): to line them up with other processes' logs."""
+    with path.open("a") as f:
+        for r in run.records:
+            if r.status != "OK" or r.latency_ms > SLOW_MS:
+                row = {
+                    "salt": salt,
+                    "kind": "reload" if run.control_s is None else "control",
+                    "wall": round(run.wall_start + r.sent, 4),
+                    "t": round(r.sent, 3),
+                    "since_sighup": round(r.sent - run.sighup_at, 3),
+                    "status": r.status,
+                    "detail": r.detail,
+                    "worker": r.worker,
+                    "latency_ms": round(r.latency_ms, 1),
+                }
+                f.write(json.dumps(row) + "\n")
 
 
 def summarize(run: Run, before_s: float) -> dict[str, Any]:
@@ -359,8 +415,13 @@ async def one_run(
             await asyncio.sleep(0.05)
         requests = build_requests(stack.tenants, 4096, salt, versions=True)
         run = await measure(daemon, requests, args, base, control_s)
+        if args.logs is not None:
+            args.logs.mkdir(parents=True, exist_ok=True)
+            (args.logs / f"daemon-{salt}.log").write_text(daemon.output())
         if daemon.proc.poll() is not None:
             raise RuntimeError("supervisor exited:\n" + daemon.output()[-3000:])
+    if args.calls_out is not None:
+        write_calls(args.calls_out, run, salt)
     return summarize(run, args.before)
 
 
@@ -409,8 +470,30 @@ def main(argv: list[str] | None = None) -> None:
         help="experiment: renice each new worker to N as soon as it is seen (within 0.2 s), "
         "to tell its start-up's CPU from the handover",
     )
+    p.add_argument(
+        "--calls-out",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help=f"append each failed call and each slower than {SLOW_MS:.0f} ms, with its "
+        "wall-clock send time, to PATH (JSON lines), to line up with other processes' logs",
+    )
+    p.add_argument(
+        "--logs",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="keep each run's daemon log (supervisor and workers) in DIR",
+    )
     args = p.parse_args(argv)
-    rows = asyncio.run(main_async(args))
+    # SIGTERM (`timeout`, a CI runner) unwinds like Ctrl-C: the daemon runs in a session of
+    # its own, which only `Stack`'s exit stops; a default SIGTERM would leave it serving.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    # A plain asyncio loop: importing the stack's helpers loads trio_asyncio, whose
+    # policy would otherwise run the generator on a Trio loop in a thread of its own
+    # (SyncTrioEventLoop), paying a thread crossing on every loop step.
+    with asyncio.Runner(loop_factory=asyncio.SelectorEventLoop) as runner:
+        rows = runner.run(main_async(args))
     med = {
         key: statistics.median(float(r[key] or 0.0) for r in rows)
         for key in (

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import random
@@ -763,6 +764,16 @@ def memory_server_process(
 
 
 # -- standalone ----------------------------------------------------------------
+def freeze_heap() -> None:
+    """For a stand-in run as its own process, once it is built: move its start-up objects
+    (modules, the memories, cached answers) out of the cyclic collector's reach. A full
+    pass would otherwise scan them all, holding the GIL for tens of milliseconds with
+    every request thread waiting: a stall of the stand-in, counted against the daemon's
+    branch budgets as a slow memory service."""
+    gc.collect()
+    gc.freeze()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Fake memory service on loopback.")
     parser.add_argument("--host", default="127.0.0.1")
@@ -792,6 +803,7 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     signal.signal(signal.SIGINT, lambda *_: done.set())
     with server:
+        freeze_heap()
         print(f"memory server listening on http://{args.host}:{server.port}", flush=True)
         if args.control_stdio:
             for line in sys.stdin:

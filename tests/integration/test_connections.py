@@ -14,7 +14,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -412,61 +412,147 @@ def wait_for_served(metrics_port: int, timeout: float = 20.0) -> None:
         time.sleep(0.05)
 
 
-async def test_after_the_final_goaway_new_streams_are_refused_and_taken_ones_finish() -> None:
-    """Raw HTTP/2 (a client that ignores GOAWAY): the two-step GOAWAY on the wire, a stream
-    opened after the final one gets REFUSED_STREAM, the stream taken before it completes."""
+class RawClient:
+    """A raw HTTP/2 client on a blocking socket: it writes exactly the frames a test says,
+    in the order and the writes it says (a GOAWAY means nothing to it by itself)."""
+
+    def __init__(self, port: int) -> None:
+        self.encoder, self.decoder = hpack.Encoder(), hpack.Decoder()
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=20)
+        self.reader = FrameReader(self.sock)
+        self.sock.sendall(PREFACE + SettingsFrame(0).serialize())
+        self.goaways: list[int] = []
+        self.pings: list[bytes] = []
+        self.rst: dict[int, int] = {}
+        self.status: dict[int, str] = {}
+
+    def headers(self, stream_id: int) -> bytes:
+        """A Health/Check call's HEADERS; its request message is sent apart (`body`)."""
+        block = self.encoder.encode(
+            [
+                (":method", "POST"),
+                (":scheme", "http"),
+                (":path", "/grpc.health.v1.Health/Check"),
+                (":authority", "localhost"),
+                ("content-type", "application/grpc"),
+                ("te", "trailers"),
+            ]
+        )
+        return HeadersFrame(stream_id, block, flags=["END_HEADERS"]).serialize()
+
+    @staticmethod
+    def body(stream_id: int) -> bytes:
+        return DataFrame(stream_id, b"\x00" * 5, flags=["END_STREAM"]).serialize()
+
+    @staticmethod
+    def ack(ping: bytes) -> bytes:
+        return PingFrame(0, ping, flags=["ACK"]).serialize()
+
+    def next(self) -> Any:
+        """The next frame (None at EOF), noting GOAWAYs, PINGs, resets and call statuses."""
+        frame = self.reader.next()
+        if isinstance(frame, GoAwayFrame):
+            self.goaways.append(frame.last_stream_id)
+        elif isinstance(frame, PingFrame) and "ACK" not in frame.flags:
+            self.pings.append(frame.opaque_data)
+        elif isinstance(frame, RstStreamFrame):
+            self.rst[frame.stream_id] = frame.error_code
+        elif isinstance(frame, HeadersFrame):
+            headers = dict(self.decoder.decode(frame.data))
+            if "grpc-status" in headers:
+                self.status[frame.stream_id] = headers["grpc-status"]
+        return frame
+
+    def until_ping(self) -> bytes:
+        """Read up to the next PING (not an ack); its payload."""
+        while not isinstance(frame := self.next(), PingFrame) or "ACK" in frame.flags:
+            assert frame is not None, "EOF before a PING"
+        return bytes(frame.opaque_data)
+
+    def to_the_end(self) -> None:
+        """Read every frame up to EOF, answering PINGs."""
+        while (frame := self.next()) is not None:
+            if isinstance(frame, PingFrame) and "ACK" not in frame.flags:
+                self.sock.sendall(self.ack(frame.opaque_data))
+        self.sock.close()
+
+
+async def drain_seen_by(between: Callable[[RawClient], None]) -> RawClient:
+    """A daemon's drain as a raw client holding call 1 open sees it: `between(client)`
+    plays the client's part once the drain has begun; then call 1's request message is
+    sent and every frame read to EOF."""
     async with running_daemon() as d:
 
-        def client() -> dict[str, Any]:
-            encoder, decoder = hpack.Encoder(), hpack.Decoder()
-            sock = socket.create_connection(("127.0.0.1", d.port), timeout=20)
-            reader = FrameReader(sock)
-            sock.sendall(PREFACE + SettingsFrame(0).serialize())
-
-            def open_stream(stream_id: int) -> None:
-                block = encoder.encode(
-                    [
-                        (":method", "POST"),
-                        (":scheme", "http"),
-                        (":path", "/grpc.health.v1.Health/Check"),
-                        (":authority", "localhost"),
-                        ("content-type", "application/grpc"),
-                        ("te", "trailers"),
-                    ]
-                )
-                sock.sendall(HeadersFrame(stream_id, block, flags=["END_HEADERS"]).serialize())
-
-            open_stream(1)  # the request message is held back: the call stays in flight
-            while not any(c.open_streams() for c in list(d.daemon.connections._conns)):
+        def client() -> RawClient:
+            c = RawClient(d.port)
+            c.sock.sendall(c.headers(1))  # the request message held back: the call stays open
+            while not any(conn.open_streams() for conn in list(d.daemon.connections._conns)):
                 time.sleep(0.01)
             trio.from_thread.run_sync(d.daemon.connections.goaway_all, 10.0)
-            seen: dict[str, Any] = {"goaways": [], "rst": {}, "status": {}}
-            while len(seen["goaways"]) < 2:
-                frame = reader.next()
-                if isinstance(frame, GoAwayFrame):
-                    seen["goaways"].append(frame.last_stream_id)
-                elif isinstance(frame, PingFrame) and "ACK" not in frame.flags:
-                    seen["ping"] = frame.opaque_data
-                    sock.sendall(PingFrame(0, frame.opaque_data, flags=["ACK"]).serialize())
-            open_stream(3)  # after the final GOAWAY
-            sock.sendall(DataFrame(1, b"\x00" * 5, flags=["END_STREAM"]).serialize())
-            while (frame := reader.next()) is not None:
-                if isinstance(frame, RstStreamFrame):
-                    seen["rst"][frame.stream_id] = frame.error_code
-                elif isinstance(frame, HeadersFrame):
-                    headers = dict(decoder.decode(frame.data))
-                    if "grpc-status" in headers:
-                        seen["status"][frame.stream_id] = headers["grpc-status"]
-            sock.close()
-            return seen
+            between(c)
+            c.sock.sendall(c.body(1))
+            c.to_the_end()
+            return c
 
         with trio.fail_after(60):
             seen = await in_thread(client)
             await d.daemon.connections.wait_closed()
-    assert seen["goaways"] == [2**31 - 1, 1]
-    assert seen["ping"] == b"ibex-bye"
-    assert seen["rst"] == {3: 7}  # REFUSED_STREAM: safe for the client to retry elsewhere
-    assert seen["status"] == {1: "0"}  # the call taken before the final GOAWAY finished OK
+    return seen
+
+
+async def test_after_the_final_goaway_new_streams_are_refused_and_taken_ones_finish() -> None:
+    """Raw HTTP/2 (a client that ignores GOAWAY): the two-step GOAWAY on the wire, a stream
+    opened after the final one gets REFUSED_STREAM, the stream taken before it completes."""
+
+    def between(c: RawClient) -> None:
+        while len(c.goaways) < 2:
+            frame = c.next()
+            if isinstance(frame, PingFrame) and "ACK" not in frame.flags:
+                c.sock.sendall(c.ack(frame.opaque_data))
+        c.sock.sendall(c.headers(3))  # after the final GOAWAY
+
+    seen = await drain_seen_by(between)
+    assert seen.goaways == [2**31 - 1, 1]
+    assert seen.pings == [b"ibex-bye", b"ibex-by2"]
+    assert seen.rst == {3: 7}  # REFUSED_STREAM: safe for the client to retry elsewhere
+    assert seen.status == {1: "0"}  # the call taken before the final GOAWAY finished OK
+
+
+async def test_a_stream_written_after_the_clients_first_ping_ack_is_taken() -> None:
+    """grpc-core writes a PING ack ahead of the HEADERS of streams it had started, in one
+    write that may reach the server in two reads. Such a stream was started before the
+    client read the first GOAWAY: the final GOAWAY must include it and it is answered
+    (a client without retries would fail it: "Stream removed (GOAWAY received ...)")."""
+
+    def between(c: RawClient) -> None:
+        c.sock.sendall(c.ack(c.until_ping()))  # the ack's read ...
+        while not isinstance(frame := c.next(), PingFrame | GoAwayFrame):
+            assert frame is not None  # ... is over once the server answers it
+        c.sock.sendall(c.headers(3) + c.body(3))  # the stream the ack's write carried
+        if isinstance(frame, PingFrame) and "ACK" not in frame.flags:
+            c.sock.sendall(c.ack(frame.opaque_data))
+
+    seen = await drain_seen_by(between)
+    assert seen.goaways == [2**31 - 1, 3]
+    assert seen.rst == {}
+    assert seen.status == {1: "0", 3: "0"}
+
+
+async def test_a_client_slow_to_answer_the_goaway_ping_loses_no_stream() -> None:
+    """A client that has not read the first GOAWAY yet (a busy host: it answers its PING
+    a second and a half late) is still starting streams: no final GOAWAY excludes them
+    while its answer can still come, within the grace."""
+
+    def between(c: RawClient) -> None:
+        # Not reading meanwhile: the client is busy, its socket buffer holds the GOAWAY.
+        time.sleep(1.5)
+        c.sock.sendall(c.headers(3) + c.body(3))  # started before it read the GOAWAY
+        c.sock.sendall(c.ack(c.until_ping()))
+
+    seen = await drain_seen_by(between)
+    assert seen.goaways == [2**31 - 1, 3]
+    assert seen.rst == {}
+    assert seen.status == {1: "0", 3: "0"}
 
 
 class FrameReader:

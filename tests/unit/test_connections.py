@@ -29,6 +29,9 @@ class FakeConn:
     def goaway_heads_up(self) -> None:
         self.calls.append("heads_up")
 
+    def goaway_confirm(self) -> None:
+        self.calls.append("confirm")
+
     def goaway_final(self) -> None:
         self.calls.append("final")
 
@@ -266,13 +269,15 @@ def test_age_rotation_with_jitter_then_final_goaway_then_close(jitter: float, du
     clock.now += 0.01
     conns.sweep()
     assert conn.calls == ["heads_up"]
-    conns.acked(conn)  # the PING came back: the client has seen the first GOAWAY
-    assert conn.calls == ["heads_up", "final"]
+    conns.acked(conn)  # the PING came back: the client has read the first GOAWAY
+    assert conn.calls == ["heads_up", "confirm"]
+    conns.confirmed(conn)  # and the second: every stream it started has arrived
+    assert conn.calls == ["heads_up", "confirm", "final"]
     conns.sweep()
-    assert conn.calls == ["heads_up", "final"]  # the in-flight call finishes first
+    assert conn.calls == ["heads_up", "confirm", "final"]  # the in-flight call finishes first
     conn.streams = 0
     conns.sweep()
-    assert conn.calls == ["heads_up", "final", "close"]
+    assert conn.calls == ["heads_up", "confirm", "final", "close"]
     assert conns.count == 0 and conns.rotated == 1
 
 
@@ -298,6 +303,50 @@ def test_final_goaway_without_a_ping_ack_and_grace_expiry() -> None:
     assert conn.calls == ["heads_up", "final", "close"]  # the grace ran out
 
 
+def test_the_final_goaway_waits_for_the_second_ping_however_slow_the_first_ack() -> None:
+    """The final GOAWAY's last-stream-id must cover every stream the client started before
+    it read the first GOAWAY; only the ack of a PING sent after the first ack proves they
+    all arrived. A client answering late is waited for (up to the ack timeout)."""
+    clock = Clock()
+    conns = make(clock, goaway_ack_timeout=5.0, idle_timeout=None)
+    conn = FakeConn()
+    conns.admit(conn)
+    conn.streams = 1
+    conns.goaway_all(grace=30.0)
+    clock.now += 4.9  # a busy client: its ack comes late
+    conns.sweep()
+    assert conn.calls == ["heads_up"]
+    conns.confirmed(conn)  # an ack of the second PING before it was sent changes nothing
+    conns.acked(conn)
+    conns.acked(conn)  # nor does the first PING acked twice
+    assert conn.calls == ["heads_up", "confirm"]
+    conns.sweep()
+    assert conn.calls == ["heads_up", "confirm"]
+    conns.confirmed(conn)
+    assert conn.calls == ["heads_up", "confirm", "final"]
+
+
+@pytest.mark.parametrize(
+    "grace,final_after", [(30.0, 5.0), (2.0, 2.0)], ids=["ack_timeout", "grace_end"]
+)
+def test_without_acks_the_final_goaway_goes_at_the_ack_timeout_or_the_grace_end(
+    grace: float, final_after: float
+) -> None:
+    clock = Clock()
+    conns = make(clock, goaway_ack_timeout=5.0, idle_timeout=None)
+    conn = FakeConn()
+    conns.admit(conn)
+    conn.streams = 1
+    conns.goaway_all(grace=grace)
+    conns.acked(conn)  # the first PING answered, the second never
+    clock.now += final_after - 0.01
+    conns.sweep()
+    assert conn.calls == ["heads_up", "confirm"]
+    clock.now += 0.01
+    conns.sweep()
+    assert conn.calls[:3] == ["heads_up", "confirm", "final"]
+
+
 def test_drain_says_goodbye_to_every_connection_and_refuses_new_ones() -> None:
     clock = Clock()
     conns = make(clock)
@@ -308,11 +357,12 @@ def test_drain_says_goodbye_to_every_connection_and_refuses_new_ones() -> None:
     conns.goaway_all(grace=10.0)
     assert a.calls == b.calls == ["heads_up"]
     assert not conns.admit(FakeConn())
-    conns.acked(a)
-    conns.acked(b)
+    for conn in (a, b):
+        conns.acked(conn)
+        conns.confirmed(conn)
     conns.sweep()
-    assert b.calls == ["heads_up", "final", "close"]
-    assert a.calls == ["heads_up", "final"]
+    assert b.calls == ["heads_up", "confirm", "final", "close"]
+    assert a.calls == ["heads_up", "confirm", "final"]
     a.streams = 0
     conns.sweep()
     assert a.calls[-1] == "close" and conns.count == 0
@@ -376,8 +426,10 @@ def test_an_ack_for_a_connection_not_saying_goodbye_changes_nothing() -> None:
     conns = make(Clock())
     stranger, open_one = FakeConn(), FakeConn()
     conns.acked(stranger)  # never admitted (or already gone)
+    conns.confirmed(stranger)
     conns.admit(open_one)
     conns.acked(open_one)  # a PING ack with no heads-up pending
+    conns.confirmed(open_one)
     assert open_one.calls == []
     conns.closed(stranger)  # closing one never admitted is harmless too
     assert conns.count == 1
@@ -428,15 +480,16 @@ def test_a_drain_shortens_the_grace_of_a_connection_already_saying_goodbye(
     clock.now += 10
     conns.sweep()  # rotating, with 60 s of grace
     conns.acked(conn)
+    conns.confirmed(conn)
     with caplog.at_level(logging.WARNING, logger="ibex.service.edge.connections"):
         conns.goaway_all(grace=2.0)  # the drain's 2 s win over the rotation's 60
-        assert conn.calls == ["heads_up", "final"]  # no second goodbye
+        assert conn.calls == ["heads_up", "confirm", "final"]  # no second goodbye
         clock.now += 1.5
         conns.sweep()
-        assert conn.calls == ["heads_up", "final"]  # within the drain's grace
+        assert conn.calls == ["heads_up", "confirm", "final"]  # within the drain's grace
         clock.now += 0.5
         conns.sweep()
-    assert conn.calls == ["heads_up", "final", "close"]
+    assert conn.calls == ["heads_up", "confirm", "final", "close"]
     (line,) = _events(caplog, "connection_grace_expired")
     assert line.reason == "max_age"  # type: ignore[attr-defined]
 
@@ -544,10 +597,11 @@ async def test_the_sweeper_task_closes_idle_connections_and_wakes_for_a_drain(
         await trio.sleep(0.001)  # the drain wakes the sweeper: no wait for its tick
         assert busy.calls == ["heads_up"]
         conns.acked(busy)
+        conns.confirmed(busy)
         busy.streams = 0
         with trio.fail_after(1):
             await conns.wait_closed()
-        assert busy.calls == ["heads_up", "final", "close"]
+        assert busy.calls == ["heads_up", "confirm", "final", "close"]
         nursery.cancel_scope.cancel()
     assert conns.count == 0
 

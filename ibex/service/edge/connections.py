@@ -19,12 +19,21 @@ addresses cannot evict a caller before its first call. A peer opening
 connections faster than `peer_rate` per second (a burst of twice that) has its
 new ones refused at once, before any TLS or HTTP/2 work.
 
-Goodbye follows grpc-go's `MaxConnectionAge` convention: a first GOAWAY with
-last-stream-id 2^31-1 and a PING (the client stops opening streams here);
-once the PING is answered, or after `goaway_ack_timeout`, the final GOAWAY
-names the last stream the server took. Streams up to it finish (within the
-grace); later ones are refused (REFUSED_STREAM, which clients retry
-elsewhere); the connection closes when its last stream ends.
+Goodbye follows grpc-go's `MaxConnectionAge` convention, with one more PING: a
+first GOAWAY with last-stream-id 2^31-1 and a PING (the client stops opening
+streams once it has read them); when that PING is answered, a second PING;
+when that one is answered, the final GOAWAY names the last stream the server
+took. The second round trip is what makes the final last-stream-id cover every
+stream the client started before it read the first GOAWAY: a client may write
+those streams' HEADERS after its first PING ack (grpc-core writes PING acks
+ahead of new streams' frames in one write, which the network may split across
+reads), but never after its ack of a PING it received later. A stream the
+final GOAWAY excluded would fail at a client without retries ("Stream removed
+(GOAWAY received ...)"), although the caller did nothing wrong. Without acks
+the final GOAWAY goes out after `goaway_ack_timeout` or when the grace ends,
+whichever is first. Streams up to it finish (within the grace); later ones are
+refused (REFUSED_STREAM, which clients retry elsewhere); the connection closes
+when its last stream ends.
 """
 
 from __future__ import annotations
@@ -86,7 +95,11 @@ class ConnectionsConfig(msgspec.Struct, frozen=True):
     )
     max_age: Annotated[float | None, env("IBEX_CONTEXT_MAX_CONNECTION_AGE", unit="s")] = None
     age_grace: float = 10.0
-    goaway_ack_timeout: float = 1.0
+    # A client answers a PING within a round trip; one that has not after this long is
+    # not reading (or ignores PINGs), and its streams get the final GOAWAY anyway. Well
+    # above a loaded host's stalls: a final GOAWAY sent before the client has read the
+    # first one excludes the streams it is still starting.
+    goaway_ack_timeout: float = 5.0
 
 
 class Conn(Protocol):
@@ -97,6 +110,9 @@ class Conn(Protocol):
 
     def goaway_heads_up(self) -> None:
         """GOAWAY(last-stream-id 2^31-1) then a PING whose ack calls `Connections.acked`."""
+
+    def goaway_confirm(self) -> None:
+        """A second PING, whose ack calls `Connections.confirmed`."""
 
     def goaway_final(self) -> None:
         """GOAWAY(highest stream taken); streams opened after it are refused."""
@@ -111,7 +127,8 @@ class Conn(Protocol):
 class _Phase:
     OPEN = 0
     HEADS_UP = 1  # first GOAWAY + PING sent, waiting for the ack
-    FINAL = 2  # final GOAWAY sent, waiting for the last stream
+    CONFIRM = 2  # the first PING answered; the second sent, waiting for its ack
+    FINAL = 3  # final GOAWAY sent, waiting for the last stream
 
 
 class _State:
@@ -345,9 +362,18 @@ class Connections:
             state.last_active = self._clock()
 
     def acked(self, conn: Conn) -> None:
-        """The heads-up PING came back: the client has seen the first GOAWAY."""
+        """The heads-up PING came back: the client has read the first GOAWAY and starts no
+        stream on this connection any more; the ones it started before may still follow."""
         state = self._conns.get(conn)
         if state is not None and state.phase == _Phase.HEADS_UP:
+            state.phase = _Phase.CONFIRM
+            conn.goaway_confirm()
+
+    def confirmed(self, conn: Conn) -> None:
+        """The second PING came back: every stream the client started has arrived before
+        its ack, so the final GOAWAY's last-stream-id covers them all."""
+        state = self._conns.get(conn)
+        if state is not None and state.phase == _Phase.CONFIRM:
             self._final(conn, state)
 
     def closed(self, conn: Conn) -> None:
@@ -393,8 +419,8 @@ class Connections:
                 if state.age_deadline is not None and now >= state.age_deadline:
                     self.rotated += 1
                     self._heads_up(conn, state, now, cfg.age_grace, "max_age")
-            elif (
-                state.phase == _Phase.HEADS_UP and now - state.heads_up_at >= cfg.goaway_ack_timeout
+            elif state.phase in (_Phase.HEADS_UP, _Phase.CONFIRM) and (
+                now - state.heads_up_at >= cfg.goaway_ack_timeout or now >= state.grace_deadline
             ):
                 self._final(conn, state)
             if state.phase == _Phase.FINAL:

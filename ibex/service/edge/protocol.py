@@ -49,6 +49,7 @@ from ibex.service.edge.frame_guard import (
 from ibex.service.edge.refusal import BAD_TIMEOUT_MESSAGE, send_refusal
 
 GOAWAY_PING = b"ibex-bye"  # 8 bytes of PING payload marking the drain's heads-up
+GOAWAY_CONFIRM_PING = b"ibex-by2"  # the drain's second PING (see `connections`)
 FLOOD_ABORT_AFTER = 1.0  # seconds a flooding peer's socket may take to flush its GOAWAY
 
 Gate = Callable[[str, CallDeadline], str | None]
@@ -233,6 +234,10 @@ class TrackedProtocol(H2Protocol):
                 continue
             if isinstance(event, PingAckReceived) and event.ping_data == GOAWAY_PING:
                 self._connections.acked(self)
+            elif isinstance(event, PingAckReceived) and event.ping_data == GOAWAY_CONFIRM_PING:
+                # Streams in this same read were counted by h2 already (feed() ran first):
+                # the final GOAWAY's last-stream-id includes them.
+                self._connections.confirmed(self)
             elif isinstance(event, (PingReceived, RemoteSettingsChanged)):
                 replies += 1
             self.processor.process(event)
@@ -405,6 +410,11 @@ class TrackedProtocol(H2Protocol):
         self._write_goaway(MAX_STREAM_ID)
         if not self.connection.is_closing():
             self.connection._connection.ping(GOAWAY_PING)
+            self.connection.flush()
+
+    def goaway_confirm(self) -> None:
+        if not self.connection.is_closing():
+            self.connection._connection.ping(GOAWAY_CONFIRM_PING)
             self.connection.flush()
 
     def goaway_final(self) -> None:
