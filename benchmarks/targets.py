@@ -52,6 +52,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks import aio
 from benchmarks.load import floor
 from benchmarks.load.deadlines import (
     LONG,
@@ -453,7 +454,7 @@ def main(argv: list[str] | None = None) -> None:
     for name, value in zip(("repeats", "seconds", "cold_repeats", "step"), defaults, strict=True):
         if getattr(args, name) is None:
             setattr(args, name, value)
-    out = asyncio.run(measure(args))
+    out = aio.run(measure(args))
     rows = rows_of(out)
     title = f"issue 24 targets ({'quick' if args.quick else 'full'} run: {out['command']})"
     out["table"] = render(rows, out["machine_speed"], title)

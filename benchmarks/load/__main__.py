@@ -27,6 +27,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from benchmarks import aio
 from benchmarks.load.driver import Calls, Driver, build_requests, fixed_rate, health
 from benchmarks.load.profile import top_entries
 from benchmarks.load.report import recovery, summarize, table
@@ -311,7 +312,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
-    out = asyncio.run(run(args))
+    out = aio.run(run(args))
     path: Path = args.out if not args.profile else args.out.with_name("load_profile.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1) + "\n")

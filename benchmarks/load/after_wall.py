@@ -48,7 +48,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import figures
+from benchmarks import aio, figures
 from benchmarks.load import h2load
 from benchmarks.load.capacity import stack_daemon
 from benchmarks.load.deadlines import LONG, warmed_run
@@ -213,7 +213,7 @@ def _range(rows: list[dict[str, Any]], key: str) -> str:
 
 
 def main_versus(args: argparse.Namespace, argv: list[str]) -> None:
-    res = asyncio.run(
+    res = aio.run(
         measure_versus(
             args.root.resolve(),
             args.versus.resolve(),
@@ -317,7 +317,7 @@ def _figures(res: dict[str, Any], where: str) -> list[figures.Figure]:
 
 
 def main_h2load(args: argparse.Namespace, argv: list[str] | None) -> None:
-    res = asyncio.run(
+    res = aio.run(
         measure_h2load(args.root.resolve(), int(args.rate), args.seconds, args.repeats, args.probe)
     )
     print(
@@ -423,7 +423,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.client == "h2load":
         main_h2load(args, argv if argv is not None else sys.argv[1:])
         return
-    res = asyncio.run(measure(args.root.resolve(), args.rate, args.seconds))
+    res = aio.run(measure(args.root.resolve(), args.rate, args.seconds))
     client = res["client"]
     print(
         f"cold +100 ms, 1 s deadlines, {args.rate:.0f} rps, daemon from {args.root}: "

@@ -41,6 +41,7 @@ from typing import Any
 
 import grpc
 
+from benchmarks import aio
 from benchmarks.load.deadlines import warmed_run
 from benchmarks.load.stack import ROOT, Stack
 from ibex.testing.grpcio_stubs import context_pb2 as pb
@@ -232,7 +233,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--probe", action="store_true", help="time each step (burst_probe)")
     args = p.parse_args(argv)
     roots = [ROOT, *(root.resolve() for root in args.root)]
-    asyncio.run(measure_all(roots, args.repeats, args.rounds, args.burst, args.probe))
+    aio.run(measure_all(roots, args.repeats, args.rounds, args.burst, args.probe))
 
 
 if __name__ == "__main__":

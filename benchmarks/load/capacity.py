@@ -44,7 +44,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, Protocol
 
-from benchmarks import figures
+from benchmarks import aio, figures
 from benchmarks.load import h2load
 from benchmarks.load.driver import Driver, build_requests, fixed_rate
 from benchmarks.load.floor import _Bare
@@ -512,7 +512,7 @@ def main(argv: list[str] | None = None) -> None:
         args.repeats, args.seconds = 1, 2.0
     args.token = secrets.token_urlsafe(24) if args.auth else None
     h2load.h2load_path()
-    out = asyncio.run(measure(args))
+    out = aio.run(measure(args))
     text = table(out)
     out["table"] = text
     print(text)

@@ -13,11 +13,11 @@ Run: ``python -m benchmarks.load.cold_versus --root DIR [--rounds 2] [--step 8]`
 from __future__ import annotations
 
 import argparse
-import asyncio
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks import aio
 from benchmarks.load.deadlines import PROXY, cold_slow, warmed_run
 from benchmarks.load.stack import ROOT, Stack
 
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--step", type=float, default=8.0, help="seconds per row")
     args = p.parse_args(argv)
-    for root, rate, row in asyncio.run(
+    for root, rate, row in aio.run(
         measure_all([ROOT, args.root.resolve()], args.rounds, args.step)
     ):
         statuses = row["statuses"]

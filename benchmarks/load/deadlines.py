@@ -35,6 +35,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+from benchmarks import aio
 from benchmarks.load.driver import Calls, Driver, build_requests, fixed_rate
 from benchmarks.load.report import recovery, summarize, table
 from benchmarks.load.speed import reference_cpu_ms, spread
@@ -287,7 +288,7 @@ def main(argv: list[str] | None = None) -> None:
     args.step, args.repeats, args.overload, args.after = (
         (4.0, 1, 5.0, 3.0) if args.quick else (8.0, 3, 10.0, 5.0)
     )
-    out = asyncio.run(scenarios(args))
+    out = aio.run(scenarios(args))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {args.out}")

@@ -23,6 +23,7 @@ from typing import Any
 
 import grpc
 
+from benchmarks import aio
 from benchmarks.load.driver import METHOD, build_requests
 from benchmarks.load.stack import ROOT, Stack
 from ibex.testing.grpcio_stubs import context_pb2 as pb
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--root", type=Path, default=ROOT, help="checkout whose daemon runs")
     p.add_argument("--json", action="store_true", help="print every call's branches as JSON")
     args = p.parse_args(argv)
-    runs = asyncio.run(measure(args.root.resolve(), args.starts, args.calls))
+    runs = aio.run(measure(args.root.resolve(), args.starts, args.calls))
     if args.json:
         print(json.dumps(runs, indent=1))
     first = sum(r["first_full"] for r in runs)

@@ -44,6 +44,7 @@ import grpclib.const
 import grpclib.server
 from grpclib.encoding.base import CodecBase
 
+from benchmarks import aio
 from benchmarks.load.driver import METHOD, Driver, build_requests, fixed_rate, warm_up
 from benchmarks.load.report import summarize
 from benchmarks.load.speed import reference_cpu_ms, spread
@@ -136,7 +137,7 @@ async def _serve_asyncio(mode: str, port: int) -> None:
 def serve(mode: str, port: int) -> None:
     """The server side of one mode, until killed."""
     if mode == "asyncio":
-        asyncio.run(_serve_asyncio(mode, port))
+        aio.run(_serve_asyncio(mode, port))
         return
     import trio
     import trio_asyncio
@@ -282,7 +283,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.quick:
         args.repeats, args.seconds = 1, 3.0
-    out = asyncio.run(measure(args))
+    out = aio.run(measure(args))
     print(table(out))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1) + "\n")

@@ -15,7 +15,6 @@ Run: ``python -m benchmarks.load.gc_pauses [--rounds 2] [--root DIR]``
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import statistics
 import tempfile
@@ -23,6 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks import aio
 from benchmarks.load.deadlines import warmed_run
 from benchmarks.load.driver import fixed_rate
 from benchmarks.load.stack import ROOT, Stack
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--root", type=Path, default=None, help="another checkout, alternated")
     args = p.parse_args(argv)
     roots = [ROOT] if args.root is None else [ROOT, args.root.resolve()]
-    for root, res in asyncio.run(measure_all(roots, args.rounds)):
+    for root, res in aio.run(measure_all(roots, args.rounds)):
         gens = "  ".join(
             f"gen{g}: {s['passes']:.0f} passes, p50 {s['cpu_p50_ms']:.2f} ms, "
             f"max {s['cpu_max_ms']:.2f} ms, freed {s['collected']:.0f}"

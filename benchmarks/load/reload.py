@@ -49,6 +49,7 @@ from typing import Any
 
 import grpc
 
+from benchmarks import aio
 from benchmarks.load.driver import DEADLINE_S, METHOD, build_requests
 from benchmarks.load.report import FULL_QUALITY, percentile
 from benchmarks.load.stack import ROOT, Daemon, Stack, listeners
@@ -489,11 +490,7 @@ def main(argv: list[str] | None = None) -> None:
     # SIGTERM (`timeout`, a CI runner) unwinds like Ctrl-C: the daemon runs in a session of
     # its own, which only `Stack`'s exit stops; a default SIGTERM would leave it serving.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    # A plain asyncio loop: importing the stack's helpers loads trio_asyncio, whose
-    # policy would otherwise run the generator on a Trio loop in a thread of its own
-    # (SyncTrioEventLoop), paying a thread crossing on every loop step.
-    with asyncio.Runner(loop_factory=asyncio.SelectorEventLoop) as runner:
-        rows = runner.run(main_async(args))
+    rows = aio.run(main_async(args))  # a plain asyncio loop (see benchmarks.aio)
     med = {
         key: statistics.median(float(r[key] or 0.0) for r in rows)
         for key in (

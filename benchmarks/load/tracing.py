@@ -39,6 +39,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from benchmarks import aio
 from benchmarks.load.driver import Driver, build_requests, fixed_rate, warm_up
 from benchmarks.load.report import summarize
 from benchmarks.load.speed import reference_cpu_ms, spread
@@ -331,7 +332,7 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps(out, indent=1))
             args.out = args.out.with_name("load.tracing.inproc.json")
         else:
-            out = asyncio.run(measure(args))
+            out = aio.run(measure(args))
             print(table(out))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1) + "\n")
