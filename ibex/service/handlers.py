@@ -20,7 +20,7 @@ import time
 import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import KW_ONLY, dataclass, field
-from typing import TYPE_CHECKING, Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any
 
 import grpclib.const
 import grpclib.server
@@ -61,7 +61,6 @@ if TYPE_CHECKING:
     from ibex.ops.otel_sdk import CallTrace, Tracing
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 SERVICE = "ibex.context.v1.ContextAssemblyService"
 _PREFIX = f"/{SERVICE}/"

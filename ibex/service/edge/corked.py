@@ -59,13 +59,18 @@ class CorkedTransport:
 
     def answer_ends(self, path: str, arrived: float) -> None:
         """A call's answer ended in what was written since the last flush."""
+        self._note_end(path, arrived)
+        if self._answered is not None and not self._flush_pending:
+            # A refusal h2 could not send still gets its report.
+            self._flush_pending = True
+            self._loop.call_soon(self._flush)
+
+    def _note_end(self, path: str, arrived: float) -> None:
+        """Tell `earned` of an answered call and keep its report for the next flush."""
         if self._earned is not None:
             self._earned()
         if self._answered is not None:
             self._ended.append((path, arrived))
-            if not self._flush_pending:  # a refusal h2 could not send still gets its report
-                self._flush_pending = True
-                self._loop.call_soon(self._flush)
 
     def stream_answered(self, stream: grpclib.protocol.Stream) -> None:
         """`stream` sent its trailers (`ibex.patches.grpclib_h2`): its call's answer ended."""
@@ -87,10 +92,7 @@ class CorkedTransport:
         (`send_reply_now`) has no asyncio iteration to wait for."""
         call = call_of(stream)
         if call is not None:
-            if self._earned is not None:
-                self._earned()
-            if self._answered is not None:
-                self._ended.append((call.path, call.deadline.arrived))
+            self._note_end(call.path, call.deadline.arrived)
         if data and not self._done:
             self._buffer.append(bytes(data))
         self._flush()
