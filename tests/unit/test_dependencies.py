@@ -61,6 +61,18 @@ def recorder() -> tuple[list[tuple[str, bool]], Callable[[str, bool], None]]:
     return seen, lambda name, up: seen.append((name, up))
 
 
+async def warm_then_keep(
+    dep: Dependency, states: DependencyStates, script: Scripted, calls: int
+) -> None:
+    """Warm `dep`, then keep it (probes and retries) until `script` has run `calls` times."""
+    await warm_all([dep], states, CONFIG)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(keep, dep, states, CONFIG)
+        while len(script.calls) < calls:  # noqa: ASYNC110  (mock clock)
+            await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+
+
 def state_lines(caplog: pytest.LogCaptureFixture) -> list[tuple[str, int, dict[str, object]]]:
     return [
         (
@@ -107,12 +119,7 @@ async def test_a_down_dependency_is_retried_with_backoff_and_logged_up_once(
     states = DependencyStates(on_change)
     warm = Scripted("fail", "fail", "fail", "fail", "fail", "fail", "fail", "ok")
     dep = Dependency("redis", "redis://h:1/0", warm)
-    await warm_all([dep], states, CONFIG)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(keep, dep, states, CONFIG)
-        while len(warm.calls) < 9:  # noqa: ASYNC110  (mock clock)
-            await trio.sleep(0.01)
-        nursery.cancel_scope.cancel()
+    await warm_then_keep(dep, states, warm, 9)
     gaps = [b - a for a, b in zip(warm.calls, warm.calls[1:], strict=False)]
     # Retries while down: 0.1, 0.2, 0.4, ... doubled up to 5 s, each jittered to 50-100 %.
     nominal = [0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 5.0]
@@ -132,12 +139,7 @@ async def test_an_up_dependency_that_fails_a_probe_is_logged_down_once_with_the_
     states = DependencyStates()
     warm = Scripted("ok", "ok", "fail", "hang", "fail", then="ok")
     dep = Dependency("memory", "https://memory.example", warm)
-    await warm_all([dep], states, CONFIG)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(keep, dep, states, CONFIG)
-        while len(warm.calls) < 7:  # noqa: ASYNC110  (mock clock)
-            await trio.sleep(0.01)
-        nursery.cancel_scope.cancel()
+    await warm_then_keep(dep, states, warm, 7)
     assert state_lines(caplog) == [
         (
             "dependency_down",
@@ -173,11 +175,6 @@ async def test_while_serving_a_dependency_is_probed_with_its_check_not_its_warm(
     warm = Scripted()
     check = Scripted("ok", "ok", "fail")
     dep = Dependency("redis", "redis://h:1/0", warm, check=check)
-    await warm_all([dep], states, CONFIG)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(keep, dep, states, CONFIG)
-        while len(check.calls) < 3:  # noqa: ASYNC110  (mock clock)
-            await trio.sleep(0.01)
-        nursery.cancel_scope.cancel()
+    await warm_then_keep(dep, states, check, 3)
     assert len(warm.calls) == 1
     assert states.up("redis") is False
