@@ -45,8 +45,7 @@ from ibex.assembly.history import Counter, DeferredCache
 from ibex.assembly.output_format import Format, SectionOrder
 from ibex.assembly.pipeline import DEFAULT_CONFIG, AssemblyInputs, CounterSource, PipelineConfig
 from ibex.assembly.pricing import PriceKey, commit_prices, pricer
-from ibex.assembly.result import degradation_level
-from ibex.assembly.stage_timer import whole_ms
+from ibex.assembly.result import degradation_level, timing_metrics
 from ibex.assembly.structs import AssemblyRequest, AssemblyResult, Directive, MemoryHit
 from ibex.errors import TooLargeError
 
@@ -213,14 +212,7 @@ class Speculation:
     def answer(self, inputs: AssemblyInputs) -> AssemblyResult:
         """The answer for `inputs` (which `matches`): the branches' latencies and the
         totals as `build_result` reports them, the rest as made."""
-        ms = {b.source: round(b.latency_ms) for b in inputs.branches}
-        metrics = msgspec.structs.replace(
-            self.result.metrics,
-            directive_load_ms=ms.get("directive", 0),
-            hot_memory_retrieval_ms=ms.get("hot", 0),
-            cold_memory_retrieval_ms=ms.get("cold", 0),
-            total_ms=whole_ms(self.work + inputs.retrieval_ms / 1000.0),
-        )
+        metrics = msgspec.structs.replace(self.result.metrics, **timing_metrics(inputs, self.work))
         return msgspec.structs.replace(
             self.result,
             branches=inputs.branches,

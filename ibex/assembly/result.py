@@ -27,7 +27,7 @@ from ibex.assembly.structs import (
 if TYPE_CHECKING:
     from ibex.assembly.pipeline import AssemblyInputs
 
-__all__ = ["build_result", "degradation_level"]
+__all__ = ["build_result", "degradation_level", "timing_metrics"]
 
 
 def degradation_level(branches: Iterable[BranchOutcome]) -> DegradationLevel:
@@ -54,10 +54,7 @@ def build_result(
     excluded += (memory_used(m, "budget") for m in rendered.dropped)
     metrics = AssemblyMetrics(
         **{stage.field: timer.stage_ms(stage) for stage in Stage},
-        directive_load_ms=_branch_ms(inputs.branches, "directive"),
-        hot_memory_retrieval_ms=_branch_ms(inputs.branches, "hot"),
-        cold_memory_retrieval_ms=_branch_ms(inputs.branches, "cold"),
-        total_ms=whole_ms(timer.total() + inputs.retrieval_ms / 1000.0),
+        **timing_metrics(inputs, timer.total()),
         candidates_evaluated=packed.candidates_evaluated,
     )
     directive = inputs.directive
@@ -83,6 +80,17 @@ def build_result(
         span_id=request.span_id,
         directive_version_id=(directive.version_id or "") if directive else "",
     )
+
+
+def timing_metrics(inputs: AssemblyInputs, work: float) -> dict[str, int]:
+    """The metrics that depend on retrieval's timing: each branch's latency, and the total
+    of retrieval and `work` (the pipeline's seconds)."""
+    return {
+        "directive_load_ms": _branch_ms(inputs.branches, "directive"),
+        "hot_memory_retrieval_ms": _branch_ms(inputs.branches, "hot"),
+        "cold_memory_retrieval_ms": _branch_ms(inputs.branches, "cold"),
+        "total_ms": whole_ms(work + inputs.retrieval_ms / 1000.0),
+    }
 
 
 def _branch_ms(branches: Sequence[BranchOutcome], source: str) -> int:
