@@ -138,5 +138,12 @@ async def test_in_the_cache_order_only_the_step_and_the_history_close_are_left_o
         assert 0 <= t.left_by_step < bench.CACHE_STEP_TOKENS, t
         assert prev.stable_tokens - t.left_by_order - t.left_by_step == t.cached_tokens, t
         assert t.coverage >= (prev.stable_tokens - close - 127) / prev.stable_tokens, t
+        assert t.prev_stable_tokens == prev.stable_tokens, t
+    # Over the conversation: every previous stable token served, over all of them.
+    summary = bench.summarise([turns], bench.PRICE_INPUT, bench.PRICE_CACHED)
+    served = sum(t.cached_tokens for t in turns[1:])
+    assert summary["coverage_all_from_turn_2"] == round(
+        served / sum(p.stable_tokens for p in turns[:-1]), 4
+    )
     assert bench.step_bound_tokens(close, 0.95) == (close + 127) * 20
     assert bench.step_bound_tokens(0, 0.5) == 254
