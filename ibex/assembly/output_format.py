@@ -180,12 +180,11 @@ class Format(ABC):
     def history_section(self, messages: Sequence[Message], nonce: str) -> list[str]:
         if not messages:
             return []
-        out = [self.history_open(nonce)]
-        message_open, body_piece, close = self.message_open, self.body_piece, self.message_close
-        for msg in messages:
-            out += (message_open(msg.role), body_piece(msg.content), close)
-        out.append(self.history_close)
-        return out
+        message_open = self.message_open
+        items = [(message_open(m.role), m.content) for m in messages]
+        return self._section(
+            self.history_open(nonce), items, self.message_close, self.history_close
+        )
 
     def memory_block(self, memory: ScoredMemory) -> list[str]:
         return [self.memory_open(memory), self.body_piece(memory.content), self.memory_close]
@@ -193,26 +192,33 @@ class Format(ABC):
     def memories_section(self, nonce: str, ordered: Sequence[ScoredMemory]) -> list[str]:
         if not ordered:
             return []
-        out = [self.memories_open(nonce)]
-        prefix, suffix, body_piece = (
-            self.memory_open_prefix,
-            self.memory_open_suffix,
-            self.body_piece,
+        prefix, suffix = self.memory_open_prefix, self.memory_open_suffix
+        items = [(prefix + suffix(m), m.content) for m in ordered]
+        return self._section(
+            self.memories_open(nonce), items, self.memory_close, self.memories_close
         )
-        close = self.memory_close
-        for memory in ordered:
-            out += (prefix + suffix(memory), body_piece(memory.content), close)
-        out.append(self.memories_close)
-        return out
 
     def tools_section(self, schemas: Sequence[str], nonce: str) -> list[str]:
         if not schemas:
             return []
-        out = [self.tools_open(nonce)]
-        tool_open, body_piece, tool_close = self.tool_open, self.body_piece, self.tool_close
-        for schema in schemas:
-            out += (tool_open, body_piece(schema), tool_close)
-        out.append(self.tools_close)
+        items = [(self.tool_open, schema) for schema in schemas]
+        return self._section(self.tools_open(nonce), items, self.tool_close, self.tools_close)
+
+    def _section(
+        self, opening: str, items: list[tuple[str, str]], close: str, closing: str
+    ) -> list[str]:
+        """`opening`; each item, (its opening piece, its text), as that piece, the text's
+        body piece and `close`; then `closing`.
+
+        The sections hand their items over as a list of pairs built by a comprehension:
+        map and zip over the section's own objects call its Python functions from C, which
+        costs more than the comprehension's calls do.
+        """
+        out = [opening]
+        body_piece = self.body_piece
+        for item_open, text in items:
+            out += (item_open, body_piece(text), close)
+        out.append(closing)
         return out
 
     def render_pieces(self, **block: Unpack[BlockInputs]) -> list[str]:

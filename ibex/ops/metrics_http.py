@@ -12,6 +12,7 @@ import hashlib
 import hmac
 import logging
 from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Final
 
 import trio
@@ -96,15 +97,13 @@ def _answer(head: bytes, registry: CollectorRegistry, digests: tuple[bytes, ...]
     return _response("200 OK", generate_latest(registry), CONTENT_TYPE_LATEST, head=head_only)
 
 
+@dataclass(slots=True, eq=False)  # eq=False: the gate keys its waiting connections by identity
 class _Conn:
     """One accepted connection as the gate sees it."""
 
-    __slots__ = ("peer", "released", "scope")
-
-    def __init__(self, peer: str) -> None:
-        self.peer = peer
-        self.scope = trio.CancelScope()
-        self.released = False
+    peer: str
+    scope: trio.CancelScope = field(init=False, default_factory=trio.CancelScope)
+    released: bool = field(init=False, default=False)
 
 
 class _Gate:

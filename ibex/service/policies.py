@@ -28,7 +28,8 @@ limit among them, stay in `Admission.slot`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal, NamedTuple, Protocol
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar, Literal, NamedTuple, Protocol
 
 if TYPE_CHECKING:
     from ibex.service.admission import Admission, AdmissionConfig
@@ -40,6 +41,7 @@ GATE_CPU_MESSAGE = "overloaded: the calls in flight leave this one too little ti
 GATE_QUEUE_MESSAGE = "overloaded: a standing queue leaves this call too little time"
 
 
+@dataclass(slots=True, eq=False)
 class CallFacts:
     """What is known of one call at a checkpoint.
 
@@ -47,16 +49,12 @@ class CallFacts:
     read it during `verdict`, never keep it.
     """
 
-    __slots__ = ("method", "own", "remaining", "size", "stage")
-
-    def __init__(
-        self, stage: Stage, method: str = "", remaining: float | None = None, size: int = 0
-    ) -> None:
-        self.stage: Stage = stage
-        self.method = method  # the short method label at "headers", else ""
-        self.remaining = remaining  # seconds of the caller's deadline left; None without one
-        self.size = size  # request bytes this checkpoint adds to the in-flight bytes
-        self.own = 0  # at "bytes": what the same request holds already (it grows by parts)
+    stage: Stage
+    method: str = ""  # the short method label at "headers", else ""
+    remaining: float | None = None  # seconds of the caller's deadline left; None without one
+    size: int = 0  # request bytes this checkpoint adds to the in-flight bytes
+    # At "bytes": what the same request holds already (it grows by parts).
+    own: int = field(default=0, init=False)
 
 
 class Refusal(NamedTuple):
@@ -85,13 +83,13 @@ CPU_REFUSAL = Refusal("cpu", _RE, GATE_CPU_MESSAGE)
 QUEUE_REFUSAL = Refusal("queue", _RE, GATE_QUEUE_MESSAGE)
 
 
+@dataclass(frozen=True, slots=True)
 class InFlightCap:
     """The hard cap of calls in flight."""
 
-    stages: frozenset[Stage] = frozenset(("open",))
+    stages: ClassVar[frozenset[Stage]] = frozenset(("open",))
 
-    def __init__(self, max_in_flight: int) -> None:
-        self.max_in_flight = max_in_flight
+    max_in_flight: int
 
     def verdict(self, call: CallFacts, load: Admission, now: float) -> Refusal | None:
         if load.in_flight >= self.max_in_flight:
@@ -99,15 +97,15 @@ class InFlightCap:
         return None
 
 
+@dataclass(frozen=True, slots=True)
 class BytesCap:
     """The cap of request bytes in flight: a memory bound (calls waiting for a slot hold
     only their requests). One message always fits when nothing else is in flight (the
     parts of the message asking count as its own, not as something else)."""
 
-    stages: frozenset[Stage] = frozenset(("bytes", "arrival"))
+    stages: ClassVar[frozenset[Stage]] = frozenset(("bytes", "arrival"))
 
-    def __init__(self, max_in_flight_bytes: int) -> None:
-        self.max_in_flight_bytes = max_in_flight_bytes
+    max_in_flight_bytes: int
 
     def verdict(self, call: CallFacts, load: Admission, now: float) -> Refusal | None:
         size = call.size
@@ -121,14 +119,14 @@ class BytesCap:
         return None
 
 
+@dataclass(frozen=True, slots=True)
 class MinAnswer:
     """Less than `min_answer` left: even a degraded answer could not leave in time.
     Not an overload signal: an idle daemon says the same."""
 
-    stages: frozenset[Stage] = frozenset(("arrival",))
+    stages: ClassVar[frozenset[Stage]] = frozenset(("arrival",))
 
-    def __init__(self, min_answer: float) -> None:
-        self.min_answer = min_answer
+    min_answer: float
 
     def verdict(self, call: CallFacts, load: Admission, now: float) -> Refusal | None:
         remaining = call.remaining
@@ -141,6 +139,7 @@ class MinAnswer:
         return None
 
 
+@dataclass(frozen=True, slots=True)
 class CpuSaturation:
     """A saturated loop could not finish the call in time (Little's law, see `admission`).
 
@@ -149,19 +148,12 @@ class CpuSaturation:
     DEADLINE_EXCEEDED downstream, never an overload status.
     """
 
-    stages: frozenset[Stage] = frozenset(("headers",))
+    stages: ClassVar[frozenset[Stage]] = frozenset(("headers",))
 
-    def __init__(
-        self,
-        min_useful: float,
-        saturated: float,
-        wait_margin: float,
-        retrieving_share: float = 1.0,
-    ) -> None:
-        self.min_useful = min_useful
-        self.saturated = saturated
-        self.wait_margin = wait_margin
-        self.retrieving_share = retrieving_share
+    min_useful: float
+    saturated: float
+    wait_margin: float
+    retrieving_share: float = 1.0
 
     def verdict(self, call: CallFacts, load: Admission, now: float) -> Refusal | None:
         remaining = call.remaining
@@ -179,14 +171,14 @@ class CpuSaturation:
         return None
 
 
+@dataclass(frozen=True, slots=True)
 class StandingQueue:
     """While the queue stands and calls wait in front, refuse a call the expected wait
     would leave less than `min_useful` of its deadline."""
 
-    stages: frozenset[Stage] = frozenset(("headers", "arrival"))
+    stages: ClassVar[frozenset[Stage]] = frozenset(("headers", "arrival"))
 
-    def __init__(self, min_useful: float) -> None:
-        self.min_useful = min_useful
+    min_useful: float
 
     def verdict(self, call: CallFacts, load: Admission, now: float) -> Refusal | None:
         remaining = call.remaining

@@ -28,6 +28,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Final, TypeVar
 
 import trio
@@ -71,13 +72,11 @@ def share_the_gil() -> None:
     sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL))
 
 
+@dataclass(slots=True, eq=False)  # eq=False: a line removes a waiter by identity
 class _Waiter:
-    __slots__ = ("event", "granted", "key")
-
-    def __init__(self, key: str) -> None:
-        self.key = key
-        self.event = trio.Event()
-        self.granted = False
+    key: str
+    event: trio.Event = field(init=False, default_factory=trio.Event)
+    granted: bool = field(init=False, default=False)
 
 
 class FairQueue:

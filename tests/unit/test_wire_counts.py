@@ -146,6 +146,57 @@ def test_the_walk_reads_what_upb_reads(kind: str, data: bytes) -> None:
         assert counted == expected
 
 
+def group(number: int, inner: bytes, end: int | None = None) -> bytes:
+    """A group of `number` holding `inner`, closed by an end-group of `end` (its own)."""
+    return varint(number << 3 | 3) + inner + varint((number if end is None else end) << 3 | 4)
+
+
+@pytest.mark.parametrize(
+    ("data", "messages"),
+    [
+        (group(99, group(98, b"") + group(98, group(97, b""))), 0),
+        # Inside a group, field numbers are the group's: field 8 is no recent message.
+        (group(99, ld(8, b"") * 600), 0),
+        (ld(8, b"") + group(99, ld(8, b"")) + ld(8, b""), 2),
+        # Field number 0 is skipped inside a group, as upb does, and refused outside one.
+        (group(99, varint(0) + b"\x01" + ld(0, b"ab") + group(0, b"")), 0),
+        (varint(0) + b"\x01", None),
+        (group(99, group(98, b""), end=98), None),  # the outer group closed by the inner's end
+        (group(99, group(98, b"", end=99)), None),  # the inner group closed by the outer's end
+        (varint(99 << 3 | 4), None),  # an end-group with no group open
+        (group(99, b"")[:-1], None),  # a group left open at the end
+        (group(99, group(98, b"")[:-1]), None),  # a nested group left open at the end
+        (ld(8, group(1, b"")[:-1]), None),  # a group left open at the end of a message
+        (ld(8, varint(1 << 3 | 3)) + varint(1 << 3 | 4), None),  # and closed outside it
+    ],
+    ids=[
+        "nested groups",
+        "a group's fields are its own",
+        "fields around a group",
+        "field 0 inside a group",
+        "field 0 outside a group",
+        "mismatched outer end",
+        "mismatched inner end",
+        "stray end-group",
+        "group left open",
+        "nested group left open",
+        "group open at a message's end",
+        "group closed outside its message",
+    ],
+)
+def test_groups_are_read_as_the_wire_format_says(data: bytes, messages: int | None) -> None:
+    """A group runs from its start tag to the end-group of the same number, groups nest,
+    and what they hold is their field's value (protobuf encoding spec, "Groups").
+    `messages`: the recent_messages counted, None where the bytes are no message."""
+    counts = None if messages is None else {"recent_messages": messages, "tool_schemas": 0}
+    assert decoded_counts(pb.AssembleContextRequest, data) == counts, "upb reads it so"
+    if counts is None:
+        with pytest.raises(InputError, match="not a valid protobuf message"):
+            count_repeated(data, ASSEMBLE)
+        return
+    assert count_repeated(data, ASSEMBLE) == counts
+
+
 @st.composite
 def assemble_requests(draw: st.DrawFn) -> Any:
     return pb.AssembleContextRequest(
