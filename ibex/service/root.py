@@ -43,7 +43,7 @@ from ibex.service.assembler import Assembler
 from ibex.service.auth import Authenticator
 from ibex.service.daemon import Daemon
 from ibex.service.dependencies import Dependency, prime_directives
-from ibex.service.edge.connections import ConnectionsConfig, default_max_connections
+from ibex.service.edge.connections_config import ConnectionsConfig, default_max_connections
 from ibex.service.startup_checks import check_bind_policy
 from ibex.sources.base import DirectiveSource, MemorySource
 from ibex.sources.directive_cache import DirectiveCache
