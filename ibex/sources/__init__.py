@@ -35,7 +35,8 @@ if TYPE_CHECKING:
     from ibex.sources.http_framing import ResponseTooLarge, TransportError, TransportTimeout
     from ibex.sources.local_file import LocalFileError, LocalFileSource
     from ibex.sources.memory_http import MemoryHttpSource
-    from ibex.sources.redis_directive import RedisDirectiveSource, RedisOptions
+    from ibex.sources.redis_directive import RedisDirectiveSource
+    from ibex.sources.redis_topologies import RedisOptions
     from ibex.sources.retrieval import (
         BranchListener,
         Retrieved,
@@ -81,7 +82,7 @@ _DEFINED_IN = {
     "LocalFileSource": "local_file",
     "MemoryHttpSource": "memory_http",
     "RedisDirectiveSource": "redis_directive",
-    "RedisOptions": "redis_directive",
+    "RedisOptions": "redis_topologies",
     "ResponseTooLarge": "http_framing",
     "RetrievalConfig": "retrieval_config",
     "Retrieved": "retrieval",
