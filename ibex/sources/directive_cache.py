@@ -77,7 +77,7 @@ class DirectiveCache:
         self._reads = DirectiveReads(source, config.refresh_timeout, self._store, clock)
 
     async def __aenter__(self) -> DirectiveCache:
-        await self._reads.__aenter__()
+        await self._reads.start()
         return self
 
     async def __aexit__(
@@ -87,7 +87,7 @@ class DirectiveCache:
         tb: TracebackType | None,
     ) -> None:
         """Cancels the reads still in flight; closes nothing else (`aclose` does)."""
-        await self._reads.__aexit__(exc_type, exc, tb)
+        await self._reads.stop()
 
     def __len__(self) -> int:
         return len(self._entries)

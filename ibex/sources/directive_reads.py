@@ -22,7 +22,6 @@ import contextlib
 import functools
 import logging
 from collections.abc import Awaitable, Callable
-from types import TracebackType
 from typing import Protocol
 
 import trio
@@ -88,7 +87,7 @@ class _Batch:
 
 class DirectiveReads:
     """The reads of missed keys queued or in flight, in tasks of a nursery of its own
-    (entered with `async with`); `store` keeps each answer."""
+    (between `start` and `stop`); `store` keeps each answer."""
 
     def __init__(
         self,
@@ -107,18 +106,13 @@ class DirectiveReads:
         self._reading: dict[tuple[str, str], Refresh] = {}
         self._queued: dict[tuple[str, str], str] = {}  # key -> the version its caller named
 
-    async def __aenter__(self) -> DirectiveReads:
+    async def start(self) -> None:
+        """Open the nursery the reads run in (`stop` closes it)."""
         self._stack = contextlib.AsyncExitStack()
         self._nursery = await self._stack.enter_async_context(trio.open_nursery())
-        return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        """Cancels the reads still in flight."""
+    async def stop(self) -> None:
+        """Cancel the reads still in flight and close their nursery."""
         nursery, stack = self._nursery, self._stack
         self._nursery = self._stack = None
         if nursery is not None and stack is not None:

@@ -90,24 +90,16 @@ class RedisDirectiveSource:
         sentinels: Sequence[tuple[str, int]],
         master: str,
         *,
-        url: str | None = None,
-        sentinel_password: str | None = None,
         options: RedisOptions = DEFAULTS,
-        **pool_kwargs: Any,
+        **kwargs: Any,
     ) -> RedisDirectiveSource:
-        """The master named `master`, found through `sentinels`, followed across failovers
-        (`ibex.sources.redis_topologies.sentinel_reader`: `url` gives the data nodes'
-        credentials and TLS, which the sentinels share)."""
-        reader = sentinel_reader(
-            sentinels,
-            master,
-            url=url,
-            sentinel_password=sentinel_password,
-            options=options,
-            **pool_kwargs,
-        )
+        """The master named `master`, found through `sentinels`, followed across failovers.
+
+        `kwargs` are `sentinel_reader`'s (`ibex.sources.redis_topologies`): `url` for the
+        data nodes' credentials and TLS, which the sentinels share, `sentinel_password`,
+        and the pool's own options."""
         source = cls.__new__(cls)
-        source._over(reader, options)
+        source._over(sentinel_reader(sentinels, master, options=options, **kwargs), options)
         return source
 
     @classmethod
