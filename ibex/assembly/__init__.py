@@ -52,9 +52,9 @@ __all__ = [
 __getattr__ = lazy_exports(
     __name__,
     {
-        "DEFAULT_CONFIG": "pipeline",
+        "DEFAULT_CONFIG": "pipeline_config",
         "AssemblyInputs": "pipeline",
-        "PipelineConfig": "pipeline",
+        "PipelineConfig": "pipeline_config",
         "assemble_pure": "pipeline",
         "EarlyAssembly": "prepare",
         "AssemblyOptions": "structs",

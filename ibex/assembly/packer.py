@@ -28,6 +28,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
+from ibex.assembly.pipeline_config import DEFAULT_DP_CELL_CEILING, DEFAULT_MAX_CONSECUTIVE_SKIPS
 from ibex.assembly.structs import PackPath, PackResult, ScoredMemory
 
 __all__ = [
@@ -39,8 +40,6 @@ __all__ = [
 ]
 
 DEFAULT_BUCKET = 16
-DEFAULT_DP_CELL_CEILING = 70 * 6251
-DEFAULT_MAX_CONSECUTIVE_SKIPS = 5
 DEFAULT_FINE_CELLS = 1 << 16
 
 _FloatArray = npt.NDArray[np.float64]

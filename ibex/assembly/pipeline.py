@@ -17,7 +17,7 @@ ceiling (ibex.assembly.render), build the result (ibex.assembly.result). A
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Annotated, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 
@@ -25,8 +25,8 @@ from ibex.assembly.candidates import branch_candidates, merge, select, select_ca
 from ibex.assembly.catalog import Catalog, resolve_model
 from ibex.assembly.fixed_sections import FixedSections, count_fixed_sections
 from ibex.assembly.history import Counter
-from ibex.assembly.output_format import Format, SectionOrder
-from ibex.assembly.packer import DEFAULT_DP_CELL_CEILING, DEFAULT_MAX_CONSECUTIVE_SKIPS, pack
+from ibex.assembly.packer import pack
+from ibex.assembly.pipeline_config import DEFAULT_CONFIG, PipelineConfig
 from ibex.assembly.pricing import price, pricer
 from ibex.assembly.render import render_within_ceiling
 from ibex.assembly.result import build_result, degradation_level
@@ -38,8 +38,6 @@ from ibex.assembly.structs import (
     Directive,
     MemoryHit,
 )
-from ibex.assembly.xml_format import XML_TAGS
-from ibex.envvar import env
 
 if TYPE_CHECKING:
     from ibex.assembly.prepare import EarlyAssembly
@@ -73,31 +71,6 @@ class CounterSource(Protocol):
     """Where the pipeline gets a family's token counter (ibex.assembly.tokens.Tokenizers)."""
 
     def counter(self, family: str, encoding: str | None) -> Counter: ...
-
-
-DEFAULT_NONCE_BYTES = 16
-
-
-class PipelineConfig(msgspec.Struct, frozen=True):
-    """The pure core's knobs; the defaults are the packer's and the formatter's own."""
-
-    dp_cell_ceiling: Annotated[
-        int, env("IBEX_CONTEXT_PACKER_DP_CELL_CEILING", bounds=(1, 50_000_000))
-    ] = DEFAULT_DP_CELL_CEILING
-    max_consecutive_skips: Annotated[
-        int, env("IBEX_CONTEXT_PACKER_MAX_CONSECUTIVE_SKIPS", bounds=(0, 1_000_000))
-    ] = DEFAULT_MAX_CONSECUTIVE_SKIPS
-    nonce_bytes: Annotated[int, env("IBEX_CONTEXT_FORMATTER_NONCE_BYTES", bounds=(8, 64))] = (
-        DEFAULT_NONCE_BYTES
-    )
-    #: How the block is written and priced: both come from this one object.
-    format: Format = XML_TAGS
-    #: The order sections are written in (ibex.assembly.output_format.SectionOrder): `seed`, the
-    #: design's fixed order, or `cache`, what changes least first for a provider's cache.
-    section_order: Annotated[SectionOrder, env("IBEX_CONTEXT_SECTION_ORDER")] = "seed"
-
-
-DEFAULT_CONFIG = PipelineConfig()
 
 
 class AssemblyInputs(msgspec.Struct, frozen=True):

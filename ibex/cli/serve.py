@@ -94,8 +94,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     supervised = settings.workers > 1 or settings.metrics_addr or args.env_file is not None
     try:
         if supervised and not args.worker:
+            from ibex.config import drain_grace
             from ibex.ops.workers import supervise
-            from ibex.service.root import drain_grace
             from ibex.service.startup_checks import check_bind_policy
 
             check_bind_policy(settings)
@@ -143,8 +143,7 @@ def _reload_settings(
 ) -> tuple[Settings, float]:
     """The supervisor's check of a reload's settings, as a start checks them: ConfigError
     names the variable. The worker count stays the running one (a restart changes it)."""
-    from ibex.config import load_settings
-    from ibex.service.root import drain_grace
+    from ibex.config import drain_grace, load_settings
     from ibex.service.startup_checks import check_bind_policy
 
     settings = load_settings(env)
@@ -211,7 +210,7 @@ def cmd_config(args: argparse.Namespace) -> int:
     unit, lists comma-separated, an off setting empty); `--json` is one object.
     Secrets are redacted in both.
     """
-    from ibex.service.root import effective_settings
+    from ibex.config import effective_settings
 
     shown = effective_settings(_settings())
     if args.json:

@@ -16,19 +16,19 @@ from typing import Annotated, Any
 import msgspec
 
 from ibex.assembly.nonce import DEFAULT_MAX_AGE, MIN_KEY_CHARS
-from ibex.assembly.pipeline import PipelineConfig
+from ibex.assembly.pipeline_config import PipelineConfig
 from ibex.assembly.tokens import TokenCacheConfig
 from ibex.assembly.validation import RequestLimits
 from ibex.config import values as v
 from ibex.config.checks import check_worker_ports
 from ibex.envvar import declared, env
-from ibex.service.admission import AdmissionConfig
-from ibex.service.daemon import DaemonConfig
-from ibex.service.edge.connections import ConnectionsConfig
-from ibex.service.handlers import EdgeConfig
-from ibex.sources.directive_cache import DirectiveCacheConfig
-from ibex.sources.memory_http import MemoryServiceConfig
-from ibex.sources.retrieval import RetrievalConfig
+from ibex.service.admission_config import AdmissionConfig
+from ibex.service.daemon_config import DaemonConfig
+from ibex.service.edge.connections_config import ConnectionsConfig
+from ibex.service.handlers_config import EdgeConfig
+from ibex.sources.directive_cache_config import DirectiveCacheConfig
+from ibex.sources.memory_config import MemoryServiceConfig
+from ibex.sources.retrieval_config import RetrievalConfig
 
 __all__ = ["Settings"]
 

@@ -1,7 +1,8 @@
 """Running the daemon: logs, metrics, traces, systemd notification, worker processes.
 
 - `logs`: one JSON event per line, no secrets, no memory text (`configure_logging`);
-- `metrics`: every Prometheus metric the daemon records (`Metrics`);
+- `metrics`: every Prometheus metric the daemon records (`Metrics`), a single
+  process's updates held and folded in at collection by `metrics_held`;
   `metrics_http`: the ``/metrics`` listener (`serve_metrics`);
   `supervisor_metrics`: what the supervisor of several workers exposes;
 - `tracing`: whether OpenTelemetry is wanted and its set-up (`setup_tracing`);

@@ -63,10 +63,9 @@ Known label values are created at start-up so ``rate()`` sees a zero before the
 first event rather than a missing series.
 
 With a single process and no ``PROMETHEUS_MULTIPROC_DIR`` the process serves
-its own ``Metrics().registry``, and what `observe_assembly` records (about
-twenty updates an answer, each a lock and a check in prometheus_client) is held
-in plain numbers and added to the collectors as the registry is collected
-(`_Held`), so every scrape reads the same values. The token-cache counters read the tokenizer's
+its own ``Metrics().registry``, and what `observe_assembly` records is held in
+plain numbers and folded into the collectors as the registry is collected
+(`ibex.ops.metrics_held`). The token-cache counters read the tokenizer's
 own counters at scrape time in that mode; in multiprocess mode a collector
 cannot run in the worker at scrape time, so `observe_assembly` copies the
 tokenizer's deltas into ordinary counters instead.
@@ -75,7 +74,6 @@ tokenizer's deltas into ordinary counters instead.
 from __future__ import annotations
 
 import os
-from bisect import bisect_left
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager
 from typing import Any, Final, get_args
@@ -98,6 +96,7 @@ from ibex.assembly.structs import (
     PackPath,
     Stage,
 )
+from ibex.ops.metrics_held import Held
 
 MULTIPROC_ENV: Final = "PROMETHEUS_MULTIPROC_DIR"
 
@@ -203,86 +202,6 @@ class _TokenCacheCollector(Collector):
         )
 
 
-class _HeldCount:
-    """A counter child's increments, held until the next collection."""
-
-    __slots__ = ("child", "n")
-
-    def __init__(self, child: Any) -> None:
-        self.child = child
-        self.n = 0
-
-    def inc(self, amount: int = 1) -> None:
-        self.n += amount
-
-    def fold(self) -> None:
-        if self.n:
-            n, self.n = self.n, 0
-            self.child.inc(n)
-
-
-class _HeldHistogram:
-    """A histogram child's observations, held as bucket counts and a running sum.
-
-    The sum is the child's own, continued in the order of the observations, and
-    written back whole: the same float as observing each value in turn. Only
-    `observe_assembly` writes these children.
-    """
-
-    __slots__ = ("bounds", "child", "counts", "total")
-
-    def __init__(self, child: Any) -> None:
-        self.child = child
-        self.bounds = tuple(child._upper_bounds)  # ends with +Inf
-        self.counts = [0] * len(self.bounds)
-        self.total = child._sum.get()
-
-    def observe(self, amount: float) -> None:
-        # The first bound >= amount: the bucket prometheus_client's loop picks.
-        if amount == amount:  # a NaN lands in no bucket, as there
-            self.counts[bisect_left(self.bounds, amount)] += 1
-        self.total += amount
-
-    def fold(self) -> None:
-        counts = self.counts
-        if not any(counts) and self.total == self.child._sum.get():
-            return
-        self.counts = [0] * len(counts)
-        self.child._sum.set(self.total)
-        for bucket, n in zip(self.child._buckets, counts, strict=True):
-            if n:
-                bucket.inc(n)
-
-
-def _holdable(child: Any) -> bool:
-    """Whether a histogram child has the private parts `_HeldHistogram` writes
-    (prometheus_client 0.2x's): else its updates go through `observe`."""
-    try:
-        return (
-            len(child._upper_bounds) == len(child._buckets)
-            and child._upper_bounds[-1] == float("inf")
-            and callable(child._sum.set)
-            and isinstance(child._sum.get(), float)
-        )
-    except (AttributeError, TypeError):
-        return False
-
-
-class _Held(Collector):
-    """Registered ahead of the metrics: folds the held updates into them, yields nothing."""
-
-    def __init__(self) -> None:
-        self.held: list[_HeldCount | _HeldHistogram] = []
-
-    def describe(self) -> Iterable[Metric]:
-        return ()
-
-    def collect(self) -> Iterable[Metric]:
-        for h in self.held:
-            h.fold()
-        return ()
-
-
 class Metrics:
     """Every metric the daemon records, on a registry of its own (so tests can make fresh ones).
 
@@ -295,8 +214,8 @@ class Metrics:
         self.multiprocess = multiprocess_dir() is not None
         r = self.registry
         # Single process: `observe_assembly`'s updates are held and folded in as the
-        # registry collects (`_Held`, registered first so it runs first).
-        self._held = None if self.multiprocess else _Held()
+        # registry collects (`Held`, registered first so it runs first).
+        self._held = None if self.multiprocess else Held()
         if self._held is not None:
             r.register(self._held)
 
@@ -421,19 +340,11 @@ class Metrics:
 
     def _hold_count(self, child: Any) -> Any:
         """`child`, or its held stand-in (single process)."""
-        if self._held is None:
-            return child
-        held = _HeldCount(child)
-        self._held.held.append(held)
-        return held
+        return child if self._held is None else self._held.count(child)
 
     def _hold_histogram(self, child: Any) -> Any:
         """`child`, or its held stand-in (single process, known internals)."""
-        if self._held is None or not _holdable(child):
-            return child
-        held = _HeldHistogram(child)
-        self._held.held.append(held)
-        return held
+        return child if self._held is None else self._held.histogram(child)
 
     # ------------------------------------------------------------------ recording
 

@@ -18,10 +18,9 @@ import signal
 import ssl
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractAsyncContextManager, contextmanager
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Any
 
 import grpclib.server
-import msgspec
 import trio
 import trio_asyncio
 from grpclib.events import SendTrailingMetadata, listen
@@ -29,7 +28,6 @@ from grpclib.health.check import ServiceStatus
 from grpclib.health.service import Health
 
 from ibex.assembly.tokens import Tokenizers
-from ibex.envvar import env
 from ibex.errors import ListenError
 from ibex.netaddr import bind_problem, join_host_port
 from ibex.ops.branch_errors import BranchErrors
@@ -39,8 +37,8 @@ from ibex.patches import install_patches, precise_wakeups
 from ibex.service.admission import Admission, AdmissionConfig
 from ibex.service.assembler import Assembler
 from ibex.service.auth import Authenticator
+from ibex.service.daemon_config import DaemonConfig as DaemonConfig
 from ibex.service.dependencies import (
-    DependencyConfig,
     DependencyStates,
     keep,
     report_recent,
@@ -52,7 +50,6 @@ from ibex.service.edge import (
     BoundedReads,
     CallDeadline,
     Connections,
-    ConnectionsConfig,
     LoopErrorHandler,
     TrackedServer,
     bound_port,
@@ -71,23 +68,6 @@ if TYPE_CHECKING:
     from ibex.ops.otel_sdk import Tracing
 
 log = logging.getLogger(__name__)
-
-
-class DaemonConfig(msgspec.Struct, frozen=True):
-    host: str = "127.0.0.1"
-    port: int = 9092
-    reuse_port: bool = False
-    drain_grace: Annotated[float, env("IBEX_CONTEXT_DRAIN_GRACE", unit="s")] = 10.0
-    connections: ConnectionsConfig = ConnectionsConfig()
-    # This process's own ports besides `port` (a worker's WORKER_PORT_BASE + i), so a
-    # client can balance calls over workers; and its worker slot, sent to callers
-    # in the `x-ibex-worker` trailer.
-    own_ports: tuple[int, ...] = ()
-    worker: int | None = None
-    # Bounds of warming the dependencies before serving and of probing them after.
-    dependencies: DependencyConfig = DependencyConfig()
-    # Seconds between two `branch_errors` summary lines of one source.
-    branch_errors_interval: float = 10.0
 
 
 class Daemon:

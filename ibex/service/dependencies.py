@@ -37,12 +37,12 @@ import random
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-import msgspec
 import trio
 
 from ibex.errors import SourceError
 from ibex.ops import handover
 from ibex.ops.sdnotify import Notifier
+from ibex.service.daemon_config import DependencyConfig
 from ibex.sources.directive_cache import DirectiveCache
 
 __all__ = [
@@ -56,16 +56,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-
-class DependencyConfig(msgspec.Struct, frozen=True):
-    """Time bounds of warming and probing (seconds)."""
-
-    start_timeout: float = 3.0  # per dependency, before serving
-    probe_interval: float = 1.0  # between probes of an up dependency
-    probe_timeout: float = 1.0
-    backoff_min: float = 0.1  # first retry of a down dependency
-    backoff_max: float = 5.0
 
 
 @dataclass(frozen=True, slots=True)

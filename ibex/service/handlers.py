@@ -20,11 +20,10 @@ import time
 import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import KW_ONLY, dataclass, field
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Any
 
 import grpclib.const
 import grpclib.server
-import msgspec
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 from h2.exceptions import StreamClosedError
@@ -33,7 +32,6 @@ from ibex.assembly.candidates import SearchFilter, SearchResult
 from ibex.assembly.feedback_rules import MAX_FEEDBACK_IDS, Feedback, validate_feedback
 from ibex.assembly.structs import AssemblyRequest, AssemblyResult
 from ibex.assembly.validation import MAX_SEARCH_CATEGORIES, MAX_SEARCH_TAGS
-from ibex.envvar import env
 from ibex.errors import (
     DeadlineError,
     IbexError,
@@ -55,6 +53,7 @@ from ibex.service.edge.crossing import Reply, answer_in_trio, in_trio, raise_swa
 from ibex.service.edge.status import grpc_error
 from ibex.service.edge.stream_reads import connection_of, recv_bounded, request_complete
 from ibex.service.edge.wire_counts import Rules, check_counts, request_rules
+from ibex.service.handlers_config import EdgeConfig as EdgeConfig
 from ibex.sources.feedback_sender import FeedbackRejected, Sent, send_feedback
 
 if TYPE_CHECKING:
@@ -87,16 +86,6 @@ def method_label(path: str) -> str:
     if path.startswith(_PREFIX) and (name := path[len(_PREFIX) :]) in METHODS:
         return name
     return "other"
-
-
-class EdgeConfig(msgspec.Struct, frozen=True):
-    """What the handlers need beyond the assembler; a setting's variable is on its field."""
-
-    max_message_bytes: Annotated[
-        int, env("IBEX_CONTEXT_MAX_MESSAGE_BYTES", bounds=(1024, 256 * 1024 * 1024))
-    ] = 4 * 1024 * 1024
-    # RecordMemoryFeedback's time for both attempts when the caller sets no deadline.
-    feedback_timeout: float = 2.0
 
 
 @dataclass(eq=False)  # hashed by identity: Health keys its statuses by the service

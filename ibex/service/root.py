@@ -4,10 +4,10 @@ This module, the CLI and the worker supervisor are the only readers of
 `Settings`. Each layer gets a small frozen config of its own (retrieval
 limits, request limits, pipeline knobs, admission, the edge), so no layer
 sees a secret it does not need: `Settings` holds them built, each field's
-variable declared beside its default (`ibex.envvar.env`), and
-`effective_settings` reads every variable's value back for `ibex config`. The
-few values derived from others are computed here by hand, from the built
-structs. What start-up and `ibex check` say about the settings (warnings,
+variable declared beside its default (`ibex.envvar.env`); the few values
+derived from others are computed from the built structs by
+`ibex.config.effective` (`admission_config`, `connections_config`), which
+`ibex config` reads too. What start-up and `ibex check` say about the settings (warnings,
 bind problems, the bind policy) is in `ibex.service.startup_checks`.
 
 `open_assembler(settings)` builds the sources the settings name (Redis for
@@ -24,7 +24,6 @@ import os
 import ssl
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
-from typing import Any, TypeVar
 
 import msgspec
 import trio
@@ -32,18 +31,23 @@ import trio
 from ibex.assembly.catalog import Catalog, load_catalog
 from ibex.assembly.nonce import NonceKey
 from ibex.assembly.tokens import TokenizerError, Tokenizers
-from ibex.config import DURATIONS, LAYERS, PREFIX, TABLE, Settings, format_duration, redact_url
+from ibex.config import PREFIX, Settings, redact_url
+from ibex.config.effective import (
+    admission_config,
+    connections_config,
+    drain_grace,
+    effective_settings,
+    layer_config,
+)
 from ibex.errors import ConfigFileError
 from ibex.netaddr import split_host_port
 from ibex.ops import handover
 from ibex.ops.metrics import Metrics
 from ibex.ops.tracing import setup_tracing
-from ibex.service.admission import AdmissionConfig
 from ibex.service.assembler import Assembler
 from ibex.service.auth import Authenticator
 from ibex.service.daemon import Daemon
 from ibex.service.dependencies import Dependency, prime_directives
-from ibex.service.edge.connections import ConnectionsConfig, default_max_connections
 from ibex.service.startup_checks import check_bind_policy
 from ibex.sources.base import DirectiveSource, MemorySource
 from ibex.sources.directive_cache import DirectiveCache
@@ -64,77 +68,6 @@ __all__ = [
     "open_assembler",
     "server_ssl_context",
 ]
-
-
-T = TypeVar("T", bound=msgspec.Struct)
-
-
-def layer_config(struct: type[T], settings: Settings) -> T:
-    """The `struct` that `settings` holds (each field set from its variable, or its default)."""
-    for name, held in LAYERS.items():
-        if held is struct:
-            value: T = getattr(settings, name)
-            return value
-    raise KeyError(f"Settings holds no {struct.__name__}")
-
-
-def effective_settings(settings: Settings) -> dict[str, Any]:
-    """Every variable -> the value the daemon runs with (what `ibex config` prints).
-
-    An unset targeted setting shows its layer default, a computed one (the
-    connection caps from RLIMIT_NOFILE, the per-org cap, the age grace) the
-    value computed now; durations carry a unit (`45ms`, `5s`), secrets are
-    redacted. None is a setting that is off (no URL, no age limit).
-    """
-    own = settings.redacted()
-    connections = connections_config(settings)
-    admission = admission_config(settings)
-    own.update(
-        max_org_assemblies=admission.max_org_concurrent,
-        max_caller_in_flight_bytes=admission.max_caller_bytes,
-        max_connections=connections.max_connections,
-        max_connections_per_peer=connections.max_per_peer,
-        max_connection_age_grace=connections.age_grace,
-    )
-    out: dict[str, Any] = {}
-    for name, row in TABLE.items():
-        value = row.value(settings) if row.layer else own[row.field]
-        if name in DURATIONS and value is not None:
-            value = format_duration(value)
-        elif isinstance(value, tuple):
-            value = list(value)
-        out[name] = value
-    return out
-
-
-def admission_config(settings: Settings) -> AdmissionConfig:
-    """Admission; the per-org, per-caller and worker-thread queue defaults derive from the
-    global caps."""
-    built = settings.admission
-    return msgspec.structs.replace(
-        built,
-        max_org_concurrent=settings.max_org_assemblies or max(1, built.max_concurrent // 2),
-        max_caller_bytes=settings.max_caller_in_flight_bytes or built.max_in_flight_bytes // 4,
-        max_thread_queue=max(1, built.max_in_flight // 4),
-    )
-
-
-def connections_config(settings: Settings) -> ConnectionsConfig:
-    """Connection limits; the cap's default is computed from RLIMIT_NOFILE at start-up, the
-    per-peer cap's from the cap, the age grace's from the daemon's drain grace."""
-    cap = settings.max_connections or default_max_connections()
-    grace = settings.max_connection_age_grace
-    return msgspec.structs.replace(
-        settings.connections,
-        max_connections=cap,
-        max_per_peer=settings.max_connections_per_peer or max(1, cap // 4),
-        age_grace=grace if grace is not None else drain_grace(settings),
-    )
-
-
-def drain_grace(settings: Settings) -> float:
-    """How long in-flight calls may finish on SIGTERM (the supervisor waits for it too)."""
-    return settings.daemon.drain_grace
 
 
 def authenticator(settings: Settings) -> Authenticator:

@@ -29,19 +29,21 @@ from typing import TYPE_CHECKING, Any
 from ibex.sources.base import Answer, BatchRead, DirectiveSource, MemorySource, SourceError
 
 if TYPE_CHECKING:
-    from ibex.sources.directive_cache import DirectiveCache, DirectiveCacheConfig
+    from ibex.sources.directive_cache import DirectiveCache
+    from ibex.sources.directive_cache_config import DirectiveCacheConfig
     from ibex.sources.feedback_sender import FeedbackRejected, FeedbackRetryable, send_feedback
     from ibex.sources.http_framing import ResponseTooLarge, TransportError, TransportTimeout
     from ibex.sources.local_file import LocalFileError, LocalFileSource
     from ibex.sources.memory_http import MemoryHttpSource
-    from ibex.sources.redis_directive import RedisDirectiveSource, RedisOptions
+    from ibex.sources.redis_directive import RedisDirectiveSource
+    from ibex.sources.redis_topologies import RedisOptions
     from ibex.sources.retrieval import (
         BranchListener,
-        RetrievalConfig,
         Retrieved,
         cold_search,
         retrieve,
     )
+    from ibex.sources.retrieval_config import RetrievalConfig
 
 __all__ = [
     "Answer",
@@ -73,16 +75,16 @@ __all__ = [
 _DEFINED_IN = {
     "BranchListener": "retrieval",
     "DirectiveCache": "directive_cache",
-    "DirectiveCacheConfig": "directive_cache",
+    "DirectiveCacheConfig": "directive_cache_config",
     "FeedbackRejected": "feedback_sender",
     "FeedbackRetryable": "feedback_sender",
     "LocalFileError": "local_file",
     "LocalFileSource": "local_file",
     "MemoryHttpSource": "memory_http",
     "RedisDirectiveSource": "redis_directive",
-    "RedisOptions": "redis_directive",
+    "RedisOptions": "redis_topologies",
     "ResponseTooLarge": "http_framing",
-    "RetrievalConfig": "retrieval",
+    "RetrievalConfig": "retrieval_config",
     "Retrieved": "retrieval",
     "TransportError": "http_framing",
     "TransportTimeout": "http_framing",

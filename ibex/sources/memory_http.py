@@ -22,7 +22,7 @@ import functools
 import ssl
 import types
 from contextlib import AsyncExitStack
-from typing import Annotated, Final, Literal, Self
+from typing import Final, Literal, Self
 from urllib.parse import quote
 
 import msgspec
@@ -31,7 +31,6 @@ import trio
 
 from ibex.assembly.feedback_rules import Feedback, ScoreUpdate
 from ibex.assembly.structs import MemoryHit
-from ibex.envvar import env
 from ibex.sources.base import SourceError
 from ibex.sources.cpu import niced
 from ibex.sources.feedback_sender import (
@@ -44,26 +43,11 @@ from ibex.sources.feedback_sender import (
 from ibex.sources.http_exchange import split_base_url
 from ibex.sources.http_framing import TransportError
 from ibex.sources.http_pool import HttpPool, PoolStats
+from ibex.sources.memory_config import MemoryServiceConfig as MemoryServiceConfig
 from ibex.sources.memory_schema import DEFAULT_MAX_CONTENT_BYTES, DecodedAnswers, decode_hits
 
 HOT_PATH = "/v1/memories/hot"
 SEARCH_PATH = "/v1/memories/search"
-
-
-class MemoryServiceConfig(msgspec.Struct, frozen=True):
-    """Bounds of the memory-service client: its pools, a whole answer, one memory."""
-
-    #: Keep-alive connections per branch (hot and cold have a pool each).
-    pool_size: Annotated[int, env("IBEX_CONTEXT_MEMORY_POOL_SIZE", bounds=(1, 4096))] = 32
-    #: A whole answer of the contract's largest page (100 memories at the 32 KiB content
-    #: cap) is about 3.3 MiB; anything longer is not an answer to our request.
-    max_response_bytes: Annotated[
-        int, env("IBEX_CONTEXT_MEMORY_MAX_RESPONSE_BYTES", bounds=(1024, 1024**3))
-    ] = 4 * 1024 * 1024
-    #: One memory's content (the local source reads it too).
-    max_content_bytes: Annotated[
-        int, env("IBEX_CONTEXT_MEMORY_MAX_CONTENT_BYTES", bounds=(1, 64 * 1024 * 1024))
-    ] = DEFAULT_MAX_CONTENT_BYTES
 
 
 _DEFAULTS = MemoryServiceConfig()

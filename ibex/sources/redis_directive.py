@@ -7,11 +7,8 @@ parses the URL) and binds to the running loop on first use: use one source per
 process and per loop, and `aclose()` it inside the same loop. The value's format
 is `ibex.sources.directive_envelope` (sans-IO); this module only fetches bytes.
 
-Time policy: the caller owns the deadline (the directive branch's 5 ms cancel
-scope). The socket timeouts below are only a backstop for callers without a
-deadline; connects are not retried, so a dead Redis surfaces in well under a
-millisecond, and one immediate re-lease after a broken connection picks up a
-restarted Redis without operator action.
+The caller owns the deadline (the directive branch's 5 ms cancel scope); the
+topologies' socket timeouts are only a backstop (`ibex.sources.redis_topologies`).
 
 Cancellation: a GET cancelled mid-flight leaves its reply on the wire. If that
 connection went back to the pool, the next lease would read the previous
@@ -22,20 +19,10 @@ A cancellation must also stop the GET: redis-py writes every command under
 `asyncio.wait_for`, which before Python 3.12 can drop a cancellation (CPython
 gh-86296); `ibex.patches.redis_connection`, installed at start-up, fixes that.
 
-Topologies: one source class over a reader, built by three small constructors
-sharing one set of options (`RedisOptions`): one endpoint
-(`RedisDirectiveSource(url)`), Redis Sentinel (`RedisDirectiveSource.sentinel`)
-and Redis Cluster (`RedisDirectiveSource.cluster`), all with redis-py's own
-asyncio clients. Sentinel uses redis-py's `SentinelConnectionPool`, a
-`ConnectionPool` whose connections ask the sentinels for the master when they
-connect, so the same lease (and its close-before-release) applies; after a
-failover the sentinels kill the old master's client connections, the pool
-reconnects to the new master and directives flow again within seconds. With a
-`rediss://` URL the sentinels are asked over TLS too (same CA and client
-certificate): the sentinel password never crosses the wire in clear, and only a
-sentinel with a trusted certificate can name the master. Cluster is
-`ibex.sources.redis_cluster` (slot routing, topology refreshes off the request
-path, connections that close when a command ends early).
+Topologies: one source class over a reader (`ibex.sources.redis_topologies`),
+built by three small constructors sharing one set of options (`RedisOptions`):
+one endpoint (`RedisDirectiveSource(url)`), Redis Sentinel
+(`RedisDirectiveSource.sentinel`) and Redis Cluster (`RedisDirectiveSource.cluster`).
 """
 
 from __future__ import annotations
@@ -44,21 +31,10 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, Final, Protocol
+from typing import Any
 
-import redis.asyncio as aredis
 import trio_asyncio
-from redis.asyncio.connection import SSLConnection, parse_url
-from redis.asyncio.retry import Retry
-from redis.asyncio.sentinel import (
-    MasterNotFoundError,
-    Sentinel,
-    SentinelConnectionPool,
-    SentinelManagedConnection,
-    SentinelManagedSSLConnection,
-)
-from redis.backoff import NoBackoff
+from redis.asyncio.sentinel import MasterNotFoundError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import (
     MaxConnectionsError,
@@ -70,103 +46,23 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ibex.assembly.structs import Directive
 from ibex.errors import SourceError
-from ibex.sources.directive_envelope import MAX_VALUE_BYTES, decode_directive, directive_key
-from ibex.sources.redis_cluster import ClusterReader
+from ibex.sources.directive_envelope import decode_directive, directive_key
 from ibex.sources.redis_pool_reader import PoolReader
+from ibex.sources.redis_topologies import (
+    DEFAULTS,
+    Reader,
+    RedisOptions,
+    cluster_reader,
+    endpoint_reader,
+    sentinel_reader,
+)
 
 __all__ = ["RedisDirectiveSource", "RedisOptions", "decode_directive", "directive_key"]
 
 log = logging.getLogger(__name__)
 
-CLIENT_NAME: Final = "ibex-directive"
-# TLS options of the data nodes' URL (or keyword arguments) that the sentinels'
-# connections share: one CA, one client certificate, one hostname policy.
-_SENTINEL_TLS_OPTIONS: Final = frozenset(
-    {
-        "ssl_keyfile",
-        "ssl_certfile",
-        "ssl_cert_reqs",
-        "ssl_ca_certs",
-        "ssl_ca_data",
-        "ssl_ca_path",
-        "ssl_check_hostname",
-        "ssl_min_version",
-        "ssl_ciphers",
-        "ssl_password",
-    }
-)
-
-
-@dataclass(frozen=True, slots=True)
-class RedisOptions:
-    """What every topology takes, so the three constructors share one option set;
-    URL query options (e.g. `?socket_timeout=0.5`) override these."""
-
-    # Backstop timeouts (seconds). Loopback or same-zone Redis answers in well under
-    # a millisecond; anything slower than this is useless to a 5 ms branch anyway.
-    connect_timeout: float = 0.1
-    socket_timeout: float = 0.1
-    # A GET whose *established* pooled connection (one endpoint, Sentinel) breaks
-    # mid-command is re-leased this many times, at once, after the pool's idle
-    # connections are dropped. That is what makes a restarted server work on the
-    # very next call: pooled sockets still point at the old process, and asyncio
-    # may not have seen their FIN yet, so the pool's own stale-connection check can
-    # miss them. A failed connect is not retried, nor is a timeout: a refused or
-    # stuck server stays so within a 5 ms branch, and a backoff sleep alone costs
-    # ~1.5 ms under trio-asyncio. (redis-py's client default is 3 retries up to
-    # 10 s apart with 5 s socket timeouts: seconds before a dead Redis surfaces.)
-    # Cluster nodes reconnect on their own next use instead.
-    retries: int = 1
-    # PING a connection that sat idle this long before reusing it (seconds).
-    health_check_interval: float = 30.0
-    max_connections: int = 64
-    max_value_bytes: int = MAX_VALUE_BYTES
-
-    def connection(self, health_check_interval: float | None = None) -> dict[str, Any]:
-        """redis-py's connection options (see the time policy above)."""
-        if health_check_interval is None:
-            health_check_interval = self.health_check_interval
-        return {
-            "socket_connect_timeout": self.connect_timeout,
-            "socket_timeout": self.socket_timeout,
-            "health_check_interval": health_check_interval,
-            # Named in CLIENT LIST for operators; CLIENT SETINFO skipped (one less
-            # round trip per new connection, and Redis < 7.2 rejects it anyway).
-            "client_name": CLIENT_NAME,
-            "driver_info": None,
-            # No retry inside redis-py: the re-lease below is the only one (and in a
-            # cluster a retry would re-read the topology inline).
-            "retry": Retry(NoBackoff(), 0),
-        }
-
-    def pool(self, **extra: Any) -> dict[str, Any]:
-        """A connection pool's (or cluster client's) options, `extra` on top."""
-        return {**self.connection(), "max_connections": self.max_connections, **extra}
-
-
-DEFAULTS: Final = RedisOptions()
-
-
-class _Reader(Protocol):
-    """A topology's GET (asyncio side), Redis errors raised as redis-py's."""
-
-    async def get(self, key: str) -> object: ...
-
-    async def warm(self, connections: int) -> None: ...
-    async def get_many(self, keys: list[str]) -> list[object]:
-        """The keys' values in order; a key's own failure (an exception) in its place."""
-        ...
-
-    async def close(self) -> None: ...
-
-
 # Several agents' answers, in the order asked: a directive, None (no key) or the key's error.
 _Answers = list[Directive | SourceError | None]
-
-
-def _malformed_url() -> SourceError:
-    # The URL may hold a password: never echo it.
-    return SourceError("redis url: malformed (expected redis://, rediss:// or unix://)")
 
 
 class RedisDirectiveSource:
@@ -178,13 +74,9 @@ class RedisDirectiveSource:
     """
 
     def __init__(self, url: str, options: RedisOptions = DEFAULTS, **pool_kwargs: Any) -> None:
-        try:
-            pool = aredis.ConnectionPool.from_url(url, **options.pool(**pool_kwargs))
-        except ValueError:
-            raise _malformed_url() from None
-        self._over(PoolReader(pool, options.retries), options)
+        self._over(endpoint_reader(url, options, **pool_kwargs), options)
 
-    def _over(self, reader: _Reader, options: RedisOptions) -> None:
+    def _over(self, reader: Reader, options: RedisOptions) -> None:
         self._reader = reader
         # One endpoint or Sentinel's master: `get_directives` is one MGET. A cluster's
         # keys live on any master, one GET each: a cache reads them apart (`batch_reader`).
@@ -198,75 +90,27 @@ class RedisDirectiveSource:
         sentinels: Sequence[tuple[str, int]],
         master: str,
         *,
-        url: str | None = None,
-        sentinel_password: str | None = None,
         options: RedisOptions = DEFAULTS,
-        **pool_kwargs: Any,
+        **kwargs: Any,
     ) -> RedisDirectiveSource:
         """The master named `master`, found through `sentinels`, followed across failovers.
 
-        `url` (optional, `redis://` or `rediss://`) gives the data nodes'
-        username, password, db, TLS and URL options; its host and port are
-        ignored. The sentinels are asked with `sentinel_password` (their
-        `requirepass`), if any, over TLS when `url` is `rediss://` (with the same
-        `ssl_*` options: CA, client certificate, hostname check), else over plain
-        TCP. TLS to the data nodes and not to the sentinels would send the
-        sentinel password in clear and let anyone who can answer as a sentinel
-        name the master.
-        """
-        if not sentinels:
-            raise SourceError("redis sentinel: no sentinel addresses")
-        pool_options = options.pool(connection_class=SentinelManagedConnection)
-        tls = False
-        if url is not None:
-            try:
-                from_url: dict[str, Any] = dict(parse_url(url))
-            except ValueError:
-                raise _malformed_url() from None
-            if from_url.pop("connection_class", None) is SSLConnection:
-                pool_options["connection_class"] = SentinelManagedSSLConnection
-                tls = True
-            for endpoint in ("host", "port", "path"):
-                from_url.pop(endpoint, None)
-            pool_options.update(from_url)  # URL query options override the defaults
-        pool_options.update(pool_kwargs)
-        sentinel_options = {**options.connection(0), "password": sentinel_password}
-        if tls:
-            sentinel_options["ssl"] = True
-            for name, value in pool_options.items():
-                if name in _SENTINEL_TLS_OPTIONS:
-                    sentinel_options[name] = value
-        manager = Sentinel(list(sentinels), sentinel_kwargs=sentinel_options)
-        pool = SentinelConnectionPool(master, manager, **pool_options)
+        `kwargs` are `sentinel_reader`'s (`ibex.sources.redis_topologies`): `url` for the
+        data nodes' credentials and TLS, which the sentinels share, `sentinel_password`,
+        and the pool's own options."""
         source = cls.__new__(cls)
-        source._over(PoolReader(pool, options.retries, manager), options)
+        source._over(sentinel_reader(sentinels, master, options=options, **kwargs), options)
         return source
 
     @classmethod
     def cluster(
         cls, url: str, options: RedisOptions = DEFAULTS, **cluster_kwargs: Any
     ) -> RedisDirectiveSource:
-        """A Redis Cluster discovered from the seed node `url` (`redis://` or `rediss://`).
-
-        Slots and MOVED/ASK are redis-py's; topology refreshes are
-        `ibex.sources.redis_cluster`'s, never on a GET's path: a stopped master
-        (whose CLUSTER SLOTS hangs) cannot hold or fail the reads of keys on the
-        other masters. Slots without a live master answer errors (or their
-        caller's timeout) while every other slot keeps answering.
-        """
-        client_options = options.pool(
-            # MOVED patches the slot map; a full refresh after N MOVED would close
-            # every node connection, in-flight ones included.
-            reinitialize_steps=0,
-            require_full_coverage=False,
-            **cluster_kwargs,
-        )
-        try:
-            reader = ClusterReader(url, client_options)
-        except (ValueError, RedisClusterException):
-            raise _malformed_url() from None
+        """A Redis Cluster discovered from the seed node `url` (`redis://` or `rediss://`),
+        its topology refreshed off the read path
+        (`ibex.sources.redis_topologies.cluster_reader`)."""
         source = cls.__new__(cls)
-        source._over(reader, options)
+        source._over(cluster_reader(url, options, **cluster_kwargs), options)
         return source
 
     async def get_directive(

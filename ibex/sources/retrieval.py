@@ -16,7 +16,7 @@ import asyncio
 import logging
 import math
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Annotated, Any, Protocol
+from typing import Any, Protocol
 
 import msgspec
 import trio
@@ -29,7 +29,6 @@ from ibex.assembly.structs import (
     Directive,
     MemoryHit,
 )
-from ibex.envvar import env
 from ibex.errors import SourceError
 from ibex.sources.base import (
     Answer,
@@ -38,32 +37,12 @@ from ibex.sources.base import (
     MemorySource,
     cached_directive,
 )
+from ibex.sources.retrieval_config import RetrievalConfig as RetrievalConfig
 
 log = logging.getLogger(__name__)
 
 BRANCH_ORDER: tuple[BranchSource, ...] = ("directive", "hot", "cold")
 _DETAIL_MAX = 200
-
-
-class RetrievalConfig(msgspec.Struct, frozen=True):
-    """Time and size limits of the retrieval layer (seconds). Each field declares the
-    variable that sets it (`ibex.envvar.env`); its default here is the only one."""
-
-    timeout: Annotated[float, env("IBEX_CONTEXT_TIMEOUT", unit="ms")] = 0.045
-    deadline: Annotated[float, env("IBEX_CONTEXT_DEADLINE_MS", unit="ms")] = 0.040
-    directive_timeout: Annotated[float, env("IBEX_CONTEXT_DIRECTIVE_TIMEOUT_MS", unit="ms")] = 0.005
-    hot_timeout: Annotated[float, env("IBEX_CONTEXT_HOT_TIMEOUT_MS", unit="ms")] = 0.015
-    cold_timeout: Annotated[float, env("IBEX_CONTEXT_COLD_TIMEOUT_MS", unit="ms")] = 0.045
-    pipeline_headroom: Annotated[float, env("IBEX_CONTEXT_PIPELINE_HEADROOM_MS", unit="ms")] = 0.010
-    hot_limit: Annotated[int, env("IBEX_CONTEXT_HOT_LIMIT", bounds=(1, 100))] = 20
-    cold_limit: Annotated[int, env("IBEX_CONTEXT_COLD_LIMIT", bounds=(1, 100))] = 20
-    min_confidence: Annotated[float, env("IBEX_CONTEXT_MIN_CONFIDENCE", bounds=(0.0, 1.0))] = 0.0
-
-    @property
-    def time_limit(self) -> float:
-        """Seconds a call's retrieval may take at most, min(TIMEOUT, DEADLINE_MS): the
-        contract's server-side retrieval wall."""
-        return min(self.timeout, self.deadline)
 
 
 class Retrieved(msgspec.Struct, frozen=True):

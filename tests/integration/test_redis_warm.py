@@ -15,7 +15,8 @@ import trio
 import trio_asyncio
 
 from ibex.sources.base import SourceError
-from ibex.sources.redis_directive import CLIENT_NAME, RedisDirectiveSource, RedisOptions
+from ibex.sources.redis_directive import RedisDirectiveSource, RedisOptions
+from ibex.sources.redis_topologies import CLIENT_NAME
 from ibex.testing.redis_server import RedisServer
 from ibex.testing.redis_topology import MASTER_NAME, ClusterSetup, SentinelSetup, admin
 from ibex.testing.samples import AGENT, ORG

@@ -9,10 +9,9 @@ import pytest
 import trio
 import trio.testing
 
-from ibex.service.edge.connections import (
+from ibex.service.edge.connections import REFUSAL_LOG_INTERVAL, Connections
+from ibex.service.edge.connections_config import (
     MAX_CONNECTIONS_CEILING,
-    REFUSAL_LOG_INTERVAL,
-    Connections,
     ConnectionsConfig,
     default_max_connections,
 )

@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from ibex.ops.metrics import STAGE_BUCKETS, Metrics, _Held, _HeldCount, _HeldHistogram
+from ibex.ops.metrics import STAGE_BUCKETS, Metrics
+from ibex.ops.metrics_held import Held, HeldCount, HeldHistogram
 
 amounts = st.one_of(
     st.floats(min_value=0.0, max_value=1.0),
@@ -31,11 +32,11 @@ def test_a_held_histogram_reads_as_one_observed_value_by_value(
 ) -> None:
     """`steps`: (amount, scrape after it); both registries are read after every scrape."""
     direct_registry, held_registry = CollectorRegistry(), CollectorRegistry()
-    held = _Held()
+    held = Held()
     held_registry.register(held)
     direct = Histogram("h", "h", ["s"], buckets=STAGE_BUCKETS, registry=direct_registry)
     kept = Histogram("h", "h", ["s"], buckets=STAGE_BUCKETS, registry=held_registry)
-    child = _HeldHistogram(kept.labels("x"))
+    child = HeldHistogram(kept.labels("x"))
     held.held.append(child)
     series = direct.labels("x")
     for amount, scrape in steps:
@@ -48,10 +49,10 @@ def test_a_held_histogram_reads_as_one_observed_value_by_value(
 
 def test_a_held_count_reads_as_its_increments() -> None:
     direct_registry, held_registry = CollectorRegistry(), CollectorRegistry()
-    held = _Held()
+    held = Held()
     held_registry.register(held)
     direct = Counter("c", "c", registry=direct_registry)
-    count = _HeldCount(Counter("c", "c", registry=held_registry))
+    count = HeldCount(Counter("c", "c", registry=held_registry))
     held.held.append(count)
     for n in (1, 1, 5, 0, 3):
         direct.inc(n)

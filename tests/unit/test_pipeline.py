@@ -30,7 +30,6 @@ from ibex.assembly.catalog import Catalog, FamilyPolicy, ModelCapability, load_c
 from ibex.assembly.history import Uncached
 from ibex.assembly.pipeline import (
     DEFAULT_CONFIG,
-    DEFAULT_NONCE_BYTES,
     AssemblyInputs,
     PipelineConfig,
     StageTimer,
@@ -39,6 +38,7 @@ from ibex.assembly.pipeline import (
     resolve_model,
     select_candidates,
 )
+from ibex.assembly.pipeline_config import DEFAULT_NONCE_BYTES
 from ibex.assembly.structs import (
     AssemblyMetrics,
     AssemblyOptions,

@@ -21,32 +21,41 @@ What serving uses:
   Trio side's last checkpoint ends cancelled);
 - Health and reflection: `BoundedReads`, `HEALTH_MAX_MESSAGE_BYTES`,
   `REFLECTION_MAX_MESSAGE_BYTES`, `with_reflection`.
+
+Each name is imported from its module on first use: the settings table reads
+`ConnectionsConfig` (`connections_config`) without loading grpclib, h2 or Trio.
 """
 
 from __future__ import annotations
 
-from ibex.service.edge.bounded import (
-    HEALTH_MAX_MESSAGE_BYTES,
-    REFLECTION_MAX_MESSAGE_BYTES,
-    BoundedReads,
-)
-from ibex.service.edge.calls import call_deadline, caller_authenticated, handler_started
-from ibex.service.edge.connections import Connections, ConnectionsConfig, default_max_connections
-from ibex.service.edge.crossing import Reply, answer_in_trio, in_trio, raise_swallowed_cancel
-from ibex.service.edge.deadline import CallDeadline
-from ibex.service.edge.flow import grpclib_configuration
-from ibex.service.edge.listeners import (
-    TrackedServer,
-    bound_port,
-    listen_also,
-    stop_accepting,
-    track_connections,
-)
-from ibex.service.edge.loop_errors import LoopErrorHandler
-from ibex.service.edge.reflection import with_reflection
-from ibex.service.edge.status import grpc_error
-from ibex.service.edge.stream_reads import connection_of, recv_bounded, request_complete
-from ibex.service.edge.wire_counts import Rules, check_counts, request_rules
+from typing import TYPE_CHECKING
+
+from ibex._lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from ibex.service.edge.bounded import (
+        HEALTH_MAX_MESSAGE_BYTES,
+        REFLECTION_MAX_MESSAGE_BYTES,
+        BoundedReads,
+    )
+    from ibex.service.edge.calls import call_deadline, caller_authenticated, handler_started
+    from ibex.service.edge.connections import Connections
+    from ibex.service.edge.connections_config import ConnectionsConfig, default_max_connections
+    from ibex.service.edge.crossing import Reply, answer_in_trio, in_trio, raise_swallowed_cancel
+    from ibex.service.edge.deadline import CallDeadline
+    from ibex.service.edge.flow import grpclib_configuration
+    from ibex.service.edge.listeners import (
+        TrackedServer,
+        bound_port,
+        listen_also,
+        stop_accepting,
+        track_connections,
+    )
+    from ibex.service.edge.loop_errors import LoopErrorHandler
+    from ibex.service.edge.reflection import with_reflection
+    from ibex.service.edge.status import grpc_error
+    from ibex.service.edge.stream_reads import connection_of, recv_bounded, request_complete
+    from ibex.service.edge.wire_counts import Rules, check_counts, request_rules
 
 __all__ = [
     "HEALTH_MAX_MESSAGE_BYTES",
@@ -79,3 +88,38 @@ __all__ = [
     "track_connections",
     "with_reflection",
 ]
+
+__getattr__ = lazy_exports(
+    __name__,
+    {
+        "HEALTH_MAX_MESSAGE_BYTES": "bounded",
+        "REFLECTION_MAX_MESSAGE_BYTES": "bounded",
+        "BoundedReads": "bounded",
+        "CallDeadline": "deadline",
+        "Connections": "connections",
+        "ConnectionsConfig": "connections_config",
+        "LoopErrorHandler": "loop_errors",
+        "Reply": "crossing",
+        "Rules": "wire_counts",
+        "TrackedServer": "listeners",
+        "answer_in_trio": "crossing",
+        "bound_port": "listeners",
+        "call_deadline": "calls",
+        "caller_authenticated": "calls",
+        "check_counts": "wire_counts",
+        "connection_of": "stream_reads",
+        "default_max_connections": "connections_config",
+        "grpc_error": "status",
+        "grpclib_configuration": "flow",
+        "handler_started": "calls",
+        "in_trio": "crossing",
+        "listen_also": "listeners",
+        "raise_swallowed_cancel": "crossing",
+        "recv_bounded": "stream_reads",
+        "request_complete": "stream_reads",
+        "request_rules": "wire_counts",
+        "stop_accepting": "listeners",
+        "track_connections": "listeners",
+        "with_reflection": "reflection",
+    },
+)
