@@ -102,7 +102,10 @@ class _EarlyAssemblyFeed:
     before the wall, with only the request's own branch still running, it makes the
     whole answer as if the wall will cut that branch (within the same budget); when
     the wall does, that answer (its timing facts filled in) is the call's, handed
-    to `handoff` at once, while the cut branch unwinds.
+    to `handoff` at once, while the cut branch unwinds. When the wall cuts a call
+    that has no such answer (another branch was still running before the wall), the
+    first task the wall reaches makes it then, if the pipeline would run in the loop
+    anyway, and hands it over the same way.
     """
 
     __slots__ = (
@@ -114,6 +117,7 @@ class _EarlyAssemblyFeed:
         "directive_known",
         "handoff",
         "inputs",
+        "loop_chars",
         "speculate",
         "speculation",
     )
@@ -127,9 +131,11 @@ class _EarlyAssemblyFeed:
         inputs: Callable[[Retrieved], AssemblyInputs],
         speculate: Callable[[AssemblyInputs], Speculation] | None = None,
         handoff: Handoff | None = None,
+        loop_chars: int = OFFLOAD_CHARS,
     ) -> None:
         self.assembly: EarlyAssembly | None = assembly
         self.budget = budget
+        self.loop_chars = loop_chars  # text above which the pipeline runs in a worker thread
         self.directive: Directive | None = None
         # The directive branch has answered and its fixed sections are not counted yet.
         self.directive_known = False
@@ -152,19 +158,36 @@ class _EarlyAssemblyFeed:
             log.exception("early_assembly_failed")
 
     def wall_reached(self, got: Retrieved) -> None:
-        speculation = self.speculation
-        if speculation is None:
-            return
         try:
             inputs = self.inputs(got)
-            if not speculation.matches(inputs):
+            speculation = self.speculation
+            if speculation is not None and speculation.matches(inputs):
+                result = speculation.answer(inputs)
+            elif self._may_make(inputs):
+                # Not made before the wall (a branch other than the last one was still
+                # running then): the pipeline runs here, in the first task the wall
+                # reached, as it would once the cut branches had unwound.
+                assert self.speculate is not None
+                result = self.speculate(inputs).result
+            else:
                 return
-            result = speculation.answer(inputs)
             self.answer = (got, result)
             if self.handoff is not None:
                 self.handoff(result)
+        except IbexError:
+            pass  # a refusal: the pipeline raises it after retrieval, where it always has
         except Exception:
             log.exception("early_assembly_failed")
+
+    def _may_make(self, inputs: AssemblyInputs) -> bool:
+        """The whole answer may be made at the wall, in the loop: the pipeline would run
+        there too (its text within the loop's budget, no worker thread)."""
+        return (
+            self.assembly is not None
+            and self.speculate is not None
+            and self.budget >= 0
+            and _text_chars(inputs) <= self.loop_chars
+        )
 
     def answered_at_start(self, source: BranchSource, value: Any) -> None:
         if source == "directive":
@@ -321,10 +344,11 @@ class Assembler:
         A `trace` receives each branch's and stage's times once the answer is made.
         `retrieving` is entered for the retrieval alone (admission counts calls waiting
         on their branches, see `Admission.retrieving_for`).
-        A call whose last branch is cut by the wall gets the answer made just before
-        the wall (`_EarlyAssemblyFeed`), the same as the pipeline would make then; it is
-        handed to `handoff` at the wall, before the cut branch has unwound, and returned
-        once it has. Not for a traced call (its stage spans time the pipeline at the wall).
+        A call cut by the wall gets the answer made just before
+        the wall (`_EarlyAssemblyFeed`), the same as the pipeline would make then, or
+        made at the wall when it was not; it is handed to `handoff` at the wall, before
+        the cut branches have unwound, and returned once they have. Not for a traced
+        call (its stage spans time the pipeline at the wall).
         """
         starts: dict[BranchSource, float] | None = None
         timer: StageTimer | None = None
@@ -417,6 +441,7 @@ class Assembler:
             functools.partial(_inputs, request, nonce, now),
             functools.partial(self._speculate, assembly) if speculate else None,
             handoff,
+            self.offload_chars,
         )
         if self.speculate_ahead is not None:
             feed.ahead = self.speculate_ahead

@@ -241,6 +241,62 @@ async def test_the_answer_made_before_the_wall_is_byte_identical_to_the_one_made
     assert untimed(early) == untimed(plain)
 
 
+async def test_an_answer_not_made_before_the_wall_is_made_and_handed_over_at_it(
+    autojump_clock: trio.testing.MockClock,
+    tokenizers: Tokenizers,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Hot and cold both hang past the wall, so nothing is made before it: the answer
+    is made at the wall and handed over, and encodes to the same bytes as the one the
+    pipeline makes after retrieval (no answer made early, nothing handed over)."""
+    from ibex.assembly.nonce import NonceKey
+    from ibex.service.assembler import SPECULATE_AHEAD
+
+    class BothHang(HotThenHang):
+        async def hot(
+            self, org_id: str, agent_id: str, *, limit: int, min_confidence: float
+        ) -> list[MemoryHit]:
+            await trio.sleep(10)
+            return []
+
+    monkeypatch.setattr(assembler_module.time, "time", lambda: 1_800_000_000.0)
+    made: dict[float | None, tuple[Any, list[Any]]] = {}
+    for ahead in (SPECULATE_AHEAD, None):
+        a = Assembler(
+            catalog=load_catalog(),
+            tokenizers=tokenizers,
+            directive_source=CachedDirective(),
+            memory_source=BothHang("unused"),
+            retrieval=RetrievalConfig(
+                timeout=0.05, deadline=0.05, hot_timeout=1.0, cold_timeout=1.0
+            ),
+            offload_chars=OFFLOAD,
+            nonce_key=NonceKey("k" * 40),
+            wall_clock=lambda: 1_800_000_000.0,
+            speculate_ahead=ahead,
+        )
+        req = a.check_request(
+            AssemblyRequest(
+                agent_id=AGENT, org_id=ORG, query="deploy?", model="gpt-4o", session_id="s-1"
+            )
+        )
+        handed: list[Any] = []
+        with trio.fail_after(5):
+            made[ahead] = (await a.assemble_checked(req, handoff=handed.append), handed)
+    at_wall, at_wall_handed = made[SPECULATE_AHEAD]
+    plain, plain_handed = made[None]
+    assert at_wall_handed == [at_wall] and at_wall_handed[0] is at_wall
+    assert plain_handed == []
+    assert [(b.source, b.status) for b in at_wall.branches] == [
+        ("directive", "success"),
+        ("hot", "timeout"),
+        ("cold", "timeout"),
+    ]
+    assert at_wall.branches[1].latency_ms == pytest.approx(50.0)
+    assert at_wall.branches[2].latency_ms == pytest.approx(50.0)
+    assert untimed(at_wall) == untimed(plain)
+
+
 async def test_an_answer_made_before_the_wall_is_dropped_when_the_last_branch_lands(
     autojump_clock: trio.testing.MockClock, tokenizers: Tokenizers
 ) -> None:
