@@ -100,10 +100,11 @@ class WallListener(Protocol):
     branch, `wall_reached` gets what retrieval returns, once, in the first task the
     wall's cancellation reaches (before the cut branches have unwound). Both run
     synchronously in the loop, inside retrieval, and must not raise. `ahead` is read
-    once per call.
+    once per call; None: nothing is made before the wall, and no branch task waits
+    for it (a task that waits is woken once more when the last branch lands in time).
     """
 
-    ahead: float
+    ahead: float | None
 
     def before_wall(self, got: Retrieved) -> None:
         """The last branch is still running `ahead` before the wall."""
@@ -153,7 +154,9 @@ class _Wall:
         self.outcomes, self.values = outcomes, values
         self.last, self.children = last, children
         self.started, self.wall_scope, self.wall = started, wall_scope, time_left
-        self.scope = trio.CancelScope()
+        # The waiting task's scope, cancelled when the request's own branch ends; none
+        # when nothing is made before the wall (no task waits).
+        self.scope = trio.CancelScope() if listener.ahead is not None else None
         self.cut: Retrieved | None = None  # what was handed over at the wall
 
     def reached(self) -> None:
@@ -172,12 +175,13 @@ class _Wall:
         """In the task of a branch that has ended: when it is the last of the others'
         tasks and the request's branch still runs, wait there for the wall."""
         self.children -= 1
-        if self.children or self.last in self.outcomes:
+        ahead, scope = self.listener.ahead, self.scope
+        if self.children or self.last in self.outcomes or ahead is None or scope is None:
             return
         listener = self.listener
-        with self.scope:
+        with scope:
             try:
-                await trio.sleep_until(self.wall_scope.deadline - listener.ahead)
+                await trio.sleep_until(self.wall_scope.deadline - ahead)
                 listener.before_wall(
                     _collected(self.request, self.outcomes, self.values, self.started, self.wall)
                 )
@@ -415,7 +419,7 @@ async def retrieve(
                 # then wakes the request directly instead of a branch task that wakes the
                 # request, one task and one task step less per answer.
                 await _run_branch(calls[-1], outcomes, values, branch_starts, listener, wall)
-                if wall is not None:
+                if wall is not None and wall.scope is not None:
                     wall.scope.cancel()  # it ended before the wall: nothing to wait for
     if wall is not None and wall.cut is not None:
         return wall.cut  # what was handed over at the wall is what the call returns
@@ -432,7 +436,7 @@ async def _run_child(
 ) -> None:
     """A branch in a task of its own; with a `_Wall`, the last of them waits for the wall."""
     await _run_branch(row, outcomes, values, starts, listener, wall)
-    if wall is not None:
+    if wall is not None and wall.scope is not None:
         await wall.wait()
 
 

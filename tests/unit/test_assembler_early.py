@@ -201,9 +201,10 @@ async def test_the_answer_made_before_the_wall_is_byte_identical_to_the_one_made
     tokenizers: Tokenizers,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Cold hangs past the wall: the answer made `SPECULATE_AHEAD` before it (handed over
-    at the wall) encodes to the same bytes as the pipeline's at the wall, timings aside;
-    the branches' latencies are those at the wall."""
+    """Cold hangs past the wall, and calls are being cut: the answer made
+    `SPECULATE_AHEAD` before it (handed over at the wall) encodes to the same bytes as
+    the pipeline's at the wall, timings aside; the branches' latencies are those at the
+    wall."""
     from ibex.assembly.nonce import NonceKey
     from ibex.service.assembler import SPECULATE_AHEAD
 
@@ -224,6 +225,7 @@ async def test_the_answer_made_before_the_wall_is_byte_identical_to_the_one_made
         )
         handed: list[Any] = []
         with trio.fail_after(5):
+            a.last_cut = trio.current_time()  # calls are being cut: made before the wall
             made[ahead] = (await a.assemble_checked(req, handoff=handed.append), handed)
     early, early_handed = made[SPECULATE_AHEAD]
     plain, plain_handed = made[None]
@@ -300,8 +302,8 @@ async def test_an_answer_not_made_before_the_wall_is_made_and_handed_over_at_it(
 async def test_an_answer_made_before_the_wall_is_dropped_when_the_last_branch_lands(
     autojump_clock: trio.testing.MockClock, tokenizers: Tokenizers
 ) -> None:
-    """Cold lands after the answer was made (between it and the wall): nothing is
-    handed over, and the answer has cold's memories."""
+    """Calls are being cut, and cold lands after the answer was made (between it and
+    the wall): nothing is handed over, and the answer has cold's memories."""
 
     class LateCold(HotThenHang):
         async def cold(
@@ -314,6 +316,7 @@ async def test_an_answer_made_before_the_wall_is_dropped_when_the_last_branch_la
             ]
 
     a = assembler(tokenizers, LateCold("Deploys go through the staging gate first."))
+    a.last_cut = trio.current_time()  # calls are being cut: the answer is made before the wall
     handed: list[Any] = []
     with trio.fail_after(5):
         result = await a.assemble_checked(a.check_request(request()), handoff=handed.append)
@@ -326,3 +329,35 @@ def msgspec_replace(hit: MemoryHit, **changes: Any) -> MemoryHit:
     import msgspec
 
     return msgspec.structs.replace(hit, **changes)
+
+
+async def test_answers_are_made_before_the_wall_only_while_calls_are_being_cut(
+    autojump_clock: trio.testing.MockClock,
+    tokenizers: Tokenizers,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No call was cut yet: the first cut call's answer is made at its wall (50 ms), and
+    handed over; the next call, within `SPECULATE_AFTER_CUT`, has its answer made
+    `SPECULATE_AHEAD` before it. Once no call was cut for that long, again at the wall."""
+    from ibex.service.assembler import SPECULATE_AFTER_CUT, SPECULATE_AHEAD
+
+    made_at: list[float] = []
+    real = Assembler._speculate
+
+    def timed(self: Assembler, *args: Any) -> Any:
+        made_at.append(trio.current_time())
+        return real(self, *args)
+
+    monkeypatch.setattr(Assembler, "_speculate", timed)
+    a = assembler(tokenizers, HotThenHang("Deploys go through the staging gate first."))
+    walls = []
+    for pause in (0.0, 0.0, SPECULATE_AFTER_CUT + 0.001):
+        await trio.sleep(pause)
+        handed: list[Any] = []
+        start = trio.current_time()
+        walls.append(start + 0.05)
+        with trio.fail_after(5):
+            result = await a.assemble_checked(a.check_request(request()), handoff=handed.append)
+        assert handed == [result]
+        assert [b.status for b in result.branches] == ["success", "success", "timeout"]
+    assert made_at == pytest.approx([walls[0], walls[1] - SPECULATE_AHEAD, walls[2]])
