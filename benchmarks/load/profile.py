@@ -406,9 +406,18 @@ def calls_versus_floor(rate: int, seconds: float) -> dict[str, object]:
     return res
 
 
+def _write_results(name: str, data: object) -> None:
+    """`data` as JSON in benchmarks/results/`name`."""
+    import json
+
+    path = Path(__file__).resolve().parents[1] / "results" / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    print(f"wrote {path}")
+
+
 def main(argv: list[str] | None = None) -> None:
     import argparse
-    import json
     import statistics
 
     p = argparse.ArgumentParser(description=USAGE.splitlines()[0])
@@ -452,10 +461,7 @@ def main(argv: list[str] | None = None) -> None:
                 if max(c for c, _ in per) >= 0.05:
                     cells = " ".join(f"{c:6.2f} ({e:.2f})" for c, e in per)
                     print(f"   {name:18s} {cells}")
-        path = Path(__file__).resolve().parents[1] / "results" / "load.profile_syscalls.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(got, indent=1) + "\n")
-        print(f"wrote {path}")
+        _write_results("load.profile_syscalls.json", got)
         return
     if args.micro:
         for name, v in micro(args.rounds).items():
@@ -471,10 +477,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{'ibex':>8s} {'floor':>8s}  function (most calls added first)")
         for name, a, b in res["most_added_calls"]:  # type: ignore[attr-defined]
             print(f"{a:8.1f} {b:8.1f}  {name}")
-        out = Path(__file__).resolve().parents[1] / "results" / "load.profile_calls.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(res, indent=1) + "\n")
-        print(f"wrote {out}")
+        _write_results("load.profile_calls.json", res)
         return
     if args.versus is not None:
         ab = alternate(args.versus, None if args.saturated else args.rate, args.seconds,
@@ -499,10 +502,7 @@ def main(argv: list[str] | None = None) -> None:
     print("-- ibex, top by self time (% of samples)")
     for name, pct in ibex["self"][:20]:
         print(f"   {pct:6.2f}  {name}")
-    path = Path(__file__).resolve().parents[1] / "results" / "load.profile_versus_floor.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(res, indent=1) + "\n")
-    print(f"wrote {path}")
+    _write_results("load.profile_versus_floor.json", res)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from ibex.testing.samples import AGENT, ORG
 
 DIRECTIVE = Directive("Answer briefly and cite the runbook step.")
 OFFLOAD = 4000
+WALL_50MS = RetrievalConfig(timeout=0.05, deadline=0.05, cold_timeout=1.0)
 
 
 class CachedDirective:
@@ -90,13 +91,18 @@ def handed(monkeypatch: pytest.MonkeyPatch) -> list[EarlyAssembly | None]:
     return seen
 
 
-def assembler(tokenizers: Tokenizers, memory: HotThenHang, **options: Any) -> Assembler:
+def assembler(
+    tokenizers: Tokenizers,
+    memory: HotThenHang,
+    retrieval: RetrievalConfig = WALL_50MS,
+    **options: Any,
+) -> Assembler:
     return Assembler(
         catalog=load_catalog(),
         tokenizers=tokenizers,
         directive_source=CachedDirective(),
         memory_source=memory,
-        retrieval=RetrievalConfig(timeout=0.05, deadline=0.05, cold_timeout=1.0),
+        retrieval=retrieval,
         offload_chars=OFFLOAD,
         **options,
     )
@@ -196,24 +202,21 @@ def untimed(result: Any) -> bytes:
     return encoded
 
 
-async def test_the_answer_made_before_the_wall_is_byte_identical_to_the_one_made_at_it(
-    autojump_clock: trio.testing.MockClock,
-    tokenizers: Tokenizers,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Cold hangs past the wall, and calls are being cut: the answer made
-    `SPECULATE_AHEAD` before it (handed over at the wall) encodes to the same bytes as
-    the pipeline's at the wall, timings aside; the branches' latencies are those at the
-    wall."""
+async def made_both_ways(
+    tokenizers: Tokenizers, memory: HotThenHang, retrieval: RetrievalConfig
+) -> dict[float | None, tuple[Any, list[Any]]]:
+    """One session call's answer and what was handed over, by `speculate_ahead`: the
+    default, with calls being cut (answers made before the wall), and None (the
+    pipeline's after retrieval). The same nonce and clock for both."""
     from ibex.assembly.nonce import NonceKey
     from ibex.service.assembler import SPECULATE_AHEAD
 
-    monkeypatch.setattr(assembler_module.time, "time", lambda: 1_800_000_000.0)
     made: dict[float | None, tuple[Any, list[Any]]] = {}
     for ahead in (SPECULATE_AHEAD, None):
         a = assembler(
             tokenizers,
-            HotThenHang("Deploys go through the staging gate first."),
+            memory,
+            retrieval,
             nonce_key=NonceKey("k" * 40),
             wall_clock=lambda: 1_800_000_000.0,
             speculate_ahead=ahead,
@@ -224,23 +227,45 @@ async def test_the_answer_made_before_the_wall_is_byte_identical_to_the_one_made
             )
         )
         handed: list[Any] = []
+        a.last_cut = trio.current_time()  # calls are being cut
         with trio.fail_after(5):
-            a.last_cut = trio.current_time()  # calls are being cut: made before the wall
             made[ahead] = (await a.assemble_checked(req, handoff=handed.append), handed)
-    early, early_handed = made[SPECULATE_AHEAD]
-    plain, plain_handed = made[None]
-    assert early_handed == [early] and early_handed[0] is early
+    return made
+
+
+def handed_over_and_identical(
+    made: dict[float | None, tuple[Any, list[Any]]], statuses: list[str]
+) -> Any:
+    """The answer with calls being cut was handed over, the pipeline's was not, both
+    encode to the same bytes (timings aside), the branches end as `statuses` and the
+    last one was cut at the wall (50 ms on the mock clock). Returns the first answer."""
+    from ibex.service.assembler import SPECULATE_AHEAD
+
+    (cut, cut_handed), (plain, plain_handed) = made[SPECULATE_AHEAD], made[None]
+    assert cut_handed == [cut] and cut_handed[0] is cut
     assert plain_handed == []
-    assert [(b.source, b.status) for b in early.branches] == [
-        ("directive", "success"),
-        ("hot", "success"),
-        ("cold", "timeout"),
-    ]
-    # Cut at the wall: 50 ms on the mock clock, the latency as at the wall.
-    assert early.branches[2].latency_ms == pytest.approx(50.0)
+    assert [b.status for b in cut.branches] == statuses
+    assert cut.branches[2].latency_ms == pytest.approx(50.0)
     assert plain.branches[2].latency_ms == pytest.approx(50.0)
+    assert untimed(cut) == untimed(plain)
+    return cut
+
+
+async def test_the_answer_made_before_the_wall_is_byte_identical_to_the_one_made_at_it(
+    autojump_clock: trio.testing.MockClock,
+    tokenizers: Tokenizers,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Cold hangs past the wall, and calls are being cut: the answer made
+    `SPECULATE_AHEAD` before it (handed over at the wall) encodes to the same bytes as
+    the pipeline's at the wall, timings aside; the branches' latencies are those at the
+    wall."""
+
+    monkeypatch.setattr(assembler_module.time, "time", lambda: 1_800_000_000.0)
+    memory = HotThenHang("Deploys go through the staging gate first.")
+    made = await made_both_ways(tokenizers, memory, WALL_50MS)
+    early = handed_over_and_identical(made, ["success", "success", "timeout"])
     assert len(early.memories_used) == 3
-    assert untimed(early) == untimed(plain)
 
 
 async def test_an_answer_not_made_before_the_wall_is_made_and_handed_over_at_it(
@@ -251,8 +276,6 @@ async def test_an_answer_not_made_before_the_wall_is_made_and_handed_over_at_it(
     """Hot and cold both hang past the wall, so nothing is made before it: the answer
     is made at the wall and handed over, and encodes to the same bytes as the one the
     pipeline makes after retrieval (no answer made early, nothing handed over)."""
-    from ibex.assembly.nonce import NonceKey
-    from ibex.service.assembler import SPECULATE_AHEAD
 
     class BothHang(HotThenHang):
         async def hot(
@@ -262,41 +285,10 @@ async def test_an_answer_not_made_before_the_wall_is_made_and_handed_over_at_it(
             return []
 
     monkeypatch.setattr(assembler_module.time, "time", lambda: 1_800_000_000.0)
-    made: dict[float | None, tuple[Any, list[Any]]] = {}
-    for ahead in (SPECULATE_AHEAD, None):
-        a = Assembler(
-            catalog=load_catalog(),
-            tokenizers=tokenizers,
-            directive_source=CachedDirective(),
-            memory_source=BothHang("unused"),
-            retrieval=RetrievalConfig(
-                timeout=0.05, deadline=0.05, hot_timeout=1.0, cold_timeout=1.0
-            ),
-            offload_chars=OFFLOAD,
-            nonce_key=NonceKey("k" * 40),
-            wall_clock=lambda: 1_800_000_000.0,
-            speculate_ahead=ahead,
-        )
-        req = a.check_request(
-            AssemblyRequest(
-                agent_id=AGENT, org_id=ORG, query="deploy?", model="gpt-4o", session_id="s-1"
-            )
-        )
-        handed: list[Any] = []
-        with trio.fail_after(5):
-            made[ahead] = (await a.assemble_checked(req, handoff=handed.append), handed)
-    at_wall, at_wall_handed = made[SPECULATE_AHEAD]
-    plain, plain_handed = made[None]
-    assert at_wall_handed == [at_wall] and at_wall_handed[0] is at_wall
-    assert plain_handed == []
-    assert [(b.source, b.status) for b in at_wall.branches] == [
-        ("directive", "success"),
-        ("hot", "timeout"),
-        ("cold", "timeout"),
-    ]
+    hang = RetrievalConfig(timeout=0.05, deadline=0.05, hot_timeout=1.0, cold_timeout=1.0)
+    made = await made_both_ways(tokenizers, BothHang("unused"), hang)
+    at_wall = handed_over_and_identical(made, ["success", "timeout", "timeout"])
     assert at_wall.branches[1].latency_ms == pytest.approx(50.0)
-    assert at_wall.branches[2].latency_ms == pytest.approx(50.0)
-    assert untimed(at_wall) == untimed(plain)
 
 
 async def test_an_answer_made_before_the_wall_is_dropped_when_the_last_branch_lands(

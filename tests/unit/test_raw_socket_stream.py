@@ -52,10 +52,12 @@ async def test_round_trip_larger_than_the_socket_buffers(
     assert bytes(got) == payload
 
 
+@pytest.mark.parametrize("method", ["receive_some", "receive_reply"])
 async def test_receive_waits_for_data_then_returns_it(
-    pair: tuple[RawSocketStream, socket.socket],
+    pair: tuple[RawSocketStream, socket.socket], method: str
 ) -> None:
     stream, peer = pair
+    receive = getattr(stream, method)
 
     async def answer_later() -> None:
         await trio.sleep(0.01)
@@ -63,7 +65,9 @@ async def test_receive_waits_for_data_then_returns_it(
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(answer_later)
-        assert await stream.receive_some() == b"late"
+        assert await receive() == b"late"
+    peer.shutdown(socket.SHUT_WR)
+    assert await receive() == b""
 
 
 async def test_eof_is_empty_bytes(pair: tuple[RawSocketStream, socket.socket]) -> None:
@@ -145,18 +149,3 @@ async def test_an_answer_read_after_its_request_costs_one_recv() -> None:
         assert (response.status, response.body, keep) == (200, b"ok", True)
         assert sock.recvs == 1
 
-
-async def test_receive_reply_waits_for_data_then_returns_it(
-    pair: tuple[RawSocketStream, socket.socket],
-) -> None:
-    stream, peer = pair
-
-    async def answer_later() -> None:
-        await trio.sleep(0.01)
-        peer.send(b"late")
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(answer_later)
-        assert await stream.receive_reply() == b"late"
-    peer.shutdown(socket.SHUT_WR)
-    assert await stream.receive_reply() == b""
