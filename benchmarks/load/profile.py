@@ -93,6 +93,8 @@ by more than the spread). ``--calls``: Python function calls per answer under
 cProfile, the daemon against the floor; counts do not move with the machine's
 load, so they show added work where sampled time cannot. ``--micro``: the
 memory pool's request-path steps in µs of CPU, both ways of each in turns.
+``--syscalls [--versus DIR] [--rounds N]``: syscalls per answer of the daemon
+under ``strace -f -c`` (each checkout in turns when DIR is given).
 """
 
 
@@ -270,6 +272,60 @@ def micro(rounds: int = 8) -> dict[str, list[float]]:
     return out
 
 
+def _strace_counts(path: Path) -> dict[str, tuple[int, int]]:
+    """`strace -c` output: syscall -> (calls, errors)."""
+    out = {}
+    for line in path.read_text().splitlines():
+        parts = line.split()
+        if len(parts) >= 5 and parts[3].isdigit() and parts[-1] != "total":
+            out[parts[-1]] = (int(parts[3]), int(parts[4]) if len(parts) == 6 else 0)
+    return out
+
+
+def syscalls(
+    roots: list[Path], rate: int, seconds: float, rounds: int
+) -> dict[str, list[dict[str, list[float]]]]:
+    """Syscalls per answer of each checkout's daemon (one worker) under h2load at `rate`,
+    counted by `strace -f -c` for `seconds`, the checkouts in turns, `rounds` times, on
+    one stack. Counts, not timings: they move little with the machine's load."""
+    import shutil
+    import signal
+    import subprocess
+    import tempfile
+    import time
+
+    from benchmarks.load import h2load
+    from benchmarks.load.driver import build_requests
+    from benchmarks.load.stack import Stack
+
+    strace = shutil.which("strace")
+    if strace is None:
+        raise SystemExit("needs strace (Debian: apt-get install strace)")
+    tmp = Path(tempfile.mkdtemp(prefix="ibex-syscalls-"))
+    out: dict[str, list[dict[str, list[float]]]] = {str(r): [] for r in roots}
+    with Stack() as stack:
+        messages = build_requests(stack.tenants, len(stack.tenants), 0, versions=True)
+        for i in range(rounds):
+            for root in roots if i % 2 == 0 else roots[::-1]:
+                with stack.daemon(1, root) as daemon:
+                    h2load.run(daemon.addr, messages, h2load.Load(rate), 1.5)  # warm
+                    trace = tmp / f"{i}-{root.name}.txt"
+                    spy = subprocess.Popen(
+                        [strace, "-f", "-c", "-o", str(trace), "-p", str(daemon.root_pid)],
+                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                    )  # fmt: skip
+                    time.sleep(0.5)  # attached
+                    run = h2load.run(daemon.addr, messages, h2load.Load(rate), seconds)
+                    spy.send_signal(signal.SIGINT)
+                    spy.wait(timeout=30)
+                n = max(1, run.succeeded)
+                counts = _strace_counts(trace)
+                out[str(root)].append(
+                    {k: [round(c / n, 2), round(e / n, 2)] for k, (c, e) in counts.items()}
+                )
+    return out
+
+
 CALLS_PROBE = Path(__file__).resolve().parent / "calls_probe"
 
 
@@ -350,9 +406,18 @@ def calls_versus_floor(rate: int, seconds: float) -> dict[str, object]:
     return res
 
 
+def _write_results(name: str, data: object) -> None:
+    """`data` as JSON in benchmarks/results/`name`."""
+    import json
+
+    path = Path(__file__).resolve().parents[1] / "results" / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    print(f"wrote {path}")
+
+
 def main(argv: list[str] | None = None) -> None:
     import argparse
-    import json
     import statistics
 
     p = argparse.ArgumentParser(description=USAGE.splitlines()[0])
@@ -371,7 +436,33 @@ def main(argv: list[str] | None = None) -> None:
         "--calls", action="store_true", help="function calls per answer (cProfile), ibex vs floor"
     )
     p.add_argument("--micro", action="store_true", help="the memory pool's steps, µs of CPU")
+    p.add_argument(
+        "--syscalls", action="store_true", help="syscalls per answer (strace -c), with --versus too"
+    )
     args = p.parse_args(argv)
+    if args.syscalls:
+        from benchmarks.load.stack import ROOT
+
+        roots = [ROOT] if args.versus is None else [ROOT, args.versus]
+        got = syscalls(roots, args.rate, args.seconds, args.rounds)
+        runs_all = [r for runs in got.values() for r in runs]
+        names = sorted({k for r in runs_all for k in r},
+                       key=lambda k: -max(r.get(k, [0, 0])[0] for r in runs_all))  # fmt: skip
+        print(f"syscalls per answer at {args.rate} rps (h2load, strace -f -c), per round; "
+              "failed ones in brackets")  # fmt: skip
+        for root, runs in got.items():
+            print(f"-- {root}")
+            for name in [*names, "total"]:
+                if name == "total":
+                    per = [(sum(c for c, _ in r.values()), sum(e for _, e in r.values()))
+                           for r in runs]  # fmt: skip
+                else:
+                    per = [tuple(r.get(name, [0.0, 0.0])) for r in runs]
+                if max(c for c, _ in per) >= 0.05:
+                    cells = " ".join(f"{c:6.2f} ({e:.2f})" for c, e in per)
+                    print(f"   {name:18s} {cells}")
+        _write_results("load.profile_syscalls.json", got)
+        return
     if args.micro:
         for name, v in micro(args.rounds).items():
             print(f"{name:28s} µs CPU median {statistics.median(v):7.1f} "
@@ -386,10 +477,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{'ibex':>8s} {'floor':>8s}  function (most calls added first)")
         for name, a, b in res["most_added_calls"]:  # type: ignore[attr-defined]
             print(f"{a:8.1f} {b:8.1f}  {name}")
-        out = Path(__file__).resolve().parents[1] / "results" / "load.profile_calls.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(res, indent=1) + "\n")
-        print(f"wrote {out}")
+        _write_results("load.profile_calls.json", res)
         return
     if args.versus is not None:
         ab = alternate(args.versus, None if args.saturated else args.rate, args.seconds,
@@ -414,10 +502,7 @@ def main(argv: list[str] | None = None) -> None:
     print("-- ibex, top by self time (% of samples)")
     for name, pct in ibex["self"][:20]:
         print(f"   {pct:6.2f}  {name}")
-    path = Path(__file__).resolve().parents[1] / "results" / "load.profile_versus_floor.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(res, indent=1) + "\n")
-    print(f"wrote {path}")
+    _write_results("load.profile_versus_floor.json", res)
 
 
 if __name__ == "__main__":

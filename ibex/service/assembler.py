@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypedDict, Unpack
@@ -62,6 +63,11 @@ OFFLOAD_CHARS = 16 * 1024
 # loop (`python -m benchmarks.load.after_wall`, docs/performance.md), so the answer is
 # ready when the wall passes; the branch still has until the wall to land.
 SPECULATE_AHEAD = 0.003
+# Seconds after a call of this process was cut at its wall during which calls make their
+# answer before the wall. Waiting for that instant keeps a branch task parked, woken once
+# more to end when the last branch lands in time; while no call is cut, the few that
+# are get their answer made at the wall instead (`_EarlyAssemblyFeed.wall_reached`).
+SPECULATE_AFTER_CUT = 2.0
 
 Handoff = Callable[[AssemblyResult], None]
 
@@ -98,11 +104,15 @@ class _EarlyAssemblyFeed:
     on when the first branch ends, so no branch starts later for it. Any failure but
     a kept refusal drops the early work: the pipeline then does it all itself.
 
-    It is also the call's `WallListener` when `speculate` is given: `SPECULATE_AHEAD`
-    before the wall, with only the request's own branch still running, it makes the
-    whole answer as if the wall will cut that branch (within the same budget); when
-    the wall does, that answer (its timing facts filled in) is the call's, handed
-    to `handoff` at once, while the cut branch unwinds.
+    It is also the call's `WallListener` when `speculate` is given: while calls are
+    being cut (`SPECULATE_AFTER_CUT`), `ahead` (`SPECULATE_AHEAD`) before the wall,
+    with only the request's own branch still running, it makes the whole answer as
+    if the wall will cut that branch (within the same budget); when the wall does,
+    that answer (its timing facts filled in) is the call's, handed to `handoff` at
+    once, while the cut branch unwinds. When the wall cuts a call that has no such
+    answer (no call was cut shortly before, or another branch was still running
+    before the wall), the first task the wall reaches makes it then, if the
+    pipeline would run in the loop anyway, and hands it over the same way.
     """
 
     __slots__ = (
@@ -110,15 +120,17 @@ class _EarlyAssemblyFeed:
         "answer",
         "assembly",
         "budget",
+        "cut",
         "directive",
         "directive_known",
         "handoff",
         "inputs",
+        "loop_chars",
         "speculate",
         "speculation",
     )
 
-    ahead: float
+    ahead: float | None
 
     def __init__(
         self,
@@ -127,9 +139,11 @@ class _EarlyAssemblyFeed:
         inputs: Callable[[Retrieved], AssemblyInputs],
         speculate: Callable[[AssemblyInputs], Speculation] | None = None,
         handoff: Handoff | None = None,
+        loop_chars: int = OFFLOAD_CHARS,
     ) -> None:
         self.assembly: EarlyAssembly | None = assembly
         self.budget = budget
+        self.loop_chars = loop_chars  # text above which the pipeline runs in a worker thread
         self.directive: Directive | None = None
         # The directive branch has answered and its fixed sections are not counted yet.
         self.directive_known = False
@@ -140,6 +154,7 @@ class _EarlyAssemblyFeed:
         self.handoff = handoff
         # The answer made before the wall, and the retrieval it answers.
         self.answer: tuple[Retrieved, AssemblyResult] | None = None
+        self.cut = False  # the wall cut a branch of this call
 
     def before_wall(self, got: Retrieved) -> None:
         if self.assembly is None or self.budget < 0 or self.speculate is None:
@@ -152,19 +167,37 @@ class _EarlyAssemblyFeed:
             log.exception("early_assembly_failed")
 
     def wall_reached(self, got: Retrieved) -> None:
-        speculation = self.speculation
-        if speculation is None:
-            return
+        self.cut = True
         try:
             inputs = self.inputs(got)
-            if not speculation.matches(inputs):
+            speculation = self.speculation
+            if speculation is not None and speculation.matches(inputs):
+                result = speculation.answer(inputs)
+            elif self._may_make(inputs):
+                # Not made before the wall (a branch other than the last one was still
+                # running then): the pipeline runs here, in the first task the wall
+                # reached, as it would once the cut branches had unwound.
+                assert self.speculate is not None
+                result = self.speculate(inputs).result
+            else:
                 return
-            result = speculation.answer(inputs)
             self.answer = (got, result)
             if self.handoff is not None:
                 self.handoff(result)
+        except IbexError:
+            pass  # a refusal: the pipeline raises it after retrieval, where it always has
         except Exception:
             log.exception("early_assembly_failed")
+
+    def _may_make(self, inputs: AssemblyInputs) -> bool:
+        """The whole answer may be made at the wall, in the loop: the pipeline would run
+        there too (its text within the loop's budget, no worker thread)."""
+        return (
+            self.assembly is not None
+            and self.speculate is not None
+            and self.budget >= 0
+            and _text_chars(inputs) <= self.loop_chars
+        )
 
     def answered_at_start(self, source: BranchSource, value: Any) -> None:
         if source == "directive":
@@ -255,8 +288,10 @@ class Assembler:
         # What the sources depend on (Redis, the memory service): warmed before serving.
         self.dependencies = tuple(dependencies)
         # Seconds before the wall at which a call's answer is made as if the wall will cut
-        # its last branch (`_EarlyAssemblyFeed`); None: only at the wall.
+        # its last branch (`_EarlyAssemblyFeed`), while calls are being cut
+        # (`SPECULATE_AFTER_CUT`); None: only at the wall.
         self.speculate_ahead = speculate_ahead
+        self.last_cut = -math.inf  # when the wall last cut a call's branch (Trio clock)
 
     def nonce(self, request: AssemblyRequest) -> str:
         """Session-scoped with a key and a session (the provider can cache the prefix), else fresh.
@@ -321,10 +356,11 @@ class Assembler:
         A `trace` receives each branch's and stage's times once the answer is made.
         `retrieving` is entered for the retrieval alone (admission counts calls waiting
         on their branches, see `Admission.retrieving_for`).
-        A call whose last branch is cut by the wall gets the answer made just before
-        the wall (`_EarlyAssemblyFeed`), the same as the pipeline would make then; it is
-        handed to `handoff` at the wall, before the cut branch has unwound, and returned
-        once it has. Not for a traced call (its stage spans time the pipeline at the wall).
+        A call cut by the wall gets the answer made just before
+        the wall (`_EarlyAssemblyFeed`), the same as the pipeline would make then, or
+        made at the wall when it was not; it is handed to `handoff` at the wall, before
+        the cut branches have unwound, and returned once they have. Not for a traced
+        call (its stage spans time the pipeline at the wall).
         """
         starts: dict[BranchSource, float] | None = None
         timer: StageTimer | None = None
@@ -347,6 +383,8 @@ class Assembler:
                 listener=early,
                 wall_listener=early if early is not None and early.speculate else None,
             )
+        if early is not None and early.cut:
+            self.last_cut = trio.current_time()
         if early is not None and early.answer is not None and early.answer[0] is got:
             result = early.answer[1]  # made before the wall, for what the wall cut
         else:
@@ -417,9 +455,10 @@ class Assembler:
             functools.partial(_inputs, request, nonce, now),
             functools.partial(self._speculate, assembly) if speculate else None,
             handoff,
+            self.offload_chars,
         )
-        if self.speculate_ahead is not None:
-            feed.ahead = self.speculate_ahead
+        cut_recently = trio.current_time() - self.last_cut < SPECULATE_AFTER_CUT
+        feed.ahead = self.speculate_ahead if cut_recently else None
         return feed
 
     def _speculate(self, early: EarlyAssembly, inputs: AssemblyInputs) -> Speculation:

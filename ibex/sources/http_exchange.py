@@ -17,7 +17,7 @@ import trio
 
 from ibex.sources.http_connect import Link, link_unusable
 from ibex.sources.http_framing import Response, ResponseParser, transport_error
-from ibex.sources.raw_socket_stream import RECV_BYTES
+from ibex.sources.raw_socket_stream import RECV_BYTES, RawSocketStream
 
 __all__ = [
     "Connection",
@@ -145,9 +145,14 @@ async def send_request(conn: Connection, data: bytes) -> None:
 async def read_response(conn: Connection, parser: ResponseParser) -> tuple[Response, bool]:
     """Feed the parser until the answer is complete; (answer, may the connection be reused)."""
     first = True
+    stream = conn.stream
+    chunk: bytes | bytearray
     while True:
         try:
-            chunk = await conn.stream.receive_some(RECV_BYTES)
+            if first and isinstance(stream, RawSocketStream):
+                chunk = await stream.receive_reply(RECV_BYTES)  # no recv before the answer
+            else:
+                chunk = await stream.receive_some(RECV_BYTES)
         except (trio.BrokenResourceError, OSError):
             if first and conn.reused:
                 raise StaleConnection from None

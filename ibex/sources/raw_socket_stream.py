@@ -51,6 +51,18 @@ class RawSocketStream(trio.abc.Stream):
             except BlockingIOError:
                 await trio.lowlevel.wait_readable(self.sock)
 
+    async def receive_reply(self, max_bytes: int | None = None) -> bytes:
+        """The first read after a request was sent: the peer cannot have answered
+        within the send, so this waits for readability before the first `recv`
+        instead of trying one that fails with EAGAIN (a syscall and an exception per
+        exchange). Cancellation as for `receive_some`: the wait is the checkpoint."""
+        while True:
+            await trio.lowlevel.wait_readable(self.sock)
+            try:
+                return self.sock.recv(max_bytes or RECV_BYTES)
+            except BlockingIOError:
+                pass  # a spurious wakeup: wait again
+
     async def aclose(self) -> None:
         self.sock.close()
         await trio.lowlevel.checkpoint()

@@ -75,64 +75,100 @@ class WallListener(Protocol):
 
     Once every branch but the one in the request's own task (the last, usually cold)
     has ended and that one still runs `ahead` seconds before the wall, `before_wall`
-    gets what retrieval would return if the wall cut it then; when the wall does cut
-    it, `wall_reached` gets what retrieval returns. Both run synchronously in the
-    loop, inside retrieval, and must not raise. `ahead` is read once per call.
+    gets what retrieval would return if the wall cut it then. When the wall cuts any
+    branch, `wall_reached` gets what retrieval returns, once, in the first task the
+    wall's cancellation reaches (before the cut branches have unwound). Both run
+    synchronously in the loop, inside retrieval, and must not raise. `ahead` is read
+    once per call; None: nothing is made before the wall, and no branch task waits
+    for it (a task that waits is woken once more when the last branch lands in time).
     """
 
-    ahead: float
+    ahead: float | None
 
     def before_wall(self, got: Retrieved) -> None:
         """The last branch is still running `ahead` before the wall."""
 
     def wall_reached(self, got: Retrieved) -> None:
-        """The wall has cut the last branch: `got` is what `retrieve` returns."""
+        """The wall has cut a branch: `got` is what `retrieve` returns."""
 
 
 class _Wall:
-    """One call's view of its wall for a `WallListener`: the branch that ends last
-    among the others' tasks waits in its task for the wall (or for the request's own
-    branch to end, which cancels `scope`), so no task is started for it."""
+    """One call's view of its wall for a `WallListener`.
 
-    __slots__ = ("children", "cut", "last", "listener", "scope", "started", "wall", "wall_scope")
+    The branch that ends last among the others' tasks waits in its task for the
+    wall (or for the request's own branch to end, which cancels `scope`), so no
+    task is started for it. At the wall, the first task its cancellation reaches
+    (that waiting task, or a cut branch's as it unwinds) fixes what retrieval
+    returns and tells the listener (`reached`): the answer need not wait for the
+    other cut branches to unwind, nor for the nursery to close.
+    """
+
+    __slots__ = (
+        "children",
+        "cut",
+        "last",
+        "listener",
+        "outcomes",
+        "request",
+        "scope",
+        "started",
+        "values",
+        "wall",
+        "wall_scope",
+    )
 
     def __init__(
         self,
         listener: WallListener,
+        request: AssemblyRequest,
+        outcomes: dict[BranchSource, BranchOutcome],
+        values: dict[BranchSource, Any],
         last: BranchSource,
         children: int,
         started: float,
         wall_scope: trio.CancelScope,
         time_left: float,
     ) -> None:
-        self.listener, self.last, self.children = listener, last, children
+        self.listener, self.request = listener, request
+        self.outcomes, self.values = outcomes, values
+        self.last, self.children = last, children
         self.started, self.wall_scope, self.wall = started, wall_scope, time_left
-        self.scope = trio.CancelScope()
+        # The waiting task's scope, cancelled when the request's own branch ends; none
+        # when nothing is made before the wall (no task waits).
+        self.scope = trio.CancelScope() if listener.ahead is not None else None
         self.cut: Retrieved | None = None  # what was handed over at the wall
 
-    async def wait(
-        self,
-        request: AssemblyRequest,
-        outcomes: dict[BranchSource, BranchOutcome],
-        values: dict[BranchSource, Any],
-    ) -> None:
+    def reached(self) -> None:
+        """In a task the wall's cancellation reached: the first such call, with a branch
+        still running, fixes what `retrieve` returns and tells the listener. Not for a
+        cancellation of the caller's (the wall's scope was not cancelled)."""
+        if (
+            self.cut is None
+            and self.wall_scope.cancel_called
+            and len(self.outcomes) < len(BRANCH_ORDER)
+        ):
+            self.cut = _collected(self.request, self.outcomes, self.values, self.started, self.wall)
+            self.listener.wall_reached(self.cut)
+
+    async def wait(self) -> None:
         """In the task of a branch that has ended: when it is the last of the others'
         tasks and the request's branch still runs, wait there for the wall."""
         self.children -= 1
-        if self.children or self.last in outcomes:
+        ahead, scope = self.listener.ahead, self.scope
+        if self.children or self.last in self.outcomes or ahead is None or scope is None:
             return
         listener = self.listener
-        with self.scope:
+        with scope:
             try:
-                await trio.sleep_until(self.wall_scope.deadline - listener.ahead)
-                listener.before_wall(_collected(request, outcomes, values, self.started, self.wall))
+                await trio.sleep_until(self.wall_scope.deadline - ahead)
+                listener.before_wall(
+                    _collected(self.request, self.outcomes, self.values, self.started, self.wall)
+                )
                 await trio.sleep_forever()
             except trio.Cancelled:
                 # The wall (not the request's own branch ending, nor the caller going):
                 # the answer can leave now, while the cut branch unwinds.
-                if self.wall_scope.cancel_called and self.last not in outcomes:
-                    self.cut = _collected(request, outcomes, values, self.started, self.wall)
-                    listener.wall_reached(self.cut)
+                self.reached()
                 raise
 
 
@@ -264,6 +300,7 @@ async def _run_branch(
     values: dict[BranchSource, Any],
     starts: dict[BranchSource, float] | None = None,
     listener: BranchListener | None = None,
+    wall: _Wall | None = None,
 ) -> None:
     assert row.call is not None
     t0 = trio.current_time()
@@ -277,6 +314,10 @@ async def _run_branch(
             if isinstance(value, Answer):
                 value, detail = value.value, value.detail
             values[row.source] = value
+        except trio.Cancelled:
+            if wall is not None:
+                wall.reached()  # cut by the wall: the answer need not wait for the unwinding
+            raise
         except SourceError as exc:
             status, detail = "error", str(exc)[:_DETAIL_MAX]
         except (Exception, asyncio.CancelledError) as exc:
@@ -335,21 +376,29 @@ async def retrieve(
             calls.append(row)
     wall_scope = trio.CancelScope(deadline=trio.current_time() + time_left)
     wall = None
-    if wall_listener is not None and len(calls) > 1:
+    if wall_listener is not None and calls:
         last = calls[-1].source
-        wall = _Wall(wall_listener, last, len(calls) - 1, started, wall_scope, time_left)
+        wall = _Wall(
+            wall_listener,
+            request,
+            outcomes,
+            values,
+            last,
+            len(calls) - 1,
+            started,
+            wall_scope,
+            time_left,
+        )
     with wall_scope:
         async with trio.open_nursery() as nursery:
             for row in calls[:-1]:
-                nursery.start_soon(
-                    _run_child, row, outcomes, values, branch_starts, listener, wall, request
-                )
+                nursery.start_soon(_run_child, row, outcomes, values, branch_starts, listener, wall)
             if calls:
                 # The last branch (cold, usually the slowest) runs in this task: its answer
                 # then wakes the request directly instead of a branch task that wakes the
                 # request, one task and one task step less per answer.
-                await _run_branch(calls[-1], outcomes, values, branch_starts, listener)
-                if wall is not None:
+                await _run_branch(calls[-1], outcomes, values, branch_starts, listener, wall)
+                if wall is not None and wall.scope is not None:
                     wall.scope.cancel()  # it ended before the wall: nothing to wait for
     if wall is not None and wall.cut is not None:
         return wall.cut  # what was handed over at the wall is what the call returns
@@ -363,12 +412,11 @@ async def _run_child(
     starts: dict[BranchSource, float] | None,
     listener: BranchListener | None,
     wall: _Wall | None,
-    request: AssemblyRequest,
 ) -> None:
     """A branch in a task of its own; with a `_Wall`, the last of them waits for the wall."""
-    await _run_branch(row, outcomes, values, starts, listener)
-    if wall is not None:
-        await wall.wait(request, outcomes, values)
+    await _run_branch(row, outcomes, values, starts, listener, wall)
+    if wall is not None and wall.scope is not None:
+        await wall.wait()
 
 
 def _collected(

@@ -1,11 +1,12 @@
 """A call whose cold branch hangs is answered at the wall, while the cut branch unwinds.
 
 Real daemon on a real gRPC socket (grpcio client), the real memory stand-in with
-its cold endpoint hanging. The cold branch's unwinding is held (shielded) until
-the caller has its answer: the answer must arrive anyway, complete and correct,
-and the call must still end after its branch has (the unwinding is released and
-finishes before the daemon stops). No timing is asserted: `WAIT` only bounds a
-step that never comes.
+its cold endpoint hanging. A first call is cut at the wall, so the next calls have
+their answer made before it. The second call's cold branch has its unwinding held
+(shielded) until the caller has its answer: the answer must arrive anyway, complete
+and correct, and the call must still end after its branch has (the unwinding is
+released and finishes before the daemon stops). No timing is asserted: `WAIT` only
+bounds a step that never comes.
 """
 
 from __future__ import annotations
@@ -50,10 +51,16 @@ async def test_the_answer_leaves_at_the_wall_while_the_cut_branch_unwinds(
     unwinding: list[str] = []
     real_cold = MemoryHttpSource.cold
 
+    calls: list[str] = []
+
     async def held_cold(self: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append("cold")
+        held = len(calls) > 1  # the first call is cut as usual
         try:
             return await real_cold(self, *args, **kwargs)
         except trio.Cancelled:
+            if not held:
+                raise
             with trio.CancelScope(shield=True):
                 unwinding.append("held")
                 got = await trio.to_thread.run_sync(answered.wait, WAIT)
@@ -63,6 +70,7 @@ async def test_the_answer_leaves_at_the_wall_while_the_cut_branch_unwinds(
     monkeypatch.setattr(MemoryHttpSource, "cold", held_cold)
 
     def call_then_release(daemon: RunningDaemon) -> Any:
+        call(daemon)  # cut at the wall: calls are being cut now
         try:
             return call(daemon)
         finally:
@@ -78,6 +86,7 @@ async def test_the_answer_leaves_at_the_wall_while_the_cut_branch_unwinds(
     ) as daemon:
         with trio.fail_after(3 * WAIT):
             response = await in_thread(call_then_release, daemon)
+    assert calls == ["cold", "cold"]
     assert unwinding == ["held", "released"]
     statuses = {b.source: b.status for b in response.branches}
     assert statuses == {"directive": "skipped", "hot": "success", "cold": "timeout"}

@@ -24,6 +24,7 @@ from ibex.testing.samples import AGENT, ORG
 
 DIRECTIVE = Directive("Answer briefly and cite the runbook step.")
 OFFLOAD = 4000
+WALL_50MS = RetrievalConfig(timeout=0.05, deadline=0.05, cold_timeout=1.0)
 
 
 class CachedDirective:
@@ -90,13 +91,18 @@ def handed(monkeypatch: pytest.MonkeyPatch) -> list[EarlyAssembly | None]:
     return seen
 
 
-def assembler(tokenizers: Tokenizers, memory: HotThenHang, **options: Any) -> Assembler:
+def assembler(
+    tokenizers: Tokenizers,
+    memory: HotThenHang,
+    retrieval: RetrievalConfig = WALL_50MS,
+    **options: Any,
+) -> Assembler:
     return Assembler(
         catalog=load_catalog(),
         tokenizers=tokenizers,
         directive_source=CachedDirective(),
         memory_source=memory,
-        retrieval=RetrievalConfig(timeout=0.05, deadline=0.05, cold_timeout=1.0),
+        retrieval=retrieval,
         offload_chars=OFFLOAD,
         **options,
     )
@@ -196,23 +202,21 @@ def untimed(result: Any) -> bytes:
     return encoded
 
 
-async def test_the_answer_made_before_the_wall_is_byte_identical_to_the_one_made_at_it(
-    autojump_clock: trio.testing.MockClock,
-    tokenizers: Tokenizers,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Cold hangs past the wall: the answer made `SPECULATE_AHEAD` before it (handed over
-    at the wall) encodes to the same bytes as the pipeline's at the wall, timings aside;
-    the branches' latencies are those at the wall."""
+async def made_both_ways(
+    tokenizers: Tokenizers, memory: HotThenHang, retrieval: RetrievalConfig
+) -> dict[float | None, tuple[Any, list[Any]]]:
+    """One session call's answer and what was handed over, by `speculate_ahead`: the
+    default, with calls being cut (answers made before the wall), and None (the
+    pipeline's after retrieval). The same nonce and clock for both."""
     from ibex.assembly.nonce import NonceKey
     from ibex.service.assembler import SPECULATE_AHEAD
 
-    monkeypatch.setattr(assembler_module.time, "time", lambda: 1_800_000_000.0)
     made: dict[float | None, tuple[Any, list[Any]]] = {}
     for ahead in (SPECULATE_AHEAD, None):
         a = assembler(
             tokenizers,
-            HotThenHang("Deploys go through the staging gate first."),
+            memory,
+            retrieval,
             nonce_key=NonceKey("k" * 40),
             wall_clock=lambda: 1_800_000_000.0,
             speculate_ahead=ahead,
@@ -223,29 +227,75 @@ async def test_the_answer_made_before_the_wall_is_byte_identical_to_the_one_made
             )
         )
         handed: list[Any] = []
+        a.last_cut = trio.current_time()  # calls are being cut
         with trio.fail_after(5):
             made[ahead] = (await a.assemble_checked(req, handoff=handed.append), handed)
-    early, early_handed = made[SPECULATE_AHEAD]
-    plain, plain_handed = made[None]
-    assert early_handed == [early] and early_handed[0] is early
+    return made
+
+
+def handed_over_and_identical(
+    made: dict[float | None, tuple[Any, list[Any]]], statuses: list[str]
+) -> Any:
+    """The answer with calls being cut was handed over, the pipeline's was not, both
+    encode to the same bytes (timings aside), the branches end as `statuses` and the
+    last one was cut at the wall (50 ms on the mock clock). Returns the first answer."""
+    from ibex.service.assembler import SPECULATE_AHEAD
+
+    (cut, cut_handed), (plain, plain_handed) = made[SPECULATE_AHEAD], made[None]
+    assert cut_handed == [cut] and cut_handed[0] is cut
     assert plain_handed == []
-    assert [(b.source, b.status) for b in early.branches] == [
-        ("directive", "success"),
-        ("hot", "success"),
-        ("cold", "timeout"),
-    ]
-    # Cut at the wall: 50 ms on the mock clock, the latency as at the wall.
-    assert early.branches[2].latency_ms == pytest.approx(50.0)
+    assert [b.status for b in cut.branches] == statuses
+    assert cut.branches[2].latency_ms == pytest.approx(50.0)
     assert plain.branches[2].latency_ms == pytest.approx(50.0)
+    assert untimed(cut) == untimed(plain)
+    return cut
+
+
+async def test_the_answer_made_before_the_wall_is_byte_identical_to_the_one_made_at_it(
+    autojump_clock: trio.testing.MockClock,
+    tokenizers: Tokenizers,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Cold hangs past the wall, and calls are being cut: the answer made
+    `SPECULATE_AHEAD` before it (handed over at the wall) encodes to the same bytes as
+    the pipeline's at the wall, timings aside; the branches' latencies are those at the
+    wall."""
+
+    monkeypatch.setattr(assembler_module.time, "time", lambda: 1_800_000_000.0)
+    memory = HotThenHang("Deploys go through the staging gate first.")
+    made = await made_both_ways(tokenizers, memory, WALL_50MS)
+    early = handed_over_and_identical(made, ["success", "success", "timeout"])
     assert len(early.memories_used) == 3
-    assert untimed(early) == untimed(plain)
+
+
+async def test_an_answer_not_made_before_the_wall_is_made_and_handed_over_at_it(
+    autojump_clock: trio.testing.MockClock,
+    tokenizers: Tokenizers,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Hot and cold both hang past the wall, so nothing is made before it: the answer
+    is made at the wall and handed over, and encodes to the same bytes as the one the
+    pipeline makes after retrieval (no answer made early, nothing handed over)."""
+
+    class BothHang(HotThenHang):
+        async def hot(
+            self, org_id: str, agent_id: str, *, limit: int, min_confidence: float
+        ) -> list[MemoryHit]:
+            await trio.sleep(10)
+            return []
+
+    monkeypatch.setattr(assembler_module.time, "time", lambda: 1_800_000_000.0)
+    hang = RetrievalConfig(timeout=0.05, deadline=0.05, hot_timeout=1.0, cold_timeout=1.0)
+    made = await made_both_ways(tokenizers, BothHang("unused"), hang)
+    at_wall = handed_over_and_identical(made, ["success", "timeout", "timeout"])
+    assert at_wall.branches[1].latency_ms == pytest.approx(50.0)
 
 
 async def test_an_answer_made_before_the_wall_is_dropped_when_the_last_branch_lands(
     autojump_clock: trio.testing.MockClock, tokenizers: Tokenizers
 ) -> None:
-    """Cold lands after the answer was made (between it and the wall): nothing is
-    handed over, and the answer has cold's memories."""
+    """Calls are being cut, and cold lands after the answer was made (between it and
+    the wall): nothing is handed over, and the answer has cold's memories."""
 
     class LateCold(HotThenHang):
         async def cold(
@@ -258,6 +308,7 @@ async def test_an_answer_made_before_the_wall_is_dropped_when_the_last_branch_la
             ]
 
     a = assembler(tokenizers, LateCold("Deploys go through the staging gate first."))
+    a.last_cut = trio.current_time()  # calls are being cut: the answer is made before the wall
     handed: list[Any] = []
     with trio.fail_after(5):
         result = await a.assemble_checked(a.check_request(request()), handoff=handed.append)
@@ -270,3 +321,35 @@ def msgspec_replace(hit: MemoryHit, **changes: Any) -> MemoryHit:
     import msgspec
 
     return msgspec.structs.replace(hit, **changes)
+
+
+async def test_answers_are_made_before_the_wall_only_while_calls_are_being_cut(
+    autojump_clock: trio.testing.MockClock,
+    tokenizers: Tokenizers,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No call was cut yet: the first cut call's answer is made at its wall (50 ms), and
+    handed over; the next call, within `SPECULATE_AFTER_CUT`, has its answer made
+    `SPECULATE_AHEAD` before it. Once no call was cut for that long, again at the wall."""
+    from ibex.service.assembler import SPECULATE_AFTER_CUT, SPECULATE_AHEAD
+
+    made_at: list[float] = []
+    real = Assembler._speculate
+
+    def timed(self: Assembler, *args: Any) -> Any:
+        made_at.append(trio.current_time())
+        return real(self, *args)
+
+    monkeypatch.setattr(Assembler, "_speculate", timed)
+    a = assembler(tokenizers, HotThenHang("Deploys go through the staging gate first."))
+    walls = []
+    for pause in (0.0, 0.0, SPECULATE_AFTER_CUT + 0.001):
+        await trio.sleep(pause)
+        handed: list[Any] = []
+        start = trio.current_time()
+        walls.append(start + 0.05)
+        with trio.fail_after(5):
+            result = await a.assemble_checked(a.check_request(request()), handoff=handed.append)
+        assert handed == [result]
+        assert [b.status for b in result.branches] == ["success", "success", "timeout"]
+    assert made_at == pytest.approx([walls[0], walls[1] - SPECULATE_AHEAD, walls[2]])

@@ -52,10 +52,12 @@ async def test_round_trip_larger_than_the_socket_buffers(
     assert bytes(got) == payload
 
 
+@pytest.mark.parametrize("method", ["receive_some", "receive_reply"])
 async def test_receive_waits_for_data_then_returns_it(
-    pair: tuple[RawSocketStream, socket.socket],
+    pair: tuple[RawSocketStream, socket.socket], method: str
 ) -> None:
     stream, peer = pair
+    receive = getattr(stream, method)
 
     async def answer_later() -> None:
         await trio.sleep(0.01)
@@ -63,7 +65,9 @@ async def test_receive_waits_for_data_then_returns_it(
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(answer_later)
-        assert await stream.receive_some() == b"late"
+        assert await receive() == b"late"
+    peer.shutdown(socket.SHUT_WR)
+    assert await receive() == b""
 
 
 async def test_eof_is_empty_bytes(pair: tuple[RawSocketStream, socket.socket]) -> None:
@@ -108,3 +112,40 @@ async def test_a_reset_peer_is_an_oserror(pair: tuple[RawSocketStream, socket.so
     with pytest.raises(OSError):
         for _ in range(100):
             await stream.send_all(b"x" * 65_536)
+
+
+class CountingSocket(socket.socket):
+    """A socket that counts its `recv` calls, the ones that fail with EAGAIN included."""
+
+    recvs = 0
+
+    def recv(self, bufsize: int, flags: int = 0) -> bytes:
+        self.recvs += 1
+        return super().recv(bufsize, flags)
+
+
+async def test_an_answer_read_after_its_request_costs_one_recv() -> None:
+    """The exchange's first read waits for the answer before its `recv`: no recv is
+    tried before the peer can have answered (it would fail with EAGAIN)."""
+    from ibex.sources.http_connect import SocketLink
+    from ibex.sources.http_exchange import Connection, read_response, send_request
+    from ibex.sources.http_framing import ResponseParser
+
+    a, peer = socket.socketpair()
+    sock = CountingSocket(a.family, a.type, fileno=a.detach())
+    with sock, peer:
+        conn = Connection(RawSocketStream(sock), SocketLink(sock))
+
+        async def answer_later() -> None:
+            await trio.sleep(0.01)
+            assert peer.recv(100) == b"GET / HTTP/1.1\r\n\r\n"
+            peer.send(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+
+        with trio.fail_after(5):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(answer_later)
+                await send_request(conn, b"GET / HTTP/1.1\r\n\r\n")
+                response, keep = await read_response(conn, ResponseParser(1000))
+        assert (response.status, response.body, keep) == (200, b"ok", True)
+        assert sock.recvs == 1
+

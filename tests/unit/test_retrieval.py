@@ -489,6 +489,83 @@ async def test_cleanup_that_needs_time_finishes_before_retrieve_returns(
     assert took == pytest.approx(0.016)
 
 
+class _TellsTheWall:
+    """A `WallListener` that records what it is told, and when the cut branches unwound."""
+
+    ahead = 0.003
+
+    def __init__(self) -> None:
+        self.told = trio.Event()
+        self.reached: list[tuple[Retrieved, list[str]]] = []
+        self.unwound: list[str] = []
+
+    def before_wall(self, got: Retrieved) -> None:
+        pass
+
+    def wall_reached(self, got: Retrieved) -> None:
+        self.reached.append((got, list(self.unwound)))
+        self.told.set()
+
+
+async def test_the_wall_is_told_before_the_slowest_cut_branch_has_unwound(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Hot and cold both hang past the wall (so nothing was made before it): the
+    listener is told in the first task the wall reaches, while cold's unwinding is still
+    held, and `retrieve` returns what it was told, once everything has ended."""
+    wall = _TellsTheWall()
+
+    class HeldCold(FakeSources):
+        async def cold(
+            self, org_id: str, agent_id: str, query: str, *, limit: int, min_confidence: float
+        ) -> list[MemoryHit]:
+            try:
+                await trio.sleep_forever()
+            finally:
+                with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+                    await wall.told.wait()  # released by the listener only
+                wall.unwound.append("cold")
+            raise AssertionError("unreachable")
+
+    fake = HeldCold({"directive": Plan(0.0), "hot": Plan(math.inf)})
+    settings = RetrievalConfig(hot_timeout=0.1)  # hot is cut by the wall (40 ms) too
+    start = trio.current_time()
+    with trio.fail_after(5):
+        got = await retrieve(
+            request(),
+            directive_source=fake,
+            memory_source=fake,
+            config=settings,
+            wall_listener=wall,
+        )
+    assert trio.current_time() - start == pytest.approx(settings.time_limit)
+    assert len(wall.reached) == 1
+    told, unwound_then = wall.reached[0]
+    assert unwound_then == []
+    assert got is told
+    assert wall.unwound == ["cold"]
+    assert statuses(got) == {"directive": "success", "hot": "timeout", "cold": "timeout"}
+    assert "request wall of 40ms reached" in got.branches[1].detail
+    assert "request wall of 40ms reached" in got.branches[2].detail
+
+
+async def test_a_cancellation_of_the_callers_tells_the_wall_nothing(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    wall = _TellsTheWall()
+    fake = FakeSources({"hot": Plan(math.inf), "cold": Plan(math.inf)})
+    with trio.move_on_after(0.010):
+        await retrieve(
+            request(),
+            directive_source=fake,
+            memory_source=fake,
+            config=RetrievalConfig(hot_timeout=0.1),
+            wall_listener=wall,
+        )
+    assert wall.reached == []
+    assert fake.cancelled == {"hot", "cold"}
+
+
 # --------------------------------------------------------------------------- end to end
 
 
