@@ -148,4 +148,3 @@ async def test_an_answer_read_after_its_request_costs_one_recv() -> None:
                 response, keep = await read_response(conn, ResponseParser(1000))
         assert (response.status, response.body, keep) == (200, b"ok", True)
         assert sock.recvs == 1
-
