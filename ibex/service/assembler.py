@@ -14,7 +14,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, TypedDict, Unpack
+from typing import TYPE_CHECKING, TypedDict, Unpack
 
 import trio
 
@@ -33,15 +33,22 @@ from ibex.assembly.structs import (
     AssemblyRequest,
     AssemblyResult,
     BranchSource,
-    Directive,
-    MemoryHit,
     SearchRequest,
 )
 from ibex.assembly.tokens import Tokenizers
 from ibex.assembly.validation import RequestLimits, validate_request, validate_search
 from ibex.assembly.xml_format import new_nonce
-from ibex.errors import IbexError, SourceError
+from ibex.errors import SourceError
 from ibex.service.dependencies import Dependency
+from ibex.service.early_feed import (
+    OFFLOAD_CHARS,
+    SPECULATE_AFTER_CUT,
+    SPECULATE_AHEAD,
+    EarlyAssemblyFeed,
+    Handoff,
+    request_chars,
+    text_chars,
+)
 from ibex.service.queues import WorkerThreads, default_threads
 from ibex.sources.base import DirectiveSource, MemorySource, prefetch_directive
 from ibex.sources.feedback_sender import FeedbackSink
@@ -52,192 +59,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Text (characters) above which an assembly's counting runs in a worker thread, so
-# no one call holds the loop for more than a few milliseconds: uncached tiktoken
-# counts of CJK text run at thousands of characters per millisecond
-# (`python -m benchmarks.code_costs`, docs/performance.md).
-OFFLOAD_CHARS = 16 * 1024
-
-# Seconds before the wall at which a call whose last branch still runs has its answer
-# made as if the wall will cut that branch: more than the pipeline takes on a loaded
-# loop (`python -m benchmarks.load.after_wall`, docs/performance.md), so the answer is
-# ready when the wall passes; the branch still has until the wall to land.
-SPECULATE_AHEAD = 0.003
-# Seconds after a call of this process was cut at its wall during which calls make their
-# answer before the wall. Waiting for that instant keeps a branch task parked, woken once
-# more to end when the last branch lands in time; while no call is cut, the few that
-# are get their answer made at the wall instead (`_EarlyAssemblyFeed.wall_reached`).
-SPECULATE_AFTER_CUT = 2.0
-
-Handoff = Callable[[AssemblyResult], None]
-
-
-def _request_chars(request: AssemblyRequest) -> int:
-    """Characters of the request's own text (known before retrieval)."""
-    n = len(request.query) + sum(len(m.content) for m in request.recent_messages)
-    return n + sum(len(t) for t in request.tool_schemas)
-
-
-def _text_chars(inputs: AssemblyInputs) -> int:
-    """Characters the pipeline may have to count for these inputs."""
-    n = _request_chars(inputs.request)
-    if inputs.directive is not None:
-        n += len(inputs.directive.content)
-    return n + sum(len(h.content) for h in inputs.hot) + sum(len(h.content) for h in inputs.cold)
-
 
 def _log_tenant_filtered(count: int, **ids: str) -> None:
     """Hits of another tenant were dropped: the memory service answered out of scope."""
     if count:
         log.warning("tenant_filter_dropped", extra={"count": count, **ids})
-
-
-class _EarlyAssemblyFeed:
-    """Hands each branch that ends to the call's `EarlyAssembly` (a `BranchListener`).
-
-    In the loop, synchronously, and bounded: the text handed to the early work
-    stays within `budget` characters in all (what the loop may count for one
-    call, `offload_chars`, less the request's own text), so it never holds the
-    loop longer than a call whose whole pipeline runs on it. Past the budget,
-    the rest is left to the pipeline (which then runs in a worker thread).
-    An answer known before the branches started (a cached directive) is worked
-    on when the first branch ends, so no branch starts later for it. Any failure but
-    a kept refusal drops the early work: the pipeline then does it all itself.
-
-    It is also the call's `WallListener` when `speculate` is given: while calls are
-    being cut (`SPECULATE_AFTER_CUT`), `ahead` (`SPECULATE_AHEAD`) before the wall,
-    with only the request's own branch still running, it makes the whole answer as
-    if the wall will cut that branch (within the same budget); when the wall does,
-    that answer (its timing facts filled in) is the call's, handed to `handoff` at
-    once, while the cut branch unwinds. When the wall cuts a call that has no such
-    answer (no call was cut shortly before, or another branch was still running
-    before the wall), the first task the wall reaches makes it then, if the
-    pipeline would run in the loop anyway, and hands it over the same way.
-    """
-
-    __slots__ = (
-        "ahead",
-        "answer",
-        "assembly",
-        "budget",
-        "cut",
-        "directive",
-        "directive_known",
-        "handoff",
-        "inputs",
-        "loop_chars",
-        "speculate",
-        "speculation",
-    )
-
-    ahead: float | None
-
-    def __init__(
-        self,
-        assembly: EarlyAssembly,
-        budget: int,
-        inputs: Callable[[Retrieved], AssemblyInputs],
-        speculate: Callable[[AssemblyInputs], Speculation] | None = None,
-        handoff: Handoff | None = None,
-        loop_chars: int = OFFLOAD_CHARS,
-    ) -> None:
-        self.assembly: EarlyAssembly | None = assembly
-        self.budget = budget
-        self.loop_chars = loop_chars  # text above which the pipeline runs in a worker thread
-        self.directive: Directive | None = None
-        # The directive branch has answered and its fixed sections are not counted yet.
-        self.directive_known = False
-        self.ahead = SPECULATE_AHEAD
-        self.inputs = inputs
-        self.speculate = speculate
-        self.speculation: Speculation | None = None
-        self.handoff = handoff
-        # The answer made before the wall, and the retrieval it answers.
-        self.answer: tuple[Retrieved, AssemblyResult] | None = None
-        self.cut = False  # the wall cut a branch of this call
-
-    def before_wall(self, got: Retrieved) -> None:
-        if self.assembly is None or self.budget < 0 or self.speculate is None:
-            return
-        try:
-            self.speculation = self.speculate(self.inputs(got))
-        except IbexError:
-            pass  # a refusal: the pipeline raises it at the wall, where it always has
-        except Exception:
-            log.exception("early_assembly_failed")
-
-    def wall_reached(self, got: Retrieved) -> None:
-        self.cut = True
-        try:
-            inputs = self.inputs(got)
-            speculation = self.speculation
-            if speculation is not None and speculation.matches(inputs):
-                result = speculation.answer(inputs)
-            elif self._may_make(inputs):
-                # Not made before the wall (a branch other than the last one was still
-                # running then): the pipeline runs here, in the first task the wall
-                # reached, as it would once the cut branches had unwound.
-                assert self.speculate is not None
-                result = self.speculate(inputs).result
-            else:
-                return
-            self.answer = (got, result)
-            if self.handoff is not None:
-                self.handoff(result)
-        except IbexError:
-            pass  # a refusal: the pipeline raises it after retrieval, where it always has
-        except Exception:
-            log.exception("early_assembly_failed")
-
-    def _may_make(self, inputs: AssemblyInputs) -> bool:
-        """The whole answer may be made at the wall, in the loop: the pipeline would run
-        there too (its text within the loop's budget, no worker thread)."""
-        return (
-            self.assembly is not None
-            and self.speculate is not None
-            and self.budget >= 0
-            and _text_chars(inputs) <= self.loop_chars
-        )
-
-    def answered_at_start(self, source: BranchSource, value: Any) -> None:
-        if source == "directive":
-            self.directive, self.directive_known = value, True
-
-    def branch_ended(self, source: BranchSource, value: Any) -> None:
-        if self.assembly is None:
-            return
-        try:
-            if source == "directive":
-                self.directive, self.directive_known = value, True
-            self._fixed()
-            if source != "directive" and value:
-                self._hits(source, value)
-        except Exception:
-            log.exception("early_assembly_failed")
-            self.assembly = None
-
-    def _spend(self, chars: int) -> bool:
-        if chars > self.budget:
-            self.budget = -1  # over: the pipeline goes to a thread, and does the rest there
-            return False
-        self.budget -= chars
-        return True
-
-    def _fixed(self) -> None:
-        assembly = self.assembly
-        if assembly is None or not self.directive_known:
-            return
-        self.directive_known = False  # once
-        chars = len(self.directive.content) if self.directive is not None else 0
-        if self._spend(chars):
-            assembly.directive(self.directive)
-
-    def _hits(self, source: BranchSource, hits: list[MemoryHit]) -> None:
-        assembly = self.assembly
-        if assembly is None or assembly.refused or source == "directive":
-            return
-        if self._spend(sum(len(h.content) for h in hits)):
-            assembly.hits(source, hits)
 
 
 class CallOptions(TypedDict, total=False):
@@ -288,7 +114,7 @@ class Assembler:
         # What the sources depend on (Redis, the memory service): warmed before serving.
         self.dependencies = tuple(dependencies)
         # Seconds before the wall at which a call's answer is made as if the wall will cut
-        # its last branch (`_EarlyAssemblyFeed`), while calls are being cut
+        # its last branch (`EarlyAssemblyFeed`), while calls are being cut
         # (`SPECULATE_AFTER_CUT`); None: only at the wall.
         self.speculate_ahead = speculate_ahead
         self.last_cut = -math.inf  # when the wall last cut a call's branch (Trio clock)
@@ -327,7 +153,7 @@ class Assembler:
     def needs_thread(self, request: AssemblyRequest) -> bool:
         """True when the request's own text already sends its pipeline to a worker thread,
         so the call can queue for the thread before it takes an assembly slot."""
-        return _request_chars(request) > self.offload_chars
+        return request_chars(request) > self.offload_chars
 
     async def assemble(
         self, request: AssemblyRequest, **options: Unpack[CallOptions]
@@ -357,7 +183,7 @@ class Assembler:
         `retrieving` is entered for the retrieval alone (admission counts calls waiting
         on their branches, see `Admission.retrieving_for`).
         A call cut by the wall gets the answer made just before
-        the wall (`_EarlyAssemblyFeed`), the same as the pipeline would make then, or
+        the wall (`EarlyAssemblyFeed`), the same as the pipeline would make then, or
         made at the wall when it was not; it is handed to `handoff` at the wall, before
         the cut branches have unwound, and returned once they have. Not for a traced
         call (its stage spans time the pipeline at the wall).
@@ -406,7 +232,7 @@ class Assembler:
         inputs: AssemblyInputs,
         thread_held: bool,
         timer: StageTimer | None,
-        early: _EarlyAssemblyFeed | None,
+        early: EarlyAssemblyFeed | None,
     ) -> AssemblyResult:
         """The pure pipeline over what retrieval returned: in the loop, or in a worker
         thread when the caller holds one or the text is too much for the loop."""
@@ -415,7 +241,7 @@ class Assembler:
         )
         if thread_held:
             return await self.threads.run_held(run)
-        if _text_chars(inputs) <= self.offload_chars:
+        if text_chars(inputs) <= self.offload_chars:
             return run()
         # Counting this much text would hold the loop (1 M CJK characters are hundreds
         # of ms of tiktoken): do it in a worker thread, where tiktoken releases the GIL, so
@@ -431,11 +257,11 @@ class Assembler:
         now: float,
         speculate: bool = True,
         handoff: Handoff | None = None,
-    ) -> _EarlyAssemblyFeed | None:
+    ) -> EarlyAssemblyFeed | None:
         """The call's early work, or None when its own text already sends its pipeline
         to a worker thread (or the request is one the pipeline will refuse at once).
-        With `speculate`, it makes the answer before the wall too (`_EarlyAssemblyFeed`)."""
-        budget = self.offload_chars - _request_chars(request)
+        With `speculate`, it makes the answer before the wall too (`EarlyAssemblyFeed`)."""
+        budget = self.offload_chars - request_chars(request)
         if budget < 0:
             return None
         try:
@@ -449,7 +275,7 @@ class Assembler:
             )
         except Exception:
             return None  # an unchecked request: the pipeline raises it where it always has
-        feed = _EarlyAssemblyFeed(
+        feed = EarlyAssemblyFeed(
             assembly,
             budget,
             functools.partial(_inputs, request, nonce, now),

@@ -209,7 +209,7 @@ async def made_both_ways(
     default, with calls being cut (answers made before the wall), and None (the
     pipeline's after retrieval). The same nonce and clock for both."""
     from ibex.assembly.nonce import NonceKey
-    from ibex.service.assembler import SPECULATE_AHEAD
+    from ibex.service.early_feed import SPECULATE_AHEAD
 
     made: dict[float | None, tuple[Any, list[Any]]] = {}
     for ahead in (SPECULATE_AHEAD, None):
@@ -239,7 +239,7 @@ def handed_over_and_identical(
     """The answer with calls being cut was handed over, the pipeline's was not, both
     encode to the same bytes (timings aside), the branches end as `statuses` and the
     last one was cut at the wall (50 ms on the mock clock). Returns the first answer."""
-    from ibex.service.assembler import SPECULATE_AHEAD
+    from ibex.service.early_feed import SPECULATE_AHEAD
 
     (cut, cut_handed), (plain, plain_handed) = made[SPECULATE_AHEAD], made[None]
     assert cut_handed == [cut] and cut_handed[0] is cut
@@ -331,7 +331,7 @@ async def test_answers_are_made_before_the_wall_only_while_calls_are_being_cut(
     """No call was cut yet: the first cut call's answer is made at its wall (50 ms), and
     handed over; the next call, within `SPECULATE_AFTER_CUT`, has its answer made
     `SPECULATE_AHEAD` before it. Once no call was cut for that long, again at the wall."""
-    from ibex.service.assembler import SPECULATE_AFTER_CUT, SPECULATE_AHEAD
+    from ibex.service.early_feed import SPECULATE_AFTER_CUT, SPECULATE_AHEAD
 
     made_at: list[float] = []
     real = Assembler._speculate

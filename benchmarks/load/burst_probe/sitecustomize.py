@@ -195,7 +195,11 @@ def _install() -> None:
 
     asyncio.StreamReader.feed_data = timed_feed  # type: ignore[method-assign]
 
-    landed = assembler_module._EarlyAssemblyFeed.branch_ended
+    try:  # the feed's module, or the assembler of an older checkout
+        from ibex.service.early_feed import EarlyAssemblyFeed as feed_class
+    except ImportError:
+        feed_class = assembler_module._EarlyAssemblyFeed
+    landed = feed_class.branch_ended
 
     def timed_landed(self: Any, source: str, value: Any) -> None:
         agent = self.assembly.request.agent_id if self.assembly is not None else "?"
@@ -203,7 +207,7 @@ def _install() -> None:
         landed(self, source, value)
         mark(agent, f"landed {source} done")
 
-    assembler_module._EarlyAssemblyFeed.branch_ended = timed_landed  # type: ignore[method-assign]
+    feed_class.branch_ended = timed_landed  # type: ignore[method-assign]
 
     pure = assembler_module.assemble_pure
 

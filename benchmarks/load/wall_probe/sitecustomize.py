@@ -6,7 +6,8 @@ the first wake of the loop after it, the cold branch's cancellation reaching
 `MemoryHttpSource.cold`, retrieval's return, the pipeline, the crossing back
 to asyncio (or the reply made on the Trio side, where it is written from), and
 the send; for an answer made before the wall and handed over
-at it (`_EarlyAssemblyFeed.wall_reached`), the hand-over instead of retrieval's
+at it (`ibex.service.early_feed.EarlyAssemblyFeed.wall_reached`), the hand-over
+instead of retrieval's
 return and the pipeline, and the speculation's own time. It wraps the daemon's
 functions from outside (those a checkout lacks are left alone);
 nothing here is part of ibex. Figures (milliseconds per call) are written as
@@ -120,7 +121,10 @@ def _install() -> None:
 
     memory_http.MemoryHttpSource.cold = timed_cold  # type: ignore[method-assign]
 
-    feed = getattr(assembler_module, "_EarlyAssemblyFeed", None)
+    try:  # the feed's module, or the assembler of an older checkout
+        from ibex.service.early_feed import EarlyAssemblyFeed as feed
+    except ImportError:
+        feed = getattr(assembler_module, "_EarlyAssemblyFeed", None)
     wall_reached = getattr(feed, "wall_reached", None)
     if feed is not None and wall_reached is not None:
 
