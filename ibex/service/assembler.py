@@ -275,17 +275,16 @@ class Assembler:
             )
         except Exception:
             return None  # an unchecked request: the pipeline raises it where it always has
-        feed = EarlyAssemblyFeed(
+        cut_recently = trio.current_time() - self.last_cut < SPECULATE_AFTER_CUT
+        return EarlyAssemblyFeed(
             assembly,
             budget,
             functools.partial(_inputs, request, nonce, now),
             functools.partial(self._speculate, assembly) if speculate else None,
             handoff,
             self.offload_chars,
+            self.speculate_ahead if cut_recently else None,
         )
-        cut_recently = trio.current_time() - self.last_cut < SPECULATE_AFTER_CUT
-        feed.ahead = self.speculate_ahead if cut_recently else None
-        return feed
 
     def _speculate(self, early: EarlyAssembly, inputs: AssemblyInputs) -> Speculation:
         """The whole pipeline for `inputs` now, in the loop (the feed's budget bounds its text)."""

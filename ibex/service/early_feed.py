@@ -108,6 +108,7 @@ class EarlyAssemblyFeed:
         speculate: Callable[[AssemblyInputs], Speculation] | None = None,
         handoff: Handoff | None = None,
         loop_chars: int = OFFLOAD_CHARS,
+        ahead: float | None = SPECULATE_AHEAD,
     ) -> None:
         self.assembly: EarlyAssembly | None = assembly
         self.budget = budget
@@ -115,7 +116,7 @@ class EarlyAssemblyFeed:
         self.directive: Directive | None = None
         # The directive branch has answered and its fixed sections are not counted yet.
         self.directive_known = False
-        self.ahead = SPECULATE_AHEAD
+        self.ahead = ahead  # None: nothing is made before the wall
         self.inputs = inputs
         self.speculate = speculate
         self.speculation: Speculation | None = None
