@@ -67,11 +67,12 @@ lint:
     {{py}} -m mypy
     .venv/bin/lint-imports
 
-# Regenerate protobuf code from protos/ (committed; `proto-check` fails on drift).
+# Regenerate ibex/_proto from protos/ (committed; `proto-check` fails on drift) and the
+# grpcio test client (not committed; also made on first import of ibex.testing.grpcio_stubs).
 proto:
     {{py}} -m ibex.tools.protogen
 
-# Fail when the committed generated code differs from what protos/ produce.
+# Fail when the committed ibex/_proto differs from what protos/ produce.
 proto-check:
     {{py}} -m ibex.tools.protogen --check
 

@@ -1,13 +1,18 @@
 """Generate (or drift-check) the code built from `protos/`.
 
-Two trees are generated and committed, so a checkout runs without protoc:
+Two trees are generated:
 
-- `ibex/_proto/`: betterproto2 messages, the grpclib server base and client stub,
-  a google.protobuf descriptor pool (betterproto2 registers no descriptors on its
+- `ibex/_proto/` (committed): betterproto2 messages, the grpclib server base and client
+  stub, a google.protobuf descriptor pool (betterproto2 registers no descriptors on its
   own) and `descriptors.binpb`, a FileDescriptorSet with imports for gRPC reflection.
-- `ibex/testing/_grpcio_client/`: classic `*_pb2.py`/`*_pb2_grpc.py` from grpcio-tools, the
-  stock stack the Go proxy also uses, so interop tests talk to the server through
-  an independent implementation of the same contract.
+  The daemon imports it and its image installs no generator, so it is committed and
+  `--check` fails when it differs from a fresh run.
+- `ibex/testing/_grpcio_client/` (not committed, git ignores it): classic
+  `*_pb2.py`/`*_pb2_grpc.py` from grpcio-tools, the stock stack the Go proxy also uses,
+  so interop tests talk to the server through an independent implementation of the
+  same contract. Only tests and benchmarks use it; `ensure_grpcio_client` makes it on
+  first import (`ibex.testing.grpcio_stubs`) and again whenever `protos/`, grpcio-tools
+  or this module change, so it is always made from the protos being tested.
 
 grpcio-tools writes absolute imports (`from ibex.auth.v1 import ...`) that would
 collide with the real `ibex` package; they are rewritten to relative imports so the
@@ -19,8 +24,8 @@ its working directory and decides which `__init__.py` files to emit from it, so
 running elsewhere would make the output depend on where it was run.
 
 Usage (from the repo root):
-    python -m ibex.tools.protogen               # regenerate both committed trees
-    python -m ibex.tools.protogen --check       # exit 1 if they differ from a fresh run
+    python -m ibex.tools.protogen               # regenerate ibex/_proto and the client
+    python -m ibex.tools.protogen --check       # exit 1 if ibex/_proto differs from a fresh run
     python -m ibex.tools.protogen --grpcio-out DIR   # only the grpcio client, into DIR
 """
 
@@ -28,6 +33,10 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import fcntl
+import hashlib
+import importlib
+import importlib.metadata
 import os
 import re
 import shutil
@@ -42,6 +51,8 @@ PROTO_ROOT = REPO_ROOT / "protos"
 BETTERPROTO_DIR = REPO_ROOT / "ibex" / "_proto"
 GRPCIO_DIR = REPO_ROOT / "ibex" / "testing" / "_grpcio_client"
 DESCRIPTOR_SET = "descriptors.binpb"
+# In the client tree: the digest of what it was made from (`grpcio_source_digest`).
+GRPCIO_STAMP = ".made-from"
 
 # Plugin options: async grpclib client + server, and a descriptor pool for reflection.
 BETTERPROTO_OPTIONS = "client_generation=async,server_generation=async,google_protobuf_descriptors"
@@ -58,7 +69,7 @@ Messages, the grpclib server base and client stub live in `ibex._proto.ibex.cont
 """
 '''
 
-_GRPCIO_ROOT_INIT = '''"""grpcio-tools client made by `python -m ibex.tools.protogen`; do not edit.
+_GRPCIO_ROOT_INIT = '''"""grpcio-tools client made by `ibex.tools.protogen` (not committed).
 
 An independent implementation of the contract (the stock stack the Go proxy uses) for
 interop tests. Cross-module imports are rewritten to relative ones so this tree imports
@@ -203,20 +214,13 @@ def diff_trees(expected: Path, actual: Path, label: str) -> list[str]:
     return problems
 
 
-def check(
-    betterproto_dir: Path = BETTERPROTO_DIR,
-    grpcio_dir: Path = GRPCIO_DIR,
-    proto_root: Path = PROTO_ROOT,
-) -> list[str]:
-    """Regenerate into a temp dir and list every difference; empty means no drift."""
+def check(betterproto_dir: Path = BETTERPROTO_DIR, proto_root: Path = PROTO_ROOT) -> list[str]:
+    """Regenerate the committed tree into a temp dir and list every difference; empty
+    means no drift."""
     with tempfile.TemporaryDirectory(prefix="protogen-check-") as tmp:
-        fresh_bp, fresh_grpcio = Path(tmp) / "betterproto", Path(tmp) / "grpcio"
-        generate_betterproto(fresh_bp, proto_root)
-        generate_grpcio(fresh_grpcio, proto_root)
-        return [
-            *diff_trees(fresh_bp, betterproto_dir, _label(betterproto_dir)),
-            *diff_trees(fresh_grpcio, grpcio_dir, _label(grpcio_dir)),
-        ]
+        fresh = Path(tmp) / "betterproto"
+        generate_betterproto(fresh, proto_root)
+        return diff_trees(fresh, betterproto_dir, _label(betterproto_dir))
 
 
 def _label(path: Path) -> str:
@@ -226,19 +230,64 @@ def _label(path: Path) -> str:
         return str(path)
 
 
-def regenerate(
-    betterproto_dir: Path = BETTERPROTO_DIR,
-    grpcio_dir: Path = GRPCIO_DIR,
-    proto_root: Path = PROTO_ROOT,
-) -> None:
-    """Rebuild both trees from scratch so files for removed protos disappear too."""
+def regenerate(betterproto_dir: Path = BETTERPROTO_DIR, proto_root: Path = PROTO_ROOT) -> None:
+    """Rebuild the committed tree from scratch so files for removed protos disappear too."""
     with tempfile.TemporaryDirectory(prefix="protogen-") as tmp:
-        fresh_bp, fresh_grpcio = Path(tmp) / "betterproto", Path(tmp) / "grpcio"
-        generate_betterproto(fresh_bp, proto_root)
-        generate_grpcio(fresh_grpcio, proto_root)
-        for fresh, target in ((fresh_bp, betterproto_dir), (fresh_grpcio, grpcio_dir)):
-            shutil.rmtree(target, ignore_errors=True)
-            shutil.copytree(fresh, target)
+        fresh = Path(tmp) / "betterproto"
+        generate_betterproto(fresh, proto_root)
+        shutil.rmtree(betterproto_dir, ignore_errors=True)
+        shutil.copytree(fresh, betterproto_dir)
+
+
+def grpcio_source_digest(proto_root: Path = PROTO_ROOT) -> str:
+    """What the client tree is made from: every .proto (path and bytes), the
+    grpcio-tools release and this module (its import rewriting)."""
+    digest = hashlib.sha256()
+    try:
+        tools = importlib.metadata.version("grpcio-tools")
+    except importlib.metadata.PackageNotFoundError:
+        raise ProtogenError("grpcio-tools is not installed: install the dev extras") from None
+    digest.update(f"grpcio-tools {tools}\0".encode())
+    digest.update(Path(__file__).read_bytes())
+    for name in proto_files(proto_root):
+        digest.update(f"\0{name}\0".encode())
+        digest.update((proto_root / name).read_bytes())
+    return digest.hexdigest()
+
+
+def _made_from(tree: Path) -> str | None:
+    try:
+        return (tree / GRPCIO_STAMP).read_text().strip()
+    except OSError:
+        return None
+
+
+def ensure_grpcio_client(target: Path = GRPCIO_DIR, proto_root: Path = PROTO_ROOT) -> bool:
+    """Make the grpcio client tree at `target` unless it was made from these protos;
+    True when it was (re)made.
+
+    Processes that start together (a benchmark's clients, test workers) take turns
+    under an exclusive lock beside the tree and re-check the stamp once they hold
+    it, so one of them generates. The fresh tree is built next to the target and
+    renamed into place, so no importer ever sees half a tree.
+    """
+    digest = grpcio_source_digest(proto_root)
+    if _made_from(target) == digest:
+        return False
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _made_from(target) == digest:
+            return False
+        with tempfile.TemporaryDirectory(prefix=f".{target.name}-", dir=target.parent) as tmp:
+            fresh = Path(tmp) / "fresh"
+            generate_grpcio(fresh, proto_root)
+            (fresh / GRPCIO_STAMP).write_text(digest + "\n")
+            if target.exists():
+                target.rename(Path(tmp) / "old")
+            fresh.rename(target)
+    importlib.invalidate_caches()
+    return True
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -253,20 +302,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             if problems:
                 print("\n".join(problems), file=sys.stderr)
                 print(
-                    f"\nprotogen: generated code is out of date ({len(problems)} file(s)); "
+                    f"\nprotogen: {_label(BETTERPROTO_DIR)} is out of date "
+                    f"({len(problems)} file(s)); "
                     "run `python -m ibex.tools.protogen` (or `just proto`) and commit. "
                     "A version change of betterproto2-compiler, grpcio-tools or ruff "
                     "also shows up here.",
                     file=sys.stderr,
                 )
                 return 1
-            print("protogen: generated code is up to date")
+            print(f"protogen: {_label(BETTERPROTO_DIR)} is up to date")
         elif args.grpcio_out is not None:
             generate_grpcio(args.grpcio_out)
             print(f"protogen: wrote grpcio client to {args.grpcio_out}")
         else:
             regenerate()
-            print(f"protogen: wrote {_label(BETTERPROTO_DIR)} and {_label(GRPCIO_DIR)}")
+            ensure_grpcio_client()
+            print(f"protogen: wrote {_label(BETTERPROTO_DIR)}; {_label(GRPCIO_DIR)} is current")
     except ProtogenError as exc:
         print(f"protogen: {exc}", file=sys.stderr)
         return 2

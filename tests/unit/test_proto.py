@@ -10,6 +10,8 @@ from __future__ import annotations
 import datetime
 import shutil
 import struct
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -328,24 +330,23 @@ def test_committed_generated_code_has_no_drift() -> None:
 
 
 def test_drift_check_reports_tampered_missing_and_stale_files(tmp_path: Path) -> None:
-    bp_dir, grpcio_dir = tmp_path / "bp", tmp_path / "grpcio"
+    bp_dir = tmp_path / "bp"
     protogen.generate_betterproto(bp_dir)
-    protogen.generate_grpcio(grpcio_dir)
-    assert protogen.check(bp_dir, grpcio_dir) == []
+    assert protogen.check(bp_dir) == []
 
     module = bp_dir / "ibex" / "context" / "v1" / "__init__.py"
     module.write_text(
         module.read_text().replace("betterproto2.field(14,", "betterproto2.field(15,")
     )
-    (grpcio_dir / "ibex" / "auth" / "v1" / "principal_context_pb2.py").unlink()
-    (grpcio_dir / "leftover_pb2.py").write_text("")
+    (bp_dir / "ibex" / "auth" / "v1" / "__init__.py").unlink()
+    (bp_dir / "leftover.py").write_text("")
 
-    problems = protogen.check(bp_dir, grpcio_dir)
+    problems = protogen.check(bp_dir)
     assert len(problems) == 3
-    assert "ibex/context/v1/__init__.py: differs" in problems[0]
-    assert "betterproto2.field(14," in problems[0]
-    assert problems[1].endswith("ibex/auth/v1/principal_context_pb2.py: missing")
-    assert problems[2].endswith("leftover_pb2.py: not produced by the generator (stale?)")
+    assert problems[0].endswith("ibex/auth/v1/__init__.py: missing")
+    assert problems[1].endswith("leftover.py: not produced by the generator (stale?)")
+    assert "ibex/context/v1/__init__.py: differs" in problems[2]
+    assert "betterproto2.field(14," in problems[2]
 
 
 def test_drift_check_catches_a_proto_edited_without_regenerating(tmp_path: Path) -> None:
@@ -358,8 +359,94 @@ def test_drift_check_catches_a_proto_edited_without_regenerating(tmp_path: Path)
 
     problems = protogen.check(proto_root=protos)
     assert any(p.startswith("ibex/_proto/ibex/context/v1/__init__.py: differs") for p in problems)
-    assert any("context_pb2.py: differs" in p for p in problems)
     assert any("descriptors.binpb: differs" in p for p in problems)
+
+
+# --- the grpcio client, made on first use ------------------------------------------------
+
+
+def _client_modules(tree: Path) -> dict[str, bytes]:
+    return {
+        p.relative_to(tree).as_posix(): p.read_bytes()
+        for p in sorted(tree.rglob("*"))
+        if p.is_file() and "__pycache__" not in p.parts
+    }
+
+
+def test_the_grpcio_client_is_not_committed() -> None:
+    tracked = subprocess.run(
+        ["git", "ls-files", "--", "ibex/testing/_grpcio_client"],
+        cwd=protogen.REPO_ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert tracked == ""
+    ignored = subprocess.run(
+        ["git", "check-ignore", "-q", "ibex/testing/_grpcio_client/ibex/context/v1/context_pb2.py"],
+        cwd=protogen.REPO_ROOT,
+    )
+    assert ignored.returncode == 0
+
+
+def test_the_grpcio_client_in_use_is_made_from_the_protos_being_tested() -> None:
+    stamp = (protogen.GRPCIO_DIR / protogen.GRPCIO_STAMP).read_text().strip()
+    assert stamp == protogen.grpcio_source_digest()
+    assert Path(pb.__file__).is_relative_to(protogen.GRPCIO_DIR)
+
+
+def test_the_grpcio_client_is_made_once_and_remade_when_a_proto_changes(tmp_path: Path) -> None:
+    protos, tree = tmp_path / "protos", tmp_path / "testing" / "_grpcio_client"
+    shutil.copytree(protogen.PROTO_ROOT, protos)
+
+    assert protogen.ensure_grpcio_client(tree, protos) is True
+    made = _client_modules(tree)
+    assert "ibex/context/v1/context_pb2_grpc.py" in made
+    assert "ibex/auth/v1/principal_context_pb2.py" in made
+    # The same protos: nothing is made again.
+    assert protogen.ensure_grpcio_client(tree, protos) is False
+    assert _client_modules(tree) == made
+
+    proto = protos / "ibex" / "context" / "v1" / "context.proto"
+    proto.write_text(
+        proto.read_text().replace("string detail = 4;", "string detail = 4;\n  int32 x = 5;")
+    )
+    assert protogen.ensure_grpcio_client(tree, protos) is True
+    remade = _client_modules(tree)
+    assert remade["ibex/context/v1/context_pb2.py"] != made["ibex/context/v1/context_pb2.py"]
+    assert remade[protogen.GRPCIO_STAMP] != made[protogen.GRPCIO_STAMP]
+    # Only the tree and its lock stay beside it: the scratch directories are gone.
+    assert sorted(p.name for p in tree.parent.iterdir()) == [
+        "._grpcio_client.lock",
+        "_grpcio_client",
+    ]
+
+
+def test_a_client_tree_with_a_damaged_stamp_is_made_again(tmp_path: Path) -> None:
+    tree = tmp_path / "_grpcio_client"
+    assert protogen.ensure_grpcio_client(tree) is True
+    (tree / "ibex" / "context" / "v1" / "context_pb2.py").write_text("broken = True\n")
+    (tree / protogen.GRPCIO_STAMP).write_text("not a digest\n")
+
+    assert protogen.ensure_grpcio_client(tree) is True
+    assert "broken" not in (tree / "ibex" / "context" / "v1" / "context_pb2.py").read_text()
+
+
+def test_processes_that_start_together_share_one_client_tree(tmp_path: Path) -> None:
+    tree = tmp_path / "_grpcio_client"
+    code = (
+        "import sys; from pathlib import Path; from ibex.tools import protogen; "
+        "print(protogen.ensure_grpcio_client(Path(sys.argv[1])))"
+    )
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code, str(tree)], stdout=subprocess.PIPE, text=True)
+        for _ in range(3)
+    ]
+    made = [p.communicate(timeout=120)[0].strip() for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert sorted(made) == ["False", "False", "True"]
+    stamp = (tree / protogen.GRPCIO_STAMP).read_text().strip()
+    assert stamp == protogen.grpcio_source_digest()
 
 
 def test_cli_check_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
