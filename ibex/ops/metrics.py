@@ -4,63 +4,9 @@ The ``/metrics`` listener that exposes them is `ibex.ops.metrics_http`; with
 several workers the supervisor serves every worker's values together
 (`ibex.ops.supervisor_metrics`, which also holds its own series).
 
-Metrics (all names carry the ``ibex_`` prefix; durations are in seconds):
-
-=====================================  =====  ==============  ====================================
-name                                   type   labels          meaning
-=====================================  =====  ==============  ====================================
-ibex_grpc_requests_total               C      method, code    finished RPCs by gRPC status name
-ibex_grpc_request_duration_seconds     H      method          RPC handling time
-ibex_answer_seconds                    H      method          HEADERS read to answer's last byte
-ibex_in_flight_requests                G                      RPCs being handled (sum of workers)
-ibex_shed_requests_total               C      reason          RPCs refused by admission
-ibex_branch_outcomes_total             C      source, status  retrieval branches by outcome
-ibex_branch_latency_seconds            H      source          branch latency, any outcome
-ibex_stage_duration_seconds            H      stage           budget, ranking, packing, ... total
-ibex_degradation_total                 C      level           assemblies by level (L0/L1/L2)
-ibex_pack_path_total                   C      path            assemblies by packer path (dp/greedy)
-ibex_context_tokens_used               H                      tokens in the assembled context
-ibex_context_budget_utilization_ratio  H                      tokens_used / budget ceiling, 0..1
-ibex_context_memories_included         H                      memories packed into one context
-ibex_tenant_filtered_hits_total        C                      hits dropped for another org/agent
-ibex_history_messages_dropped_total    C                      oldest history messages left out
-ibex_token_cache_hits_total            C                      token-count cache hits
-ibex_token_cache_misses_total          C                      token-count cache misses
-ibex_worker_restarts_total             C      reason          workers restarted by the supervisor
-ibex_worker_reloads_total              C      result          SIGHUP reloads by the supervisor
-ibex_feedback_total                    C      outcome         RecordMemoryFeedback calls by outcome
-ibex_feedback_retries_total            C                      second feedback attempts (same key)
-ibex_dependency_up                     G      dependency      1 reachable, 0 down (redis, memory)
-process_cpu_seconds_total              C      process, pid    user + system CPU of one process
-process_resident_memory_bytes          G      process, pid    its resident memory
-process_virtual_memory_bytes           G      process, pid    its virtual memory
-process_start_time_seconds             G      process, pid    its start, seconds since the epoch
-process_open_fds                       G      process, pid    its open file descriptors
-process_max_fds                        G      process, pid    its limit on them
-=====================================  =====  ==============  ====================================
-
-C counter, G gauge, H histogram. ``code`` is the gRPC status name (``OK``,
-``INVALID_ARGUMENT``, ...); ``method`` the short RPC name (``AssembleContext``).
-``ibex_worker_restarts_total`` comes from the supervisor of ``--workers N``
-(``reason``: ``exited`` or ``unresponsive``), and so does
-``ibex_worker_reloads_total`` (``result``: ``done``, every worker replaced;
-``failed``, a new worker did not become ready and the old ones kept serving;
-``rejected``, the new settings did not load and no worker was touched).
-``ibex_dependency_up`` has a
-series per configured dependency once its first probe (before serving) has
-ended; with several workers the exposed value is the lowest of the live
-workers' (0 when any worker cannot reach it). The ``process_*`` series are
-the supervisor's reading of ``/proc`` at scrape time (`ProcessMetrics`), one
-per live process: ``process`` is ``supervisor`` or ``worker-<i>``, ``pid``
-its process id (during a worker's replacement a slot has two).
-
-Token-cache hit rate: ``rate(ibex_token_cache_hits_total[5m]) /
-(rate(ibex_token_cache_hits_total[5m]) + rate(ibex_token_cache_misses_total[5m]))``.
-Budget pressure: ``histogram_quantile(0.9,
-rate(ibex_context_budget_utilization_ratio_bucket[5m]))``.
-
-Known label values are created at start-up so ``rate()`` sees a zero before the
-first event rather than a missing series.
+Every metric, its type, labels and meaning: the table in docs/operations.md
+("Metrics"), which tests/unit/test_metrics_table.py checks against this module
+and `ibex.ops.supervisor_metrics`.
 
 With a single process and no ``PROMETHEUS_MULTIPROC_DIR`` the process serves
 its own ``Metrics().registry``, and what `observe_assembly` records is held in
