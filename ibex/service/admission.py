@@ -55,8 +55,8 @@ Calls without a deadline wait at most `max_queue_wait` for a thread or a slot
 both queues, and are not counted as work ahead of one by the gates below:
 they can wait, and never make a call with a deadline miss it.
 
-A refusal costs a fraction of an answer (about 0.2 ms under overload, most of
-it h2 parsing the call's frames); a call that cannot be served in time would
+A refusal costs a fraction of an answer (most of it h2 parsing the call's
+frames); a call that cannot be served in time would
 cost a whole answer's CPU and delay every admitted call behind it. The event
 loop's timer lateness is not used: bursts, a GC, one big call or another
 process on the core all raise it, and shedding on it refused calls that
