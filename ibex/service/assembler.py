@@ -115,7 +115,8 @@ class Assembler:
         self.dependencies = tuple(dependencies)
         # Seconds before the wall at which a call's answer is made as if the wall will cut
         # its last branch (`EarlyAssemblyFeed`), while calls are being cut
-        # (`SPECULATE_AFTER_CUT`); None: only at the wall.
+        # (`SPECULATE_AFTER_CUT`). None: no answer is made before or at the wall; the
+        # pipeline runs once retrieval has returned (the cut branches have unwound).
         self.speculate_ahead = speculate_ahead
         self.last_cut = -math.inf  # when the wall last cut a call's branch (Trio clock)
 
@@ -186,7 +187,10 @@ class Assembler:
         the wall (`EarlyAssemblyFeed`), the same as the pipeline would make then, or
         made at the wall when it was not; it is handed to `handoff` at the wall, before
         the cut branches have unwound, and returned once they have. Not for a traced
-        call (its stage spans time the pipeline at the wall).
+        call (its stage spans time the pipeline at the wall), a thread-held one, one
+        whose own text leaves no early budget (`offload_chars`) or that the pipeline
+        refuses at once, nor with `speculate_ahead` None: those run the pipeline once
+        the cut branches have unwound.
         """
         starts: dict[BranchSource, float] | None = None
         timer: StageTimer | None = None

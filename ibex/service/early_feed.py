@@ -37,10 +37,12 @@ OFFLOAD_CHARS = 16 * 1024
 # loop (`python -m benchmarks.load.after_wall`, docs/performance.md), so the answer is
 # ready when the wall passes; the branch still has until the wall to land.
 SPECULATE_AHEAD = 0.003
-# Seconds after a call of this process was cut at its wall during which calls make their
-# answer before the wall. Waiting for that instant keeps a branch task parked, woken once
-# more to end when the last branch lands in time; while no call is cut, the few that
-# are get their answer made at the wall instead (`EarlyAssemblyFeed.wall_reached`).
+# Seconds after a call of this process was cut at its wall (one whose answer was handed
+# over there: `Assembler.last_cut`, so not a traced or thread-held call's) during which
+# calls make their answer before the wall. Waiting for that instant keeps a branch task
+# parked, woken once more to end when the last branch lands in time; while no call is
+# cut, the few that are get their answer made at the wall instead
+# (`EarlyAssemblyFeed.wall_reached`).
 SPECULATE_AFTER_CUT = 2.0
 
 Handoff = Callable[[AssemblyResult], None]

@@ -138,15 +138,26 @@ class _Wall:
         self.scope = trio.CancelScope() if listener.ahead is not None else None
         self.cut: Retrieved | None = None  # what was handed over at the wall
 
-    def reached(self) -> None:
-        """In a task the wall's cancellation reached: the first such call, with a branch
-        still running, fixes what `retrieve` returns and tells the listener. Not for a
-        cancellation of the caller's (the wall's scope was not cancelled)."""
-        if (
-            self.cut is None
-            and self.wall_scope.cancel_called
-            and len(self.outcomes) < len(BRANCH_ORDER)
-        ):
+    async def reached(self, own: BranchSource | None) -> None:
+        """In a task the wall's cancellation reached (`own`: its branch, None for the
+        waiting task): the first such call, with a branch still running, fixes what
+        `retrieve` returns and tells the listener. Not for a cancellation of the
+        caller's (the wall's scope was not cancelled).
+
+        When another branch is still out, its task may be runnable in this very pass
+        with its answer in hand (the loop read its reply as the wall fell due); one
+        shielded pass lets it record that answer before the answer is fixed. Only a
+        call with two branches cut, or the waiting task beside the request's own cut
+        branch (which fixes the answer at once), pays that pass.
+        """
+        if self.cut is not None or not self.wall_scope.cancel_called:
+            return
+        if any(s not in self.outcomes and s != own for s in BRANCH_ORDER):
+            with trio.CancelScope(shield=True):
+                await trio.lowlevel.checkpoint()
+            if self.cut is not None:
+                return
+        if len(self.outcomes) < len(BRANCH_ORDER):
             self.cut = _collected(self.request, self.outcomes, self.values, self.started, self.wall)
             self.listener.wall_reached(self.cut)
 
@@ -168,7 +179,7 @@ class _Wall:
             except trio.Cancelled:
                 # The wall (not the request's own branch ending, nor the caller going):
                 # the answer can leave now, while the cut branch unwinds.
-                self.reached()
+                await self.reached(None)
                 raise
 
 
@@ -316,7 +327,8 @@ async def _run_branch(
             values[row.source] = value
         except trio.Cancelled:
             if wall is not None:
-                wall.reached()  # cut by the wall: the answer need not wait for the unwinding
+                # Cut by the wall: the answer need not wait for the unwinding.
+                await wall.reached(row.source)
             raise
         except SourceError as exc:
             status, detail = "error", str(exc)[:_DETAIL_MAX]
@@ -330,7 +342,8 @@ async def _run_branch(
         status, detail = "timeout", f"no answer within {row.timeout * 1000:.0f}ms"
     latency = (trio.current_time() - t0) * 1000.0
     outcomes[row.source] = BranchOutcome(row.source, status, latency, detail)
-    if listener is not None:
+    if listener is not None and (wall is None or wall.cut is None):
+        # (Once the answer was fixed at the wall, a branch that ends is not part of it.)
         listener.branch_ended(row.source, values.get(row.source) if status == "success" else None)
 
 
@@ -351,10 +364,11 @@ async def retrieve(
 
     `branch_starts`, when given (a traced call), receives each started branch's start
     time on the Trio clock. `listener`, when given, is told each branch's answer as
-    soon as it is known (a branch cut by the time limit is never reported).
-    `wall_listener`, when given, is told when the answer can be made before the wall
-    and when the wall cuts the last branch (`WallListener`); a call it was told was
-    cut returns exactly what it was told.
+    soon as it is known (a branch cut by the time limit, or one that ends after the
+    answer was fixed at the wall, is never reported). `wall_listener`, when given,
+    is told when the answer can be made before the wall and when the wall cuts a
+    branch (`WallListener`); a call it was told was cut returns exactly what it was
+    told.
     """
     outcomes: dict[BranchSource, BranchOutcome] = {}
     values: dict[BranchSource, Any] = {}

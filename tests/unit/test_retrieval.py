@@ -566,6 +566,102 @@ async def test_a_cancellation_of_the_callers_tells_the_wall_nothing(
     assert fake.cancelled == {"hot", "cold"}
 
 
+class _Hears(_TellsTheWall):
+    """Both listeners in one, as the early-assembly feed is: records, in order, each
+    branch it is told of and the answer fixed at the wall."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[str] = []
+
+    def answered_at_start(self, source: BranchSource, value: Any) -> None:
+        self.events.append(f"start:{source}")
+
+    def branch_ended(self, source: BranchSource, value: Any) -> None:
+        self.events.append(f"ended:{source}")
+
+    def wall_reached(self, got: Retrieved) -> None:
+        super().wall_reached(got)
+        self.events.append("wall")
+
+
+async def test_an_answer_in_hand_when_the_wall_falls_due_is_kept(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Hot's reply is read in the same loop pass as the wall falls due (the loop ran
+    late): its task is runnable with the answer in hand when the wall's cancellation
+    reaches cold. The answer fixed at the wall keeps hot's memories, whichever task
+    the scheduler runs first (each run is one draw of the pass's order)."""
+    settings = RetrievalConfig(hot_timeout=0.1)
+
+    class LateHot(FakeSources):
+        replied = trio.Event()
+
+        async def hot(
+            self, org_id: str, agent_id: str, *, limit: int, min_confidence: float
+        ) -> list[MemoryHit]:
+            await self.replied.wait()
+            return list(ANSWERS["hot"])
+
+    async def reply_as_the_wall_falls_due(fake: LateHot, wall_at: float) -> None:
+        await trio.sleep_until(wall_at - 0.001)
+        fake.replied.set()  # hot's task is runnable in the next pass...
+        autojump_clock.jump(0.002)  # ...which also finds the wall past due
+
+    for _ in range(24):
+        fake = LateHot({"directive": Plan(0.0), "cold": Plan(math.inf)})
+        fake.replied = trio.Event()
+        hears = _Hears()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(
+                reply_as_the_wall_falls_due, fake, trio.current_time() + settings.time_limit
+            )
+            got = await retrieve(
+                request(),
+                directive_source=fake,
+                memory_source=fake,
+                config=settings,
+                listener=hears,
+                wall_listener=hears,
+            )
+        assert statuses(got) == {"directive": "success", "hot": "success", "cold": "timeout"}
+        assert got.hot == tuple(ANSWERS["hot"])
+        assert hears.events == ["ended:directive", "ended:hot", "wall"]
+
+
+async def test_a_branch_that_ends_after_the_answer_was_fixed_is_not_reported(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Hot's call shields its last 5 ms (as a source finishing a read might) and so
+    ends 3 ms after the wall: the answer fixed at the wall has hot cut, and neither
+    listener hears of hot afterwards (the feed must not work on an answer that left)."""
+    settings = RetrievalConfig(hot_timeout=0.1)
+
+    class ShieldedHot(FakeSources):
+        async def hot(
+            self, org_id: str, agent_id: str, *, limit: int, min_confidence: float
+        ) -> list[MemoryHit]:
+            await trio.sleep(settings.time_limit - 0.002)
+            with trio.CancelScope(shield=True):
+                await trio.sleep(0.005)
+            return list(ANSWERS["hot"])
+
+    fake = ShieldedHot({"directive": Plan(0.0), "cold": Plan(math.inf)})
+    hears = _Hears()
+    got = await retrieve(
+        request(),
+        directive_source=fake,
+        memory_source=fake,
+        config=settings,
+        listener=hears,
+        wall_listener=hears,
+    )
+    assert statuses(got) == {"directive": "success", "hot": "timeout", "cold": "timeout"}
+    assert got.hot == ()
+    assert hears.events == ["ended:directive", "wall"]
+    assert len(hears.reached) == 1 and hears.reached[0][0] is got
+
+
 # --------------------------------------------------------------------------- end to end
 
 

@@ -106,7 +106,15 @@ def _install() -> None:
             await read(self, key, version, refresh)
 
         cache_module.DirectiveCache._read = timed_read  # type: ignore[attr-defined]
-    queued = getattr(cache_module.DirectiveCache, "_read_queued", None)
+    # The batched reads of missed keys: `DirectiveReads` (ibex.sources.directive_reads),
+    # or the cache itself in code from before that module (a `--versus` checkout).
+    try:
+        import ibex.sources.directive_reads as reads_module
+
+        reads_class: Any = reads_module.DirectiveReads
+    except ImportError:
+        reads_class = cache_module.DirectiveCache
+    queued = getattr(reads_class, "_read_queued", None)
     if queued is not None:  # one task per batch of keys
 
         async def timed_queued(self: Any) -> None:
@@ -114,8 +122,8 @@ def _install() -> None:
                 mark(key[1], "cache read task")
             await queued(self)
 
-        cache_module.DirectiveCache._read_queued = timed_queued  # type: ignore[attr-defined]
-    take = getattr(cache_module.DirectiveCache, "_take", None)
+        reads_class._read_queued = timed_queued
+    take = getattr(reads_class, "_take", None)
     if take is not None:  # a read started on the asyncio side takes the queued keys
 
         def timed_take(self: Any, batch: Any) -> Any:
@@ -124,7 +132,7 @@ def _install() -> None:
                 mark(agent, "cache read task")
             return wanted
 
-        cache_module.DirectiveCache._take = timed_take  # type: ignore[attr-defined]
+        reads_class._take = timed_take
     prefetch = getattr(cache_module.DirectiveCache, "prefetch", None)
     if prefetch is not None:
 
