@@ -144,15 +144,15 @@ class _Wall:
         `retrieve` returns and tells the listener. Not for a cancellation of the
         caller's (the wall's scope was not cancelled).
 
-        When another branch is still out, its task may be runnable in this very pass
-        with its answer in hand (the loop read its reply as the wall fell due); one
-        shielded pass lets it record that answer before the answer is fixed. Only a
-        call with two branches cut, or the waiting task beside the request's own cut
-        branch (which fixes the answer at once), pays that pass.
+        When a branch of the others' tasks is still out, its task may be runnable in
+        this very pass with its answer in hand (the loop read its reply as the wall
+        fell due): one shielded pass lets it record that answer before the answer is
+        fixed. The request's own branch (`last`) is not waited for: it is the one the
+        wall usually cuts, and the hand-over at once is what the waiting task is for.
         """
         if self.cut is not None or not self.wall_scope.cancel_called:
             return
-        if any(s not in self.outcomes and s != own for s in BRANCH_ORDER):
+        if any(s not in self.outcomes and s != own and s != self.last for s in BRANCH_ORDER):
             with trio.CancelScope(shield=True):
                 await trio.lowlevel.checkpoint()
             if self.cut is not None:
