@@ -585,6 +585,18 @@ class _Hears(_TellsTheWall):
         self.events.append("wall")
 
 
+async def heard(fake: FakeSources, settings: RetrievalConfig, hears: _Hears) -> Retrieved:
+    """Retrieve with the fake as both sources and `hears` as both listeners."""
+    return await retrieve(
+        request(),
+        directive_source=fake,
+        memory_source=fake,
+        config=settings,
+        listener=hears,
+        wall_listener=hears,
+    )
+
+
 async def test_an_answer_in_hand_when_the_wall_falls_due_is_kept(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
@@ -616,14 +628,7 @@ async def test_an_answer_in_hand_when_the_wall_falls_due_is_kept(
             nursery.start_soon(
                 reply_as_the_wall_falls_due, fake, trio.current_time() + settings.time_limit
             )
-            got = await retrieve(
-                request(),
-                directive_source=fake,
-                memory_source=fake,
-                config=settings,
-                listener=hears,
-                wall_listener=hears,
-            )
+            got = await heard(fake, settings, hears)
         assert statuses(got) == {"directive": "success", "hot": "success", "cold": "timeout"}
         assert got.hot == tuple(ANSWERS["hot"])
         assert hears.events == ["ended:directive", "ended:hot", "wall"]
@@ -648,14 +653,7 @@ async def test_a_branch_that_ends_after_the_answer_was_fixed_is_not_reported(
 
     fake = ShieldedHot({"directive": Plan(0.0), "cold": Plan(math.inf)})
     hears = _Hears()
-    got = await retrieve(
-        request(),
-        directive_source=fake,
-        memory_source=fake,
-        config=settings,
-        listener=hears,
-        wall_listener=hears,
-    )
+    got = await heard(fake, settings, hears)
     assert statuses(got) == {"directive": "success", "hot": "timeout", "cold": "timeout"}
     assert got.hot == ()
     assert hears.events == ["ended:directive", "wall"]
