@@ -31,9 +31,10 @@ PriceKey = tuple[str, str]  # (content, the opening tag's suffix)
 class PriceTable:
     """Memory costs already summed, by (content, tag suffix), for one counter and format.
 
-    Only sums whose four counts all came from the shared caches are entered, so a
-    counter that keeps no cache (or a cache turned off, or a text too long to cache)
-    is never bypassed, and an entry adds no count the caches did not hold. Bounded
+    Only sums whose tag-suffix and body counts came from the shared caches are
+    entered, so a counter that keeps no cache (or a cache turned off, or a text too
+    long to cache) is never bypassed. The opening tag's prefix and the closing tag,
+    the same in every entry, are counted once per `pricer`, cached or not. Bounded
     in the characters of its keys: cleared whole when the next entry would pass
     PRICE_TABLE_CHARS (the same memories refill it on their next request).
     Entered from worker threads too (the pipeline runs in one for large texts):

@@ -1,7 +1,7 @@
 """Serving: the gRPC service, admission by deadline, and the in-process assembly.
 
-- `root`: the composition root, the one place that reads `Settings` and builds
-  every part (`make_daemon`, `open_assembler`);
+- `root`: the composition root, which builds every part from `Settings` (with the
+  derived values of `ibex.config.effective`) (`make_daemon`, `open_assembler`);
 - `daemon`: one serving process (`Daemon`): listen, health, reflection, drain;
 - `handlers`: the three RPCs (`ContextService`);
 - `admission`, `policies`, `queues`, `budgets`: who is served when

@@ -24,7 +24,8 @@ class AdmissionConfig(msgspec.Struct, frozen=True):
         int, env("IBEX_CONTEXT_MAX_IN_FLIGHT_BYTES", bounds=(1024, 64 * 1024**3))
     ] = 64 * 1024 * 1024
     #: Request bytes one authenticated caller, and one connection, may hold in flight
-    #: (`ibex.service.budgets`); the root derives it from `max_in_flight_bytes` (a quarter).
+    #: (`ibex.service.budgets`); derived from `max_in_flight_bytes`, a quarter of it
+    #: (`ibex.config.effective.admission_config`).
     max_caller_bytes: int = 16 * 1024 * 1024
     #: The separate pool for Health, reflection and reads before authentication.
     max_unauthenticated_bytes: Annotated[

@@ -1,8 +1,9 @@
 """The composition root: every part of a serving process, built from `Settings`.
 
-This module, the CLI and the worker supervisor are the only readers of
-`Settings`. Each layer gets a small frozen config of its own (retrieval
-limits, request limits, pipeline knobs, admission, the edge), so no layer
+This module, the CLI, the worker supervisor and `ibex.config.effective` (the
+derived values) are the only readers of `Settings`. Each layer gets a small
+frozen config of its own (retrieval limits, request limits, pipeline knobs,
+admission, the edge), so no layer
 sees a secret it does not need: `Settings` holds them built, each field's
 variable declared beside its default (`ibex.envvar.env`); the few values
 derived from others are computed from the built structs by
