@@ -52,7 +52,8 @@ from ibex.service.early_feed import (
 from ibex.service.queues import WorkerThreads, default_threads
 from ibex.sources.base import DirectiveSource, MemorySource, prefetch_directive
 from ibex.sources.feedback_sender import FeedbackSink
-from ibex.sources.retrieval import RetrievalConfig, Retrieved, cold_search, retrieve
+from ibex.sources.retrieval import RetrievalConfig, cold_search, retrieve
+from ibex.sources.retrieved import Retrieved
 
 if TYPE_CHECKING:
     from ibex.ops.otel_sdk import CallTrace

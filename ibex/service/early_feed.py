@@ -22,7 +22,7 @@ from ibex.assembly.structs import (
     MemoryHit,
 )
 from ibex.errors import IbexError
-from ibex.sources.retrieval import Retrieved
+from ibex.sources.retrieved import Retrieved
 
 log = logging.getLogger(__name__)
 

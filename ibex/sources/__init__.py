@@ -9,8 +9,8 @@ What the package offers:
   directive source), `MemoryHttpSource` (the memory service over HTTP/1.1),
   `LocalFileSource` (directives and memories from one local file);
 - retrieval: `retrieve` runs a request's branches in one nursery
-  (`RetrievalConfig`, `Retrieved`, `BranchListener`); `cold_search` is the
-  cold branch's call alone, for SearchMemories;
+  (`RetrievalConfig`, `Retrieved`, `BranchListener`, `WallListener`);
+  `cold_search` is the cold branch's call alone, for SearchMemories;
 - feedback: `send_feedback`, with `FeedbackRejected` and `FeedbackRetryable`;
 - errors: `SourceError` and its kinds (`TransportError`, `TransportTimeout`,
   `ResponseTooLarge`, `LocalFileError`).
@@ -37,13 +37,10 @@ if TYPE_CHECKING:
     from ibex.sources.memory_http import MemoryHttpSource
     from ibex.sources.redis_directive import RedisDirectiveSource
     from ibex.sources.redis_topologies import RedisOptions
-    from ibex.sources.retrieval import (
-        BranchListener,
-        Retrieved,
-        cold_search,
-        retrieve,
-    )
+    from ibex.sources.retrieval import BranchListener, cold_search, retrieve
     from ibex.sources.retrieval_config import RetrievalConfig
+    from ibex.sources.retrieval_wall import WallListener
+    from ibex.sources.retrieved import Retrieved
 
 __all__ = [
     "Answer",
@@ -66,6 +63,7 @@ __all__ = [
     "SourceError",
     "TransportError",
     "TransportTimeout",
+    "WallListener",
     "cold_search",
     "retrieve",
     "send_feedback",
@@ -85,9 +83,10 @@ _DEFINED_IN = {
     "RedisOptions": "redis_topologies",
     "ResponseTooLarge": "http_framing",
     "RetrievalConfig": "retrieval_config",
-    "Retrieved": "retrieval",
+    "Retrieved": "retrieved",
     "TransportError": "http_framing",
     "TransportTimeout": "http_framing",
+    "WallListener": "retrieval_wall",
     "cold_search": "retrieval",
     "retrieve": "retrieval",
     "send_feedback": "feedback_sender",

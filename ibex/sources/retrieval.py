@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 import msgspec
@@ -26,7 +26,6 @@ from ibex.assembly.structs import (
     BranchOutcome,
     BranchSource,
     BranchStatus,
-    Directive,
     MemoryHit,
 )
 from ibex.errors import SourceError
@@ -38,20 +37,12 @@ from ibex.sources.base import (
     cached_directive,
 )
 from ibex.sources.retrieval_config import RetrievalConfig as RetrievalConfig
+from ibex.sources.retrieval_wall import Wall, WallListener
+from ibex.sources.retrieved import Retrieved, collected
 
 log = logging.getLogger(__name__)
 
-BRANCH_ORDER: tuple[BranchSource, ...] = ("directive", "hot", "cold")
 _DETAIL_MAX = 200
-
-
-class Retrieved(msgspec.Struct, frozen=True):
-    directive: Directive | None
-    hot: tuple[MemoryHit, ...]
-    cold: tuple[MemoryHit, ...]
-    branches: tuple[BranchOutcome, ...]
-    elapsed_ms: float
-    started: float = 0.0  # when retrieval began, on the Trio clock (for trace spans)
 
 
 class BranchListener(Protocol):
@@ -68,119 +59,6 @@ class BranchListener(Protocol):
 
     def branch_ended(self, source: BranchSource, value: Any) -> None:
         """A running branch has ended; the others may still be in flight."""
-
-
-class WallListener(Protocol):
-    """Told when a call's answer can be made before its wall and when the wall cuts it.
-
-    Once every branch but the one in the request's own task (the last, usually cold)
-    has ended and that one still runs `ahead` seconds before the wall, `before_wall`
-    gets what retrieval would return if the wall cut it then. When the wall cuts any
-    branch, `wall_reached` gets what retrieval returns, once, in the first task the
-    wall's cancellation reaches (before the cut branches have unwound). Both run
-    synchronously in the loop, inside retrieval, and must not raise. `ahead` is read
-    once per call; None: nothing is made before the wall, and no branch task waits
-    for it (a task that waits is woken once more when the last branch lands in time).
-    """
-
-    ahead: float | None
-
-    def before_wall(self, got: Retrieved) -> None:
-        """The last branch is still running `ahead` before the wall."""
-
-    def wall_reached(self, got: Retrieved) -> None:
-        """The wall has cut a branch: `got` is what `retrieve` returns."""
-
-
-class _Wall:
-    """One call's view of its wall for a `WallListener`.
-
-    The branch that ends last among the others' tasks waits in its task for the
-    wall (or for the request's own branch to end, which cancels `scope`), so no
-    task is started for it. At the wall, the first task its cancellation reaches
-    (that waiting task, or a cut branch's as it unwinds) fixes what retrieval
-    returns and tells the listener (`reached`): the answer need not wait for the
-    other cut branches to unwind, nor for the nursery to close.
-    """
-
-    __slots__ = (
-        "children",
-        "cut",
-        "last",
-        "listener",
-        "outcomes",
-        "request",
-        "scope",
-        "started",
-        "values",
-        "wall",
-        "wall_scope",
-    )
-
-    def __init__(
-        self,
-        listener: WallListener,
-        request: AssemblyRequest,
-        outcomes: dict[BranchSource, BranchOutcome],
-        values: dict[BranchSource, Any],
-        last: BranchSource,
-        children: int,
-        started: float,
-        wall_scope: trio.CancelScope,
-        time_left: float,
-    ) -> None:
-        self.listener, self.request = listener, request
-        self.outcomes, self.values = outcomes, values
-        self.last, self.children = last, children
-        self.started, self.wall_scope, self.wall = started, wall_scope, time_left
-        # The waiting task's scope, cancelled when the request's own branch ends; none
-        # when nothing is made before the wall (no task waits).
-        self.scope = trio.CancelScope() if listener.ahead is not None else None
-        self.cut: Retrieved | None = None  # what was handed over at the wall
-
-    async def reached(self, own: BranchSource | None) -> None:
-        """In a task the wall's cancellation reached (`own`: its branch, None for the
-        waiting task): the first such call, with a branch still running, fixes what
-        `retrieve` returns and tells the listener. Not for a cancellation of the
-        caller's (the wall's scope was not cancelled).
-
-        When a branch of the others' tasks is still out, its task may be runnable in
-        this very pass with its answer in hand (the loop read its reply as the wall
-        fell due): one shielded pass lets it record that answer before the answer is
-        fixed. The request's own branch (`last`) is not waited for: it is the one the
-        wall usually cuts, and the hand-over at once is what the waiting task is for.
-        """
-        if self.cut is not None or not self.wall_scope.cancel_called:
-            return
-        if any(s not in self.outcomes and s != own and s != self.last for s in BRANCH_ORDER):
-            with trio.CancelScope(shield=True):
-                await trio.lowlevel.checkpoint()
-            if self.cut is not None:
-                return
-        if len(self.outcomes) < len(BRANCH_ORDER):
-            self.cut = _collected(self.request, self.outcomes, self.values, self.started, self.wall)
-            self.listener.wall_reached(self.cut)
-
-    async def wait(self) -> None:
-        """In the task of a branch that has ended: when it is the last of the others'
-        tasks and the request's branch still runs, wait there for the wall."""
-        self.children -= 1
-        ahead, scope = self.listener.ahead, self.scope
-        if self.children or self.last in self.outcomes or ahead is None or scope is None:
-            return
-        listener = self.listener
-        with scope:
-            try:
-                await trio.sleep_until(self.wall_scope.deadline - ahead)
-                listener.before_wall(
-                    _collected(self.request, self.outcomes, self.values, self.started, self.wall)
-                )
-                await trio.sleep_forever()
-            except trio.Cancelled:
-                # The wall (not the request's own branch ending, nor the caller going):
-                # the answer can leave now, while the cut branch unwinds.
-                await self.reached(None)
-                raise
 
 
 class _Branch(msgspec.Struct, frozen=True):
@@ -311,7 +189,7 @@ async def _run_branch(
     values: dict[BranchSource, Any],
     starts: dict[BranchSource, float] | None = None,
     listener: BranchListener | None = None,
-    wall: _Wall | None = None,
+    wall: Wall | None = None,
 ) -> None:
     assert row.call is not None
     t0 = trio.current_time()
@@ -392,7 +270,7 @@ async def retrieve(
     wall = None
     if wall_listener is not None and calls:
         last = calls[-1].source
-        wall = _Wall(
+        wall = Wall(
             wall_listener,
             request,
             outcomes,
@@ -416,7 +294,7 @@ async def retrieve(
                     wall.scope.cancel()  # it ended before the wall: nothing to wait for
     if wall is not None and wall.cut is not None:
         return wall.cut  # what was handed over at the wall is what the call returns
-    return _collected(request, outcomes, values, started, time_left)
+    return collected(request, outcomes, values, started, time_left)
 
 
 async def _run_child(
@@ -425,46 +303,9 @@ async def _run_child(
     values: dict[BranchSource, Any],
     starts: dict[BranchSource, float] | None,
     listener: BranchListener | None,
-    wall: _Wall | None,
+    wall: Wall | None,
 ) -> None:
-    """A branch in a task of its own; with a `_Wall`, the last of them waits for the wall."""
+    """A branch in a task of its own; with a `Wall`, the last of them waits for the wall."""
     await _run_branch(row, outcomes, values, starts, listener, wall)
     if wall is not None and wall.scope is not None:
         await wall.wait()
-
-
-def _collected(
-    request: AssemblyRequest,
-    outcomes: Mapping[BranchSource, BranchOutcome],
-    values: Mapping[BranchSource, Any],
-    started: float,
-    time_left: float,
-) -> Retrieved:
-    """What retrieval returns now: the branches that ended, every other one cut by the wall."""
-    elapsed = (trio.current_time() - started) * 1000.0
-    ended = dict(outcomes)
-    for source in BRANCH_ORDER:
-        if source not in ended:
-            # Cancelled at the call's time limit (the retrieval wall) rather than by
-            # its own timeout.
-            ended[source] = BranchOutcome(
-                source, "timeout", elapsed, f"request wall of {time_left * 1000:.0f}ms reached"
-            )
-    kept = {s: v for s, v in values.items() if ended[s].status == "success"}
-    directive = kept.get("directive")
-    expected = request.directive_version_id
-    if directive is not None and expected and (directive.version_id or "").lower() != expected:
-        # The cache holds another version than the caller expects (a fill in flight,
-        # or a stale proxy): serve what is cached, and say so where it is logged.
-        found = directive.version_id or "none"
-        ended["directive"] = msgspec.structs.replace(
-            ended["directive"], detail=f"version {found} cached, {expected} expected"
-        )
-    return Retrieved(
-        directive=directive,
-        hot=tuple(kept.get("hot", ())),
-        cold=tuple(kept.get("cold", ())),
-        branches=tuple(ended[s] for s in BRANCH_ORDER),
-        elapsed_ms=elapsed,
-        started=started,
-    )

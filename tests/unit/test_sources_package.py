@@ -29,6 +29,7 @@ OFFERED = {
     "RetrievalConfig": "retrieval",
     "Retrieved": "retrieval",
     "BranchListener": "retrieval",
+    "WallListener": "retrieval_wall",
     "send_feedback": "feedback_sender",
     "FeedbackRejected": "feedback_sender",
     "FeedbackRetryable": "feedback_sender",

@@ -16,7 +16,7 @@ from ibex.assembly.pipeline import StageTimer
 from ibex.assembly.structs import BranchOutcome, BranchSource
 from ibex.ops.tracing import setup_tracing, tracing_wanted
 from ibex.service.assembler import _record
-from ibex.sources.retrieval import Retrieved
+from ibex.sources.retrieved import Retrieved
 
 ENDPOINT = "http://127.0.0.1:4318"
 
