@@ -52,6 +52,7 @@ from ibex.service.edge.calls import call_deadline, caller_authenticated, handler
 from ibex.service.edge.crossing import Reply, answer_in_trio, in_trio, raise_swallowed_cancel
 from ibex.service.edge.status import grpc_error
 from ibex.service.edge.stream_reads import connection_of, recv_bounded, request_complete
+from ibex.service.edge.unary_reply import reply_finished
 from ibex.service.edge.wire_counts import Rules, check_counts, request_rules
 from ibex.service.handlers_config import EdgeConfig as EdgeConfig
 from ibex.sources.feedback_sender import FeedbackRejected, Sent, send_feedback
@@ -185,8 +186,12 @@ class ContextService:
             except asyncio.CancelledError:
                 # grpclib cancels the handler when the caller's deadline passes (or the
                 # caller cancels): a deadline miss is counted as such, not as an error.
+                # A reply written whole from the Trio side before the handler woke has
+                # reached the caller: that call is answered, not missed.
                 code = "CANCELLED"
-                if call_deadline(stream).expired(time.monotonic()):
+                if reply_finished(stream):
+                    code = "OK"
+                elif call_deadline(stream).expired(time.monotonic()):
                     code = "DEADLINE_EXCEEDED"
                     log.info(
                         "deadline_missed",

@@ -26,6 +26,7 @@ import trio
 from grpclib.events import SendTrailingMetadata, listen
 
 import ibex.service.edge.crossing as crossing_module
+from ibex.service.edge.corked import CorkedTransport
 from ibex.testing.grpc_harness import RunningDaemon, in_thread, running_daemon
 from ibex.testing.grpcio_stubs import context_pb2
 from tests.integration.test_expired_deadline import _connected, _headers, _request_frame, _text
@@ -161,3 +162,80 @@ async def test_an_answer_reaches_its_caller_whole_and_counted_once(
     assert_complete(fields, body)
     assert runs == ["tagged"]
     assert added == (1.0, 1.0, 1.0)  # ended OK, timed to its last byte, assembly counted
+
+
+def ended(daemon: RunningDaemon) -> float:
+    """AssembleContext calls counted, whatever their code."""
+    registry = daemon.daemon.metrics.registry
+    return sum(
+        registry.get_sample_value(
+            "ibex_grpc_requests_total", {"method": "AssembleContext", "code": code}
+        )
+        or 0.0
+        for code in ("OK", "CANCELLED", "DEADLINE_EXCEEDED", "INTERNAL")
+    )
+
+
+async def test_an_answer_written_before_grpclib_cancels_its_handler_counts_as_answered(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """grpclib can cancel a handler (its deadline timer) after the Trio side wrote the
+    whole reply and before the handler woke. The caller has its answer: the call is
+    counted OK, once, with no `deadline_missed` line."""
+    real = crossing_module.send_reply_now
+    cancelled: list[Any] = []
+    async with running_daemon() as daemon:
+        server: Any = daemon.daemon.server
+
+        def write_then_cancel(*args: Any) -> bool:
+            done = real(*args)
+            for handler in server._handlers:  # grpclib's handler tasks, by stream
+                for task in handler._tasks.values():
+                    task.cancel()
+                    cancelled.append(task)
+            return done
+
+        before, calls_before = counts(daemon), ended(daemon)
+        with (
+            unittest.mock.patch.object(crossing_module, "send_reply_now", write_then_cancel),
+            trio.fail_after(3 * WAIT),
+        ):
+            fields, body = await in_thread(call, daemon.port)
+            while ended(daemon) == calls_before:  # noqa: ASYNC110 (the handler's end)
+                await trio.sleep(0.01)
+        added = tuple(a - b for a, b in zip(counts(daemon), before, strict=True))
+    assert cancelled
+    assert fields["grpc-status"] == "0"
+    assert message(body).assembled_context
+    assert added == (1.0, 1.0, 1.0)  # ended OK, timed to its last byte, assembly counted
+    assert "deadline_missed" not in caplog.text
+
+
+async def test_a_reply_that_fails_to_leave_closes_its_connection_and_the_next_is_served(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Writing a reply can fail after h2 took it (HPACK's table then holds headers the
+    caller never got, so nothing more on that connection could be read right). The
+    connection is aborted: its caller sees it close at once instead of waiting out its
+    deadline, and a new connection is served."""
+    real = CorkedTransport.send_answer
+    failed: list[int] = []
+
+    def fail_once(self: CorkedTransport, data: bytes, stream: Any) -> None:
+        if not failed:
+            failed.append(len(data))
+            raise RuntimeError("the write failed")
+        real(self, data, stream)
+
+    async with running_daemon() as daemon:
+        with (
+            unittest.mock.patch.object(CorkedTransport, "send_answer", fail_once),
+            trio.fail_after(3 * WAIT),
+        ):
+            first, _ = await in_thread(call, daemon.port)
+            second, body = await in_thread(call, daemon.port)
+    assert failed
+    assert "grpc-status" not in first  # closed, not answered
+    assert second["grpc-status"] == "0"
+    assert message(body).assembled_context
+    assert "reply_failed" in caplog.text

@@ -483,6 +483,36 @@ def test_request_structs_name_fields_of_their_messages(struct_type: Any, message
     assert set(struct_type.__struct_fields__) <= set(fields)
 
 
+@pytest.mark.parametrize(
+    ("struct_type", "message"),
+    [
+        (structs.AssemblyOptions, "AssemblyOptions"),
+        (structs.AssemblyRequest, "AssembleContextRequest"),
+        (structs.SearchRequest, "SearchMemoriesRequest"),
+    ],
+)
+def test_a_field_the_caller_leaves_unset_reads_as_the_structs_default(
+    struct_type: Any, message: str
+) -> None:
+    # convert reads an unset field (a request without `options` included) as protobuf's
+    # zero value, so every default must be that zero: else a caller who sends nothing
+    # would get other behaviour than the struct's default.
+    empty = upb.message_class(f"ibex.context.v1.{message}")()
+    for f in msgspec.structs.fields(struct_type):
+        if f.default is msgspec.NODEFAULT:
+            continue
+        assert _plain(getattr(empty, f.name)) == _plain_default(f.default), f.name
+
+
+def _plain_default(value: Any) -> Any:
+    """A struct default as `_plain` reads the matching message field."""
+    if isinstance(value, msgspec.Struct):
+        return {name: _plain_default(getattr(value, name)) for name in value.__struct_fields__}
+    if isinstance(value, tuple):
+        return tuple(_plain_default(v) for v in value)
+    return value
+
+
 def _plain(value: Any) -> Any:
     """A upb field's value as plain data, each message read through its descriptor."""
     if isinstance(value, str | int | float):

@@ -33,7 +33,7 @@ from multidict import MultiDict
 
 from ibex.patches.hpack_block import send_headers_fast
 
-__all__ = ["send_reply", "send_reply_now"]
+__all__ = ["reply_finished", "send_reply", "send_reply_now"]
 
 _CAN_SEND = (StreamState.OPEN, StreamState.HALF_CLOSED_REMOTE)
 _OK = str(Status.OK.value)
@@ -63,6 +63,12 @@ async def send_reply(
     await stream.send_message(message)
 
 
+def reply_finished(stream: grpclib.server.Stream[Any, Any]) -> bool:
+    """Whether the reply's trailers were sent: for the caller the call is over, whatever
+    happens to the handler after (grpclib may still cancel it at the deadline)."""
+    return bool(getattr(stream, "_send_trailing_metadata_done", False))
+
+
 def send_reply_now(
     stream: grpclib.server.Stream[Any, Any], metadata: Mapping[str, str], message: Any
 ) -> bool:
@@ -71,6 +77,11 @@ def send_reply_now(
     Callable from any task of the Trio run the asyncio loop runs in. True: the
     reply's bytes were handed to the socket, and the stream is marked as having
     sent its headers, message and trailers, so grpclib sends nothing more for it.
+    When it writes nothing, grpclib's SendInitialMetadata and SendMessage events have
+    been dispatched already and are dispatched again as the handler sends (the
+    daemon listens to neither; a listener that must run once belongs on trailers).
+    A failure after h2 has taken the reply aborts the connection and raises: h2's
+    state (HPACK's table included) then holds bytes the peer never gets.
     """
     s: Any = stream
     if (
@@ -133,8 +144,12 @@ def send_reply_now(
     s._send_trailing_metadata_done = True
     out = h2.data_to_send()
     answer = getattr(transport, "send_answer", None)  # the server's corked transport
-    if answer is not None:
-        answer(out, h2_stream)
-    else:
-        transport.write(out)
+    try:
+        if answer is not None:
+            answer(out, h2_stream)
+        else:
+            transport.write(out)
+    except BaseException:
+        transport.abort()
+        raise
     return True
