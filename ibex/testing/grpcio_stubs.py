@@ -2,8 +2,8 @@
 
 The modules live in `ibex/testing/_grpcio_client/`, which git ignores: importing this
 module makes the tree from `protos/` when it is missing or was made from other protos
-or another grpcio-tools (`ibex.tools.protogen.ensure_grpcio_client`, about a second),
-so the interop tests always speak the contract being tested. grpcio-tools emits absolute imports
+or another grpcio-tools (`ibex.tools.protogen.ensure_grpcio_client`), so the interop
+tests always speak the contract being tested. grpcio-tools emits absolute imports
 (`from ibex.auth.v1 import ...`) that would shadow or collide with the real `ibex`
 package if that directory were put on sys.path, so protogen rewrites them to
 relative imports and no sys.path handling is needed: import this module as

@@ -35,7 +35,6 @@ import argparse
 import difflib
 import fcntl
 import hashlib
-import importlib
 import importlib.metadata
 import os
 import re
